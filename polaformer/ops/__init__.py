@@ -1,0 +1,46 @@
+"""Pure tensor math: feature maps, the fast polarity-aware attention, naive references, RoPE."""
+from .feature_maps import (
+    elu_feature,
+    focused_feature,
+    learnable_power,
+    pacs_key_features,
+    pacs_query_features,
+    pacs_temperature,
+    polarity_split,
+    power_feature,
+    relu_feature,
+)
+from .naive import (
+    linear_attention_weights,
+    naive_pacs_linear_attention,
+    naive_pola_linear_attention,
+    pacs_attention_weights,
+    pola_attention_weights,
+    softmax_attention_weights,
+)
+from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
+from .rope import apply_rope, rope_2d, rope_angles
+
+__all__ = [
+    "apply_rope",
+    "elu_feature",
+    "focused_feature",
+    "learnable_power",
+    "linear_attention",
+    "linear_attention_weights",
+    "naive_pacs_linear_attention",
+    "naive_pola_linear_attention",
+    "pacs_attention_weights",
+    "pacs_key_features",
+    "pacs_linear_attention",
+    "pacs_query_features",
+    "pacs_temperature",
+    "pola_attention_weights",
+    "pola_linear_attention",
+    "polarity_split",
+    "power_feature",
+    "relu_feature",
+    "rope_2d",
+    "rope_angles",
+    "softmax_attention_weights",
+]

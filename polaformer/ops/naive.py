@@ -1,0 +1,113 @@
+"""Plain O(N²) references that build the attention weights explicitly.
+
+These are the obviously-correct versions of the fast ops: tests compare the
+two in float64, and the analysis tools draw the weights they return. Nothing
+here is tuned for speed.
+
+Conventions (as in the official code): values are split into two channel
+halves ``[v_same ; v_opposite]``; every stream is normalised like linear
+attention, ``w(t, i) = (φq(t)·φk(i) / M) / (φq(t)·mean_i φk(i) + eps)``.
+"""
+from __future__ import annotations
+
+import torch
+
+from .feature_maps import pacs_key_features, pacs_query_features, power_feature
+from .rope import apply_rope
+
+__all__ = [
+    "linear_attention_weights",
+    "pola_attention_weights",
+    "naive_pola_linear_attention",
+    "pacs_attention_weights",
+    "naive_pacs_linear_attention",
+    "softmax_attention_weights",
+]
+
+
+def _swap_halves(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.cat([x[..., d:], x[..., :d]], dim=-1)
+
+
+def linear_attention_weights(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    eps: float = 1e-6,
+    phi_q_num: torch.Tensor | None = None,
+    phi_k_num: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Explicit (…, N, M) weights of mean-normalised linear attention.
+
+    ``phi_q_num``/``phi_k_num`` replace the features in the numerator only
+    (PolaFormer++ rotates them with RoPE but normalises with the plain ones).
+    """
+    num_q = phi_q if phi_q_num is None else phi_q_num
+    num_k = phi_k if phi_k_num is None else phi_k_num
+    m = phi_k.shape[-2]
+    scores = num_q @ num_k.transpose(-2, -1) / m
+    norm = phi_q @ phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1) + eps
+    return scores / norm
+
+
+def pola_attention_weights(
+    q: torch.Tensor, k: torch.Tensor, power: torch.Tensor, eps: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same-sign and opposite-sign weight matrices of PolaFormer's attention.
+
+    ``q``: (B, H, N, d), ``k``: (B, H, M, d), ``power`` broadcastable to (B, H, 1, d).
+    """
+    phi_q = power_feature(q, power)
+    phi_k = power_feature(k, power)
+    same = linear_attention_weights(phi_q, phi_k, eps)
+    opposite = linear_attention_weights(_swap_halves(phi_q), phi_k, eps)
+    return same, opposite
+
+
+def naive_pola_linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """Reference output: ``[W_same @ v_same, W_opp @ v_opp]`` along channels."""
+    same, opposite = pola_attention_weights(q, k, power, eps)
+    v_same, v_opposite = v.chunk(2, dim=-1)
+    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+
+
+def pacs_attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    temp_same: torch.Tensor,
+    temp_opposite: torch.Tensor,
+    sin: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Weight matrices of PolaFormer++'s PaCS attention (RoPE on the numerator only)."""
+    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
+    phi_k = pacs_key_features(k)
+    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
+    k_num = rotate(phi_k)
+    same = linear_attention_weights(q_same, phi_k, eps, rotate(q_same), k_num)
+    opposite = linear_attention_weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num)
+    return same, opposite
+
+
+def naive_pacs_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    temp_same: torch.Tensor,
+    temp_opposite: torch.Tensor,
+    sin: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    same, opposite = pacs_attention_weights(q, k, temp_same, temp_opposite, sin, cos, eps)
+    v_same, v_opposite = v.chunk(2, dim=-1)
+    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+
+
+def softmax_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    """Row-stochastic ``softmax(q kᵀ · scale)``, scale defaulting to ``head_dim^-1/2``."""
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1)

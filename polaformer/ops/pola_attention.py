@@ -1,0 +1,273 @@
+"""Fast polarity-aware linear attention, O(N·d²) in tokens.
+
+Shapes: ``q`` (B, H, N, d), ``k`` (B, H, M, d), ``v`` (B, H, M, dv) with ``dv``
+even; the output is (B, H, N, dv). ``M`` may differ from ``N`` (spatial
+reduction of keys and values).
+
+How the two streams share work. With ``φq = [q⁺ᵖ; q⁻ᵖ]`` and ``φk = [k⁺ᵖ; k⁻ᵖ]``
+the opposite-sign query ``[q⁻ᵖ; q⁺ᵖ]`` is ``φq`` with its halves swapped, and
+``swap(φq)·X = φq·swap_rows(X)``. So a single ``S = φkᵀ·v / M`` (2d × dv) and a
+single product ``φq·[S_same | swap_rows(S_opp) | km | swap(km)]`` give both
+numerators and both normalisers; the swapped query copy never exists. The
+backward pass is written out by hand so the power map costs one ``log`` and one
+``exp`` per element (forward) and no transcendental work at all (backward).
+"""
+from __future__ import annotations
+
+import torch
+
+from .feature_maps import pacs_key_features, pacs_query_features
+from .rope import apply_rope
+
+__all__ = ["pola_linear_attention", "pacs_linear_attention", "linear_attention"]
+
+def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, even_head_dim: bool = False) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError(
+            "q, k and v must be 4-D (batch, heads, tokens, head_dim); "
+            f"got q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
+        raise ValueError(
+            f"batch and head sizes differ: q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
+        )
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if k.shape[-2] != v.shape[-2]:
+        raise ValueError(f"k and v token counts differ: {k.shape[-2]} vs {v.shape[-2]}")
+    if k.shape[-2] == 0:
+        raise ValueError("k and v need at least one token")
+    if even_head_dim and v.shape[-1] % 2:
+        raise ValueError(
+            f"value head_dim must be even to split into same-sign and opposite-sign halves, got {v.shape[-1]}"
+        )
+
+
+def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
+    for t in tensors[1:]:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _swap_rows(x: torch.Tensor) -> torch.Tensor:
+    """Swap the two halves of dim -2 (the 2d feature axis of S)."""
+    d = x.shape[-2] // 2
+    return torch.cat([x[..., d:, :], x[..., :d, :]], dim=-2)
+
+
+def _power_features(x: torch.Tensor, power: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[x⁺ᵖ ; x⁻ᵖ]`` with one log and one exp per element.
+
+    ``s = sign(x)·|x|ᵖ`` carries both halves: ``x⁺ᵖ = relu(s)``, ``x⁻ᵖ = relu(s) − s``.
+    Returns the 2d-wide features and ``log|x|`` (kept for the exponent's gradient).
+    """
+    d = x.shape[-1]
+    log_abs = x.abs().log_()
+    signed = torch.mul(log_abs, power).exp_().copysign_(x)
+    feat = x.new_empty(*x.shape[:-1], 2 * d)
+    torch.clamp(signed, min=0, out=feat[..., :d])
+    torch.sub(feat[..., :d], signed, out=feat[..., d:])
+    return feat, log_abs
+
+
+def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
+    """Chain rule through ``feat = [x⁺ᵖ ; x⁻ᵖ]``: returns (grad_x, grad_power-per-element).
+
+    With ``s = sign(x)|x|ᵖ``: ``dL/ds · s = Σ_halves grad_feat ⊙ feat``, and
+    ``ds/dx = p·s/x``, ``ds/dp = s·log|x|``; no transcendental function is needed.
+    """
+    d = x.shape[-1]
+    grad_s_times_s = grad_feat[..., :d] * feat[..., :d]
+    grad_s_times_s.addcmul_(grad_feat[..., d:], feat[..., d:])
+    grad_p = None
+    if need_power_grad:
+        # At x = 0 the product is 0·(-inf); the true derivative there is 0.
+        grad_p = (grad_s_times_s * log_abs).nan_to_num_(nan=0.0)
+    # p·s/x is 0/0 at x = 0, where the derivative is 0 because p > 1.
+    grad_x = grad_s_times_s.mul_(power).div_(x).nan_to_num_(nan=0.0)
+    return grad_x, grad_p
+
+
+class _PolaPowerAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, power, eps):
+        m = k.shape[-2]
+        half = v.shape[-1] // 2
+        phi_q, log_q = _power_features(q, power)
+        phi_k, log_k = _power_features(k, power)
+
+        # One kᵀv product for both streams, plus the key mean.
+        kv = torch.matmul(phi_k.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
+        k_mean = phi_k.mean(dim=-2).unsqueeze(-1)  # (B, H, 2d, 1)
+        rhs = torch.cat([kv[..., :half], _swap_rows(kv[..., half:]), k_mean, _swap_rows(k_mean)], dim=-1)
+
+        res = torch.matmul(phi_q, rhs)  # (B, H, N, dv + 2)
+        denom = res[..., -2:].add_(eps)
+        out = res[..., :-2]
+        out[..., :half].div_(denom[..., :1])
+        out[..., half:].div_(denom[..., 1:])
+
+        ctx.save_for_backward(q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res = ctx.saved_tensors
+        m = k.shape[-2]
+        dv_ = v.shape[-1]
+        half = dv_ // 2
+        out = res[..., :-2]
+        denom = res[..., -2:]
+
+        # d(numerator) = dO / z, d(z) = -Σ dO·O / z per stream.
+        g = torch.empty_like(res)
+        g_num = g[..., :-2]
+        torch.div(grad_out[..., :half], denom[..., :1], out=g_num[..., :half])
+        torch.div(grad_out[..., half:], denom[..., 1:], out=g_num[..., half:])
+        prod = g_num * out
+        torch.sum(prod[..., :half], dim=-1, keepdim=True, out=g[..., -2:-1])
+        torch.sum(prod[..., half:], dim=-1, keepdim=True, out=g[..., -1:])
+        g[..., -2:].neg_()
+        del prod
+
+        grad_phi_q = torch.matmul(g, rhs.transpose(-2, -1))  # (B, H, N, 2d)
+        grad_rhs = torch.matmul(phi_q.transpose(-2, -1), g)  # (B, H, 2d, dv + 2)
+        grad_kv = torch.cat([grad_rhs[..., :half], _swap_rows(grad_rhs[..., half:dv_])], dim=-1).div_(m)
+        grad_k_mean = (grad_rhs[..., -2] + _swap_rows(grad_rhs[..., -1:]).squeeze(-1)).div_(m)
+
+        grad_v = grad_power = None
+        if ctx.needs_input_grad[2]:
+            grad_v = torch.matmul(phi_k, grad_kv)
+        grad_phi_k = torch.matmul(v, grad_kv.transpose(-2, -1)).add_(grad_k_mean.unsqueeze(-2))
+
+        need_power_grad = ctx.needs_input_grad[3]
+        grad_q, grad_p_q = _power_backward(q, phi_q, log_q, grad_phi_q, power, need_power_grad)
+        grad_k, grad_p_k = _power_backward(k, phi_k, log_k, grad_phi_k, power, need_power_grad)
+        if ctx.needs_input_grad[3]:
+            grad_power = _sum_to(grad_p_q, power.shape) + _sum_to(grad_p_k, power.shape)
+        return (
+            grad_q if ctx.needs_input_grad[0] else None,
+            grad_k if ctx.needs_input_grad[1] else None,
+            grad_v,
+            grad_power,
+            None,
+        )
+
+
+def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Reduce a broadcast gradient back to ``shape``."""
+    lead = x.dim() - len(shape)
+    dims = tuple(range(lead)) + tuple(i + lead for i, s in enumerate(shape) if s == 1 and x.shape[i + lead] != 1)
+    return x.sum(dim=dims, keepdim=True).reshape(shape) if dims else x.reshape(shape)
+
+
+def pola_linear_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor, eps: float = 1e-6
+) -> torch.Tensor:
+    """PolaFormer's polarity-aware linear attention with the learnable power map.
+
+    Args:
+        q: queries (B, H, N, d), already divided by the learnable scale.
+        k: keys (B, H, M, d), same.
+        v: values (B, H, M, dv), dv even: the first half feeds the same-sign
+            stream, the second half the opposite-sign stream.
+        power: exponents ``p ≥ 1`` broadcastable to (B, H, 1, d), e.g. from
+            :func:`~polaformer.ops.learnable_power`.
+        eps: added to each stream's normaliser.
+
+    Returns:
+        (B, H, N, dv) in ``v``'s dtype. Half-precision inputs and autocast
+        regions are computed in float32, since ``|x|ᵖ`` and the products
+        overflow float16 long before the output does.
+    """
+    _check_qkv(q, k, v, even_head_dim=True)
+    if power.dim() > 4 or power.shape[-1] not in (1, q.shape[-1]):
+        raise ValueError(f"power must broadcast to (B, H, 1, {q.shape[-1]}), got {tuple(power.shape)}")
+    dtype = _compute_dtype(q, k, v, power)
+    with torch.autocast(q.device.type, enabled=False):
+        out = _PolaPowerAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps)
+    return out.to(v.dtype)
+
+
+def linear_attention(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    v: torch.Tensor,
+    eps: float = 1e-6,
+    phi_q_num: torch.Tensor | None = None,
+    phi_k_num: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Mean-normalised linear attention ``φq(φkᵀv/M) / (φq·mean φk + eps)`` on given features.
+
+    ``phi_q_num``/``phi_k_num`` replace the features in the numerator only (used
+    by RoPE variants). Used for the ELU+1, ReLU and focused baselines.
+    """
+    m = phi_k.shape[-2]
+    num_q = phi_q if phi_q_num is None else phi_q_num
+    num_k = phi_k if phi_k_num is None else phi_k_num
+    kv = torch.matmul(num_k.transpose(-2, -1), v) / m
+    denom = torch.matmul(phi_q, phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1)) + eps
+    return torch.matmul(num_q, kv) / denom
+
+
+def pacs_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    temp_same: torch.Tensor,
+    temp_opposite: torch.Tensor,
+    sin: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """PolaFormer++'s attention with the PaCS map; RoPE (if given) rotates the numerator only.
+
+    Args:
+        q, k, v: as in :func:`pola_linear_attention`; here ``M`` must equal ``N``
+            when RoPE tables are given.
+        temp_same, temp_opposite: channel-wise temperatures ``sigmoid(w)``,
+            broadcastable to (B, H, 1, 2d).
+        sin, cos: (N, 2d) tables from :func:`~polaformer.ops.rope_2d`, or None.
+
+    Both streams share one ``φkᵀv`` product. Each query row is rescaled by a
+    power of two before the products (and ``eps`` with it), which is exact in
+    floating point and keeps ``exp`` features from overflowing float32.
+    """
+    _check_qkv(q, k, v, even_head_dim=True)
+    two_d = 2 * q.shape[-1]
+    for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
+        if t.shape[-1] != two_d:
+            raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
+    if (sin is None) != (cos is None):
+        raise ValueError("pass both sin and cos, or neither")
+    if sin is not None and (sin.shape[-2:] != (q.shape[-2], two_d) or q.shape[-2] != k.shape[-2]):
+        raise ValueError(
+            f"RoPE tables must be (N, 2*head_dim) = ({q.shape[-2]}, {two_d}) with as many keys as queries; "
+            f"got {tuple(sin.shape)} for q{tuple(q.shape)}, k{tuple(k.shape)}"
+        )
+    dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
+    with torch.autocast(q.device.type, enabled=False):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        q_same, q_opposite = pacs_query_features(q, temp_same.to(dtype), temp_opposite.to(dtype))
+        phi_k = pacs_key_features(k)
+        m = k.shape[-2]
+        half = v.shape[-1] // 2
+        k_mean = phi_k.mean(dim=-2).unsqueeze(-1)  # (B, H, 2d, 1)
+        phi_q = torch.stack([q_same, q_opposite], dim=2)  # (B, H, 2, N, 2d)
+        # Power-of-two row scale: exact, and bounds every product by 2d·max|S|.
+        row_max = phi_q.amax(dim=-1, keepdim=True).detach()
+        scale = torch.exp2(torch.floor(torch.log2(row_max.clamp_min(1.0))))
+        phi_q = phi_q / scale
+        denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps / scale  # (B, H, 2, N, 1)
+        if sin is not None:
+            sin, cos = sin.to(dtype), cos.to(dtype)
+            phi_k_num = apply_rope(phi_k, sin, cos)
+            phi_q_num = apply_rope(phi_q, sin, cos)
+        else:
+            phi_k_num, phi_q_num = phi_k, phi_q
+        kv = torch.matmul(phi_k_num.transpose(-2, -1), v) / m  # (B, H, 2d, dv)
+        kv = torch.stack([kv[..., :half], kv[..., half:]], dim=2)  # (B, H, 2, 2d, dv/2)
+        out = torch.matmul(phi_q_num, kv) / denom  # (B, H, 2, N, dv/2)
+        out = torch.cat([out[:, :, 0], out[:, :, 1]], dim=-1)
+    return out.to(v.dtype)

@@ -1,0 +1,38 @@
+"""2-D rotary position embedding (the RoPE of PolaFormer++), as pure functions.
+
+Channels are rotated in adjacent pairs ``(2i, 2i+1)``. The first half of the
+channels carries the row index, the second half the column index, each with
+the frequencies ``base^-linspace(0, 1, head_dim/4)`` (every frequency used by
+one pair).
+"""
+from __future__ import annotations
+
+import torch
+
+__all__ = ["rope_angles", "rope_2d", "apply_rope"]
+
+
+def rope_angles(embed_dim: int, num_heads: int, base: float = 10000.0, dtype=torch.float32) -> torch.Tensor:
+    """Per-channel angle table of length ``embed_dim // num_heads // 2`` (each frequency twice)."""
+    per_head = embed_dim // num_heads
+    if per_head % 4:
+        raise ValueError(f"RoPE needs a per-head width divisible by 4, got {per_head} (= {embed_dim} / {num_heads})")
+    freqs = 1.0 / (base ** torch.linspace(0, 1, per_head // 4, dtype=dtype))
+    return freqs.repeat_interleave(2)
+
+
+def rope_2d(angle: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sin, cos)`` tables of shape (height·width, 2·len(angle)), rows in raster order."""
+    rows = torch.arange(height, device=angle.device, dtype=angle.dtype)[:, None] * angle
+    cols = torch.arange(width, device=angle.device, dtype=angle.dtype)[:, None] * angle
+    phase = torch.cat(
+        [rows[:, None, :].expand(height, width, -1), cols[None, :, :].expand(height, width, -1)], dim=-1
+    ).reshape(height * width, -1)
+    return torch.sin(phase), torch.cos(phase)
+
+
+def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """Rotate channel pairs of ``x`` (…, N, D) by the angles behind ``sin``/``cos`` (N, D)."""
+    even, odd = x[..., 0::2], x[..., 1::2]
+    rotated = torch.stack([-odd, even], dim=-1).flatten(-2)
+    return x * cos + rotated * sin
