@@ -1,0 +1,5 @@
+"""nn.Modules built on :mod:`polaformer.ops`."""
+from .pola_attention import PolaLinearAttention
+from .polapp_attention import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+
+__all__ = ["PolaLinearAttention", "PacsLinearAttention", "RoPE2d", "RopeSoftmaxAttention"]

@@ -1,0 +1,149 @@
+"""PolaFormer's attention block (the layer of the official PVT and Swin code).
+
+Parameter names follow the official checkpoints, so the released weights load
+without renaming:
+
+- ``qg`` + ``kv`` (PVT layout, keys/values may be spatially reduced) or one
+  fused ``qkvg`` (Swin layout);
+- ``scale``: learnable softplus temperature dividing q and k;
+- ``power``: per head and channel, ``p = 1 + α·sigmoid(power)``;
+- ``positional_encoding``: optional learnable table added to the keys;
+- ``dwc``: depthwise conv on v, shared by all heads (``head_dim`` channels);
+- ``sr`` + ``norm``: strided conv and LayerNorm reducing the keys/values;
+- ``proj``: output projection. The output is ``proj((attn + dwc(v)) * g)``.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import learnable_power, pola_linear_attention
+
+__all__ = ["PolaLinearAttention"]
+
+
+class PolaLinearAttention(nn.Module):
+    """Polarity-aware linear attention with learnable power map, gate and depthwise conv.
+
+    Args:
+        dim: channels of the input tokens.
+        num_heads: attention heads; ``dim / num_heads`` must be even.
+        qkv_bias: bias in the q/k/v/gate projections.
+        proj_drop: dropout after the output projection.
+        sr_ratio: spatial reduction of keys/values (a strided conv); requires
+            the separate ``qg``/``kv`` projections.
+        kernel_size: size of the depthwise conv on v.
+        alpha: the power map's range, ``p ∈ (1, 1 + alpha)``.
+        key_pos_tokens: length of the learnable key positional encoding, or
+            None for none.
+        fused_qkvg: one ``qkvg`` projection (Swin layout) instead of ``qg`` + ``kv``.
+        num_prefix_tokens: leading tokens (class token) that take part in the
+            attention but not in the depthwise conv branch.
+    """
+
+    def __init__(
+        self,
+        dim: int,
+        num_heads: int = 8,
+        *,
+        qkv_bias: bool = True,
+        proj_drop: float = 0.0,
+        sr_ratio: int = 1,
+        kernel_size: int = 5,
+        alpha: float = 4.0,
+        key_pos_tokens: int | None = None,
+        fused_qkvg: bool = False,
+        num_prefix_tokens: int = 0,
+    ):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        head_dim = dim // num_heads
+        if head_dim % 2:
+            raise ValueError(
+                f"head_dim = dim / num_heads = {head_dim} must be even (values split into two polarity streams)"
+            )
+        if fused_qkvg and sr_ratio > 1:
+            raise ValueError("spatial reduction (sr_ratio > 1) needs separate qg/kv projections (fused_qkvg=False)")
+        if num_prefix_tokens and sr_ratio > 1:
+            raise ValueError("prefix tokens are not supported together with spatial reduction")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.alpha = alpha
+        self.sr_ratio = sr_ratio
+        self.num_prefix_tokens = num_prefix_tokens
+
+        if fused_qkvg:
+            self.qkvg = nn.Linear(dim, 4 * dim, bias=qkv_bias)
+        else:
+            self.qg = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+        if sr_ratio > 1:
+            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
+            self.norm = nn.LayerNorm(dim)
+        self.dwc = nn.Conv2d(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)
+        self.power = nn.Parameter(torch.zeros(1, num_heads, 1, head_dim))
+        self.scale = nn.Parameter(torch.zeros(1, 1, dim))
+        if key_pos_tokens is not None:
+            self.positional_encoding = nn.Parameter(torch.zeros(1, key_pos_tokens, dim))
+        else:
+            self.register_parameter("positional_encoding", None)
+
+    def _project(self, x: torch.Tensor, height: int, width: int):
+        b, n, c = x.shape
+        if hasattr(self, "qkvg"):
+            q, k, v, g = self.qkvg(x).reshape(b, n, 4, c).unbind(2)
+            return q, k, v, g
+        q, g = self.qg(x).reshape(b, n, 2, c).unbind(2)
+        if self.sr_ratio > 1:
+            if height % self.sr_ratio or width % self.sr_ratio:
+                raise ValueError(
+                    f"token grid {height}x{width} is not divisible by the spatial reduction ratio {self.sr_ratio}"
+                )
+            grid = x.transpose(1, 2).reshape(b, c, height, width)
+            x = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
+        return q, k, v, g
+
+    def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """``x``: (B, prefix + height·width, dim) tokens in raster order."""
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"expected tokens of shape (B, N, {self.dim}), got {tuple(x.shape)}")
+        b, n, c = x.shape
+        if n != self.num_prefix_tokens + height * width:
+            raise ValueError(
+                f"token count {n} != {self.num_prefix_tokens} prefix tokens + H*W = {height}*{width}"
+            )
+        q, k, v, g = self._project(x, height, width)
+        n_kv = k.shape[1]
+        if self.positional_encoding is not None:
+            if self.positional_encoding.shape[1] != n_kv:
+                raise ValueError(
+                    f"key positional encoding holds {self.positional_encoding.shape[1]} tokens, "
+                    f"but the input has {n_kv} keys"
+                )
+            k = k + self.positional_encoding
+        scale = F.softplus(self.scale)
+        heads = self.num_heads
+        q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)
+        k = (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2)
+        v = v.reshape(b, n_kv, heads, -1).transpose(1, 2)
+
+        out = pola_linear_attention(q, k, v, learnable_power(self.power, self.alpha))
+        out = out.transpose(1, 2).reshape(b, n, c)
+
+        if n_kv != n:  # spatially reduced values are stretched back along the token axis
+            v = F.interpolate(v.transpose(-2, -1).reshape(b * heads, -1, n_kv), size=n, mode="linear")
+            v = v.reshape(b, heads, -1, n).transpose(-2, -1)
+        p = self.num_prefix_tokens
+        grid = v[:, :, p:].reshape(b * heads, height, width, -1).permute(0, 3, 1, 2)
+        local = self.dwc(grid).reshape(b, c, height * width).transpose(1, 2)
+        if p:
+            out = torch.cat([out[:, :p], out[:, p:] + local], dim=1)
+        else:
+            out = out + local
+        return self.proj_drop(self.proj(out * g))

@@ -1,0 +1,110 @@
+"""PolaFormer++ attention layers, on channels-first feature maps (B, C, H, W).
+
+Parameter names follow the official PolaFormer++ code (``qkvg``, ``s1``,
+``s2``, ``lepe``, ``proj``; ``qkvo`` for the softmax layer; ``angle`` for RoPE)
+so its checkpoints load unchanged.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles
+
+__all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
+
+
+class RoPE2d(nn.Module):
+    """Holds the RoPE frequency buffer ``angle`` and makes ``(sin, cos)`` for a grid."""
+
+    def __init__(self, embed_dim: int, num_heads: int, base: float = 10000.0):
+        super().__init__()
+        self.register_buffer("angle", rope_angles(embed_dim, num_heads, base))
+
+    def forward(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_2d(self.angle, height, width)
+
+
+def _check_map(x: torch.Tensor, dim: int, sin: torch.Tensor) -> None:
+    if x.dim() != 4 or x.shape[1] != dim:
+        raise ValueError(f"expected a feature map of shape (B, {dim}, H, W), got {tuple(x.shape)}")
+    if sin.shape[0] != x.shape[2] * x.shape[3]:
+        raise ValueError(f"RoPE tables cover {sin.shape[0]} positions, the map has {x.shape[2]}x{x.shape[3]}")
+
+
+def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    b, n, c = t.shape
+    return t.reshape(b, n, heads, c // heads).transpose(1, 2)
+
+
+class PacsLinearAttention(nn.Module):
+    """Polarity-aware linear attention with channel-wise spikiness (PaCS).
+
+    ``q, k, v, g`` come from one projection; queries use ``exp(s·x) − 1`` with a
+    learnable temperature ``s = sigmoid(s1)`` (same-sign stream) or
+    ``sigmoid(s2)`` (opposite-sign stream), keys ``exp(x) − 1``. RoPE over
+    ``2·head_dim`` rotates the numerator only. A 5×5 depthwise conv on v (LePE)
+    is added before the gate.
+    """
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ValueError(f"dim {dim} must split into {num_heads} heads of even width")
+        self.dim = dim
+        self.num_heads = num_heads
+        head_dim = dim // num_heads
+        self.qkvg = nn.Linear(dim, 4 * dim)
+        self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
+        self.proj = nn.Linear(dim, dim)
+        self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
+        self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
+
+    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        """``x``: (B, C, H, W); ``sin``/``cos``: (H·W, 2·head_dim) from ``RoPE2d(2·dim, heads)``."""
+        _check_map(x, self.dim, sin)
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)
+        q, k, v, g = self.qkvg(tokens).reshape(b, h * w, 4, c).unbind(2)
+        lepe = self.lepe(v.transpose(1, 2).reshape(b, c, h, w))
+        heads = self.num_heads
+        out = pacs_linear_attention(
+            _split_heads(q, heads),
+            _split_heads(k, heads),
+            _split_heads(v, heads),
+            pacs_temperature(self.s1),
+            pacs_temperature(self.s2),
+            sin,
+            cos,
+        )
+        out = out.transpose(1, 2).reshape(b, h * w, c) + lepe.flatten(2).transpose(1, 2)
+        return self.proj(out * g).transpose(1, 2).reshape(b, c, h, w)
+
+
+class RopeSoftmaxAttention(nn.Module):
+    """Softmax attention with 2-D RoPE on q and k, LePE and an output gate (PolaFormer++'s 'v' blocks)."""
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.dim = dim
+        self.num_heads = num_heads
+        self.qkvo = nn.Linear(dim, 4 * dim)
+        self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+        """``x``: (B, C, H, W); ``sin``/``cos``: (H·W, head_dim) from ``RoPE2d(dim, heads)``."""
+        _check_map(x, self.dim, sin)
+        b, c, h, w = x.shape
+        tokens = x.flatten(2).transpose(1, 2)
+        q, k, v, o = self.qkvo(tokens).reshape(b, h * w, 4, c).unbind(2)
+        lepe = self.lepe(v.transpose(1, 2).reshape(b, c, h, w))
+        heads = self.num_heads
+        q = apply_rope(_split_heads(q, heads), sin, cos)
+        k = apply_rope(_split_heads(k, heads), sin, cos)
+        out = F.scaled_dot_product_attention(q, k, _split_heads(v, heads))
+        out = out.transpose(1, 2).reshape(b, h * w, c) + lepe.flatten(2).transpose(1, 2)
+        return self.proj(out * o).transpose(1, 2).reshape(b, c, h, w)
