@@ -181,30 +181,30 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _create(variant, pretrained=False, **kwargs):
-    return build_model_with_cfg(PolaDeiT, variant, pretrained, **kwargs)
+def _create(variant, pretrained, sizes, kwargs):
+    """Build a variant; the caller's keyword arguments override the variant's sizes."""
+    return build_model_with_cfg(PolaDeiT, variant, pretrained, **{**sizes, **kwargs})
 
 
 @register_model
 def pola_deit_tiny_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
     """DeiT-T-PolaFormer (paper Table 1: 6.1M params, 74.6% top-1)."""
-    return _create("pola_deit_tiny_patch16_224", pretrained, **dict(embed_dim=192, depth=12, num_heads=3, **kwargs))
+    return _create("pola_deit_tiny_patch16_224", pretrained, dict(embed_dim=192, depth=12, num_heads=3), kwargs)
 
 
 @register_model
 def pola_deit_small_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
-    return _create("pola_deit_small_patch16_224", pretrained, **dict(embed_dim=384, depth=12, num_heads=6, **kwargs))
+    return _create("pola_deit_small_patch16_224", pretrained, dict(embed_dim=384, depth=12, num_heads=6), kwargs)
 
 
 @register_model
 def pola_deit_base_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
-    return _create("pola_deit_base_patch16_224", pretrained, **dict(embed_dim=768, depth=12, num_heads=12, **kwargs))
+    return _create("pola_deit_base_patch16_224", pretrained, dict(embed_dim=768, depth=12, num_heads=12), kwargs)
 
 
 @register_model
 def pola_deit_digits(pretrained=False, **kwargs) -> PolaDeiT:
     """A small Pola-DeiT for 8×8 single-channel digits: patch 1 (64 tokens + class token)."""
-    args = dict(img_size=8, patch_size=1, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=2,
-                mlp_ratio=2.0, kernel_size=3)
-    args.update(kwargs)
-    return _create("pola_deit_digits", pretrained, **args)
+    sizes = dict(img_size=8, patch_size=1, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=2,
+                 mlp_ratio=2.0, kernel_size=3)
+    return _create("pola_deit_digits", pretrained, sizes, kwargs)

@@ -247,6 +247,7 @@ def pacs_linear_attention(
             f"got {tuple(sin.shape)} for q{tuple(q.shape)}, k{tuple(k.shape)}"
         )
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
+    out_dtype = v.dtype
     with torch.autocast(q.device.type, enabled=False):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         q_same, q_opposite = pacs_query_features(q, temp_same.to(dtype), temp_opposite.to(dtype))
@@ -270,4 +271,4 @@ def pacs_linear_attention(
         kv = torch.stack([kv[..., :half], kv[..., half:]], dim=2)  # (B, H, 2, 2d, dv/2)
         out = torch.matmul(phi_q_num, kv) / denom  # (B, H, 2, N, dv/2)
         out = torch.cat([out[:, :, 0], out[:, :, 1]], dim=-1)
-    return out.to(v.dtype)
+    return out.to(out_dtype)

@@ -1,0 +1,86 @@
+"""Attention layers against the official reference vectors, plus their input checks."""
+import pytest
+import torch
+
+from conftest import load_vector, official_state_dict
+from polaformer.compat import from_official
+from polaformer.layers import PacsLinearAttention, PolaLinearAttention, RoPE2d, RopeSoftmaxAttention
+
+ATTENTION_CASES = ["attn_pvt_sr1", "attn_pvt_sr2", "attn_swin", "attn_polapp", "attn_polapp_vanilla"]
+
+
+@pytest.mark.parametrize("case", ATTENTION_CASES)
+def test_attention_reproduces_official_vector(case):
+    record, tensors = load_vector(case)
+    module = from_official(record).double()
+    sd = official_state_dict(tensors)
+    assert set(module.state_dict()) == set(record["state_dict_keys"])
+    module.load_state_dict(sd, strict=True)
+    module.eval()
+    args = record["forward_args"]
+    with torch.no_grad():
+        if "sin" in args:
+            out = module(tensors["input"], tensors["sin"], tensors["cos"])
+        else:
+            out = module(tensors["input"], args["H"], args["W"])
+    tol = record["tolerance_hint"] * max(1.0, record["output_abs_max"])
+    assert out.shape == tensors["output"].shape
+    assert (out - tensors["output"]).abs().max().item() <= tol
+
+
+@pytest.mark.parametrize("case", ["attn_polapp", "attn_polapp_vanilla"])
+def test_rope_tables_equal_official(case):
+    record, tensors = load_vector(case)
+    rope = RoPE2d(record["rope"]["embed_dim"], record["rope"]["num_heads"])
+    assert torch.equal(rope.angle.double(), tensors["rope_angle"].double())
+    sin, cos = rope.double()(*record["rope"]["slen"])
+    assert torch.equal(sin, tensors["sin"]) and torch.equal(cos, tensors["cos"])
+
+
+def test_pvt_attention_backward_reaches_every_parameter():
+    attn = PolaLinearAttention(32, 2, sr_ratio=2, key_pos_tokens=16)
+    out = attn(torch.randn(2, 64, 32), 8, 8)
+    out.square().mean().backward()
+    for name, p in attn.named_parameters():
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        assert p.grad.abs().sum() > 0, name
+
+
+def test_prefix_tokens_skip_the_conv_branch():
+    attn = PolaLinearAttention(16, 2, fused_qkvg=True, num_prefix_tokens=1).eval()
+    x = torch.randn(1, 1 + 9, 16)
+    with torch.no_grad():
+        out = attn(x, 3, 3)
+        # zeroing the conv leaves the class token's output unchanged but not the patches'
+        attn.dwc.weight.zero_()
+        attn.dwc.bias.zero_()
+        out_no_conv = attn(x, 3, 3)
+    torch.testing.assert_close(out[:, 0], out_no_conv[:, 0])
+    assert not torch.allclose(out[:, 1:], out_no_conv[:, 1:])
+
+
+def test_bad_inputs_raise_value_errors_naming_the_problem():
+    with pytest.raises(ValueError, match="even"):
+        PolaLinearAttention(30, 2)  # head_dim 15
+    with pytest.raises(ValueError, match="divisible by num_heads"):
+        PolaLinearAttention(32, 3)
+    attn = PolaLinearAttention(32, 2, sr_ratio=2)
+    with pytest.raises(ValueError, match="token count"):
+        attn(torch.randn(1, 60, 32), 8, 8)
+    with pytest.raises(ValueError, match=r"\(B, N, 32\)"):
+        attn(torch.randn(1, 64, 16), 8, 8)
+    with pytest.raises(ValueError, match="not divisible by the spatial reduction"):
+        attn(torch.randn(1, 63, 32), 7, 9)
+    pp = PacsLinearAttention(32, 2)
+    sin, cos = RoPE2d(64, 2)(4, 4)
+    with pytest.raises(ValueError, match=r"\(B, 32, H, W\)"):
+        pp(torch.randn(1, 16, 4, 4), sin, cos)
+    with pytest.raises(ValueError, match="RoPE tables"):
+        RopeSoftmaxAttention(32, 2)(torch.randn(1, 32, 5, 4), *RoPE2d(32, 2)(4, 4))
+
+
+def test_from_official_rejects_unknown_classes():
+    with pytest.raises(ValueError, match="no equivalent"):
+        from_official({"family": "pvt", "official_class": "Nope", "constructor": {}})
+    with pytest.raises(ValueError, match="lacks the field"):
+        from_official({"family": "pvt"})
