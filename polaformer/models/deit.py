@@ -204,7 +204,7 @@ def pola_deit_base_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
 
 @register_model
 def pola_deit_digits(pretrained=False, **kwargs) -> PolaDeiT:
-    """A small Pola-DeiT for 8×8 single-channel digits: patch 1 (64 tokens + class token)."""
-    sizes = dict(img_size=8, patch_size=1, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=2,
+    """A small Pola-DeiT for 8×8 single-channel digits: 2×2 patches (16 tokens + class token)."""
+    sizes = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=2,
                  mlp_ratio=2.0, kernel_size=3)
     return _create("pola_deit_digits", pretrained, sizes, kwargs)
