@@ -1,0 +1,21 @@
+"""The README's Python examples run as written."""
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def test_readme_has_two_setup_commands_first():
+    text = README.read_text()
+    first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
+    assert len(first_block) == 2
+    assert first_block[0].endswith("polaformer train")
+    assert first_block[1].endswith("python -m pytest -q")
+
+
+@pytest.mark.parametrize("index", range(len(BLOCKS)))
+def test_readme_python_block_runs(index):
+    exec(compile(BLOCKS[index], f"README block {index}", "exec"), {})
