@@ -1,13 +1,12 @@
 """Model creation through timm's registry (ours included), from a name or from a checkpoint."""
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import os
 
 import timm
 from torch import nn
 
+from .. import models  # noqa: F401  (registers our architectures with timm)
 from .checkpoint import check_arch, load_model_state
 
 
@@ -15,17 +14,7 @@ class ModelBuildError(ValueError):
     """An unknown model name, or keyword arguments the model does not accept."""
 
 
-def register_models() -> None:
-    """Import ``polaformer.models`` so that its ``@register_model`` architectures are known to timm.
-
-    Guarded so the engine also runs against timm's own models while that package is absent.
-    """
-    if importlib.util.find_spec("polaformer.models") is not None:
-        importlib.import_module("polaformer.models")
-
-
 def create_model(arch: str, num_classes: int, **model_kwargs) -> nn.Module:
-    register_models()
     if not timm.is_model(arch):
         raise ModelBuildError(f"unknown model {arch!r} (not registered with timm)")
     try:
