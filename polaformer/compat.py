@@ -56,7 +56,9 @@ def _swin_attention(c: dict[str, Any]) -> nn.Module:
     )
 
 
-_BUILDERS: dict[tuple[str, str], Callable[[dict[str, Any]], nn.Module]] = {
+Builder = Callable[[dict[str, Any]], nn.Module]
+
+_BUILDERS: dict[tuple[str, str], Builder] = {
     ("pvt", "PolaLinearAttention"): _pvt_attention,
     ("swin", "PolaLinearAttention"): _swin_attention,
     ("polapp", "PolaLinearAttention"): lambda c: PacsLinearAttention(c["dim"], c["num_heads"]),
@@ -64,7 +66,22 @@ _BUILDERS: dict[tuple[str, str], Callable[[dict[str, Any]], nn.Module]] = {
 }
 
 
+def register_official(family: str, official_class: str) -> Callable[[Builder], Builder]:
+    """Decorator: ``builder(constructor_kwargs) -> module`` for an official class.
+
+    Model family files register their whole-model builders here, next to the model they build.
+    """
+
+    def decorate(builder: Builder) -> Builder:
+        _BUILDERS[(family, official_class)] = builder
+        return builder
+
+    return decorate
+
+
 def supported_official_classes() -> list[tuple[str, str]]:
+    from . import models  # noqa: F401  (the model families register their builders on import)
+
     return sorted(_BUILDERS)
 
 
@@ -75,6 +92,8 @@ def from_official(record: dict[str, Any]) -> nn.Module:
         constructor = record["constructor"]
     except KeyError as err:
         raise ValueError(f"record lacks the field {err}; expected 'family', 'official_class' and 'constructor'")
+    from . import models  # noqa: F401
+
     builder = _BUILDERS.get(key)
     if builder is None:
         raise ValueError(f"no equivalent for official {key[1]!r} of family {key[0]!r}; supported: {supported_official_classes()}")

@@ -1,5 +1,6 @@
 """nn.Modules built on :mod:`polaformer.ops`."""
 from .pola_attention import PolaLinearAttention
 from .polapp_attention import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+from .sr_attention import SpatialReductionAttention
 
-__all__ = ["PolaLinearAttention", "PacsLinearAttention", "RoPE2d", "RopeSoftmaxAttention"]
+__all__ = ["PolaLinearAttention", "PacsLinearAttention", "RoPE2d", "RopeSoftmaxAttention", "SpatialReductionAttention"]

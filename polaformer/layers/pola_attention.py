@@ -14,8 +14,11 @@ without renaming:
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
+from timm.layers import resample_abs_pos_embed
 from torch import nn
 
 from ..ops import learnable_power, pola_linear_attention
@@ -36,7 +39,9 @@ class PolaLinearAttention(nn.Module):
         kernel_size: size of the depthwise conv on v.
         alpha: the power map's range, ``p ∈ (1, 1 + alpha)``.
         key_pos_tokens: length of the learnable key positional encoding, or
-            None for none.
+            None for none. When its keys (after the prefix tokens) form a square
+            grid, the table is resampled bilinearly for other key grids, so the
+            layer runs at any input size.
         fused_qkvg: one ``qkvg`` projection (Swin layout) instead of ``qg`` + ``kv``.
         num_prefix_tokens: leading tokens (class token) that take part in the
             attention but not in the depthwise conv branch.
@@ -90,8 +95,27 @@ class PolaLinearAttention(nn.Module):
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))
         if key_pos_tokens is not None:
             self.positional_encoding = nn.Parameter(torch.zeros(1, key_pos_tokens, dim))
+            side = math.isqrt(key_pos_tokens - num_prefix_tokens)
+            self.key_pos_grid = (side, side) if side * side == key_pos_tokens - num_prefix_tokens else None
         else:
             self.register_parameter("positional_encoding", None)
+            self.key_pos_grid = None
+
+    def _key_positions(self, key_grid: tuple[int, int]) -> torch.Tensor:
+        """The key positional table for a key grid, resampled if the grid is not the trained one."""
+        table = self.positional_encoding
+        fits = table.shape[1] == self.num_prefix_tokens + key_grid[0] * key_grid[1]
+        if key_grid == self.key_pos_grid or (self.key_pos_grid is None and fits):
+            return table
+        if self.key_pos_grid is None:
+            raise ValueError(
+                f"key positional encoding holds {table.shape[1]} tokens (not a square grid), "
+                f"cannot resample it to a {key_grid[0]}x{key_grid[1]} key grid"
+            )
+        return resample_abs_pos_embed(
+            table, list(key_grid), list(self.key_pos_grid), num_prefix_tokens=self.num_prefix_tokens,
+            interpolation="bilinear", antialias=False,
+        )
 
     def _project(self, x: torch.Tensor, height: int, width: int):
         b, n, c = x.shape
@@ -121,12 +145,7 @@ class PolaLinearAttention(nn.Module):
         q, k, v, g = self._project(x, height, width)
         n_kv = k.shape[1]
         if self.positional_encoding is not None:
-            if self.positional_encoding.shape[1] != n_kv:
-                raise ValueError(
-                    f"key positional encoding holds {self.positional_encoding.shape[1]} tokens, "
-                    f"but the input has {n_kv} keys"
-                )
-            k = k + self.positional_encoding
+            k = k + self._key_positions((height // self.sr_ratio, width // self.sr_ratio))
         scale = F.softplus(self.scale)
         heads = self.num_heads
         q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)

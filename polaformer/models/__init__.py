@@ -1,4 +1,5 @@
 """Model families, one file each; importing this package registers them with timm."""
 from .deit import PolaDeiT
+from .pvt import PolaPVT
 
-__all__ = ["PolaDeiT"]
+__all__ = ["PolaDeiT", "PolaPVT"]

@@ -14,6 +14,8 @@ backward pass is written out by hand so the power map costs one ``log`` and one
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .feature_maps import pacs_key_features, pacs_query_features
@@ -48,6 +50,13 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     for t in tensors[1:]:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def _full_precision(device_type: str):
+    """Autocast off for the block (meta tensors, used for FLOP counting, have no autocast)."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _swap_rows(x: torch.Tensor) -> torch.Tensor:
@@ -188,7 +197,7 @@ def pola_linear_attention(
     if power.dim() > 4 or power.shape[-1] not in (1, q.shape[-1]):
         raise ValueError(f"power must broadcast to (B, H, 1, {q.shape[-1]}), got {tuple(power.shape)}")
     dtype = _compute_dtype(q, k, v, power)
-    with torch.autocast(q.device.type, enabled=False):
+    with _full_precision(q.device.type):
         out = _PolaPowerAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps)
     return out.to(v.dtype)
 
@@ -251,7 +260,7 @@ def pacs_linear_attention(
         )
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
     out_dtype = v.dtype
-    with torch.autocast(q.device.type, enabled=False):
+    with _full_precision(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         q_same, q_opposite = pacs_query_features(q, temp_same.to(dtype), temp_opposite.to(dtype))
         phi_k = pacs_key_features(k)

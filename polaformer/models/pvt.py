@@ -1,0 +1,275 @@
+"""Pola-PVT: the Pyramid Vision Transformer with PolaFormer attention (official ``pola_pvt_*``).
+
+Weight-compatible with the authors' code: the same module names (``patch_embed{i}``,
+``pos_embed{i}``, ``block{i}.{j}``, ``norm``, ``head``) and shapes, so the released checkpoints
+load strictly. Quirks of the official model kept on purpose:
+
+- The official build passes ``la_sr_ratios='1111'``: Pola blocks attend over all tokens of their
+  stage (no spatial reduction); ``'8421'`` is the class default and gives a different layout.
+- The final ``norm`` is built but never applied: features are the token mean of the last stage.
+- Patch embeddings use a LayerNorm with eps 1e-5; blocks use ``norm_layer`` (eps 1e-6).
+
+Any input divisible by 32 works: the per-stage position tables and the attention's key
+position tables are resampled bilinearly (as the official code does for ``pos_embed``) when
+the grid differs from the one the model was built for.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..compat import register_official
+from ..layers import PolaLinearAttention, SpatialReductionAttention
+
+__all__ = ["PolaPVT"]
+
+
+class PolaPVTBlock(nn.Module):
+    def __init__(self, dim, num_heads, mlp_ratio, qkv_bias, drop, drop_path, norm_layer, sr_ratio,
+                 attn_type, num_tokens, alpha, kernel_size, qk_scale=None):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        if attn_type == "L":
+            self.attn = PolaLinearAttention(
+                dim, num_heads, qkv_bias=qkv_bias, proj_drop=drop, sr_ratio=sr_ratio, kernel_size=kernel_size,
+                alpha=alpha, key_pos_tokens=num_tokens // (sr_ratio * sr_ratio),
+            )
+        elif attn_type == "S":
+            self.attn = SpatialReductionAttention(
+                dim, num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale, proj_drop=drop, sr_ratio=sr_ratio
+            )
+        else:
+            raise ValueError(f"attention type must be 'L' (Pola) or 'S' (softmax), got {attn_type!r}")
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+
+    def forward(self, x, height: int, width: int):
+        x = x + self.drop_path(self.attn(self.norm1(x), height, width))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+
+class PolaPVT(nn.Module):
+    """PVT (v1) with Pola linear attention; arguments use the official names.
+
+    Args:
+        attn_type: one letter per stage, ``L`` = Pola linear attention, ``S`` = softmax SRA.
+        sr_ratios: key/value reduction of softmax ('S') stages.
+        la_sr_ratios: key/value reduction of Pola ('L') stages, one digit per stage.
+        alpha, kernel_size: the power map's range and the depthwise conv size.
+    """
+
+    def __init__(self, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dims=(64, 128, 320, 512),
+                 num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), qkv_bias=True, qk_scale=None, drop_rate=0.0,
+                 drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), depths=(2, 2, 2, 2),
+                 sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", num_stages=4, alpha=4, kernel_size=5,
+                 attn_type="LLLL", global_pool="avg"):
+        super().__init__()
+        if num_stages != 4 or len(attn_type) != 4 or len(str(la_sr_ratios)) != 4:
+            raise ValueError("PolaPVT has 4 stages: attn_type and la_sr_ratios need one entry per stage")
+        if global_pool not in ("avg", ""):
+            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_stages = num_stages
+        self.depths = list(depths)
+        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.grad_checkpointing = False
+        self.total_stride = patch_size * 2 ** (num_stages - 1)
+        self.pos_drop = nn.Dropout(drop_rate)
+        dpr = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
+        cur = 0
+        self.feature_info = []
+        for i in range(num_stages):
+            stage_img = img_size if i == 0 else img_size // 2 ** (i + 1)
+            embed = PatchEmbed(stage_img, patch_size if i == 0 else 2, in_chans if i == 0 else embed_dims[i - 1],
+                               embed_dims[i], norm_layer=nn.LayerNorm, strict_img_size=False)
+            sr = sr_ratios[i] if attn_type[i] == "S" else int(str(la_sr_ratios)[i])
+            blocks = nn.ModuleList(
+                PolaPVTBlock(embed_dims[i], num_heads[i], mlp_ratios[i], qkv_bias, drop_rate, dpr[cur + j],
+                             norm_layer, sr, attn_type[i], embed.num_patches, alpha, kernel_size, qk_scale)
+                for j in range(depths[i])
+            )
+            cur += depths[i]
+            setattr(self, f"patch_embed{i + 1}", embed)
+            setattr(self, f"pos_embed{i + 1}", nn.Parameter(torch.zeros(1, embed.num_patches, embed_dims[i])))
+            setattr(self, f"block{i + 1}", blocks)
+            reduction = patch_size * 2**i
+            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f"block{i + 1}"))
+        self.norm = norm_layer(embed_dims[-1])  # held for checkpoint compatibility; never applied (official)
+        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self._init_weights()
+
+    def _init_weights(self):
+        for i in range(self.num_stages):
+            trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        skip = (".scale", ".power", ".positional_encoding")
+        return {n for n, _ in self.named_parameters() if n.startswith("pos_embed") or n.endswith(skip)}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse=False):
+        return dict(
+            stem=r"^patch_embed1|^pos_embed1",
+            blocks=r"^(?:block|patch_embed|pos_embed)(\d+)" if coarse else [
+                (r"^block(\d+)\.(\d+)", None), (r"^(?:patch_embed|pos_embed)(\d+)", (0,)), (r"^norm", (99999,))
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes, global_pool=None):
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def _check_input(self, x):
+        in_chans = self.patch_embed1.proj.in_channels
+        if x.dim() != 4 or x.shape[1] != in_chans:
+            raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
+        if x.shape[-2] % self.total_stride or x.shape[-1] % self.total_stride:
+            raise ValueError(
+                f"image size {x.shape[-2]}x{x.shape[-1]} is not divisible by the total stride {self.total_stride}"
+            )
+
+    def _stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Stage ``i`` (0-based) on an NCHW map; returns the NCHW map it produces."""
+        embed = getattr(self, f"patch_embed{i + 1}")
+        height, width = x.shape[-2] // embed.patch_size[0], x.shape[-1] // embed.patch_size[1]
+        x = embed(x)
+        pos = getattr(self, f"pos_embed{i + 1}")
+        if (height, width) != tuple(embed.grid_size):
+            pos = resample_abs_pos_embed(pos, [height, width], list(embed.grid_size), num_prefix_tokens=0,
+                                         interpolation="bilinear", antialias=False)
+        x = self.pos_drop(x + pos)
+        for blk in getattr(self, f"block{i + 1}"):
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(blk, x, height, width, use_reentrant=False)
+            else:
+                x = blk(x, height, width)
+        return x.transpose(1, 2).reshape(x.shape[0], -1, height, width)
+
+    def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
+                              intermediates_only=False):
+        """Stage outputs as NCHW maps (``norm`` has no effect: the official model has no stage norms)."""
+        if output_fmt != "NCHW":
+            raise ValueError("PolaPVT intermediates are NCHW maps")
+        self._check_input(x)
+        take, max_index = feature_take_indices(self.num_stages, indices)
+        intermediates = []
+        last = max_index if stop_early else self.num_stages - 1
+        for i in range(last + 1):
+            x = self._stage(i, x)
+            if i in take:
+                intermediates.append(x)
+        return intermediates if intermediates_only else (x, intermediates)
+
+    def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
+        take, max_index = feature_take_indices(self.num_stages, indices)
+        for i in range(max_index + 1, self.num_stages):
+            for name in (f"patch_embed{i + 1}", f"pos_embed{i + 1}", f"block{i + 1}"):
+                delattr(self, name)
+        if max_index < self.num_stages - 1:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+        self.num_stages = max_index + 1
+        if prune_head or max_index < len(self.feature_info) - 1:
+            self.reset_classifier(0, "")
+        return take
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's map (B, C, H/32, W/32)."""
+        self._check_input(x)
+        for i in range(self.num_stages):
+            x = self._stage(i, x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == "avg":
+            x = x.mean(dim=(-2, -1))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
+
+@register_official("pvt", "PyramidVisionTransformer")
+def _from_official(c: dict) -> PolaPVT:
+    norm = c.get("norm_layer")  # {"callable": "torch.nn.LayerNorm", "kwargs": {...}}; no kwargs = eps 1e-5
+    eps = norm["kwargs"].get("eps", 1e-5) if isinstance(norm, dict) else 1e-6
+    return PolaPVT(
+        img_size=c["img_size"], patch_size=c["patch_size"], in_chans=c["in_chans"], num_classes=c["num_classes"],
+        embed_dims=c["embed_dims"], num_heads=c["num_heads"], mlp_ratios=c["mlp_ratios"], qkv_bias=c["qkv_bias"],
+        qk_scale=c.get("qk_scale"), drop_rate=c["drop_rate"], drop_path_rate=c["drop_path_rate"],
+        norm_layer=partial(nn.LayerNorm, eps=eps), depths=c["depths"], sr_ratios=c["sr_ratios"],
+        la_sr_ratios=c["la_sr_ratios"], num_stages=c["num_stages"], alpha=c["alpha"], kernel_size=c["kernel_size"],
+        attn_type=c["attn_type"] or "LLLL",
+    )
+
+
+def _cfg(**kwargs):
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
+        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed1.proj", "classifier": "head", "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({
+    "pola_pvt_tiny": _cfg(),
+    "pola_pvt_small": _cfg(),
+    "pola_pvt_medium": _cfg(),
+    "pola_pvt_large": _cfg(),
+})
+
+
+def _create(variant, pretrained, sizes, kwargs):
+    """Official sizes and build settings (la_sr_ratios '1111' as the official build passes)."""
+    args = dict(patch_size=4, embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4),
+                qkv_bias=True, sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", **sizes)
+    args.update(kwargs)
+    return build_model_with_cfg(PolaPVT, variant, pretrained,
+                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **args)
+
+
+@register_model
+def pola_pvt_tiny(pretrained=False, **kwargs) -> PolaPVT:
+    return _create("pola_pvt_tiny", pretrained, dict(depths=(2, 2, 2, 2)), kwargs)
+
+
+@register_model
+def pola_pvt_small(pretrained=False, **kwargs) -> PolaPVT:
+    return _create("pola_pvt_small", pretrained, dict(depths=(3, 4, 6, 3)), kwargs)
+
+
+@register_model
+def pola_pvt_medium(pretrained=False, **kwargs) -> PolaPVT:
+    return _create("pola_pvt_medium", pretrained, dict(depths=(3, 4, 18, 3)), kwargs)
+
+
+@register_model
+def pola_pvt_large(pretrained=False, **kwargs) -> PolaPVT:
+    return _create("pola_pvt_large", pretrained, dict(depths=(3, 8, 27, 3)), kwargs)
