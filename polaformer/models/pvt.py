@@ -28,7 +28,99 @@ from torch.utils.checkpoint import checkpoint
 from ..compat import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
 
-__all__ = ["PolaPVT"]
+__all__ = ["PolaPVT", "PyramidBase"]
+
+
+class PyramidBase(nn.Module):
+    """What the PVT-style families share: flat ``patch_embed{i}``/``block{i}`` stages (the official
+    module names), the timm API, size checks and stage-wise intermediates.
+
+    Subclasses set ``num_stages``, ``total_stride``, ``num_features``, ``feature_info``,
+    ``global_pool``, ``head`` and ``grad_checkpointing``, and implement ``_stage(i, x)`` mapping an
+    NCHW map to the next stage's NCHW map, and ``_stage_modules(i)`` naming the stage's modules.
+    """
+
+    @torch.jit.ignore
+    def no_weight_decay(self):
+        skip = (".scale", ".power", ".positional_encoding")
+        return {n for n, _ in self.named_parameters() if n.startswith("pos_embed") or n.endswith(skip)}
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse=False):
+        return dict(
+            stem=r"^patch_embed1|^pos_embed1",
+            blocks=r"^(?:block|patch_embed|pos_embed|norm)(\d+)" if coarse else [
+                (r"^block(\d+)\.(\d+)", None), (r"^(?:patch_embed|pos_embed|norm)(\d+)", (0,)), (r"^norm$", (99999,))
+            ],
+        )
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes, global_pool=None):
+        if global_pool is not None:
+            if global_pool not in ("avg", ""):
+                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+            self.global_pool = global_pool
+        self.num_classes = num_classes
+        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+
+    def _check_input(self, x):
+        in_chans = self.patch_embed1.proj.in_channels
+        if x.dim() != 4 or x.shape[1] != in_chans:
+            raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
+        if x.shape[-2] % self.total_stride or x.shape[-1] % self.total_stride:
+            raise ValueError(
+                f"image size {x.shape[-2]}x{x.shape[-1]} is not divisible by the total stride {self.total_stride}"
+            )
+
+    def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
+                              intermediates_only=False):
+        """Stage outputs as NCHW maps (``norm`` has no effect: stage outputs are taken as the stages emit them)."""
+        if output_fmt != "NCHW":
+            raise ValueError("intermediates are NCHW maps")
+        self._check_input(x)
+        take, max_index = feature_take_indices(self.num_stages, indices)
+        intermediates = []
+        last = max_index if stop_early else self.num_stages - 1
+        for i in range(last + 1):
+            x = self._stage(i, x)
+            if i in take:
+                intermediates.append(x)
+        return intermediates if intermediates_only else (x, intermediates)
+
+    def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
+        take, max_index = feature_take_indices(self.num_stages, indices)
+        for i in range(max_index + 1, self.num_stages):
+            for name in self._stage_modules(i):
+                delattr(self, name)
+        if max_index < self.num_stages - 1:
+            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
+        self.num_stages = max_index + 1
+        if prune_head or max_index < len(self.feature_info) - 1:
+            self.reset_classifier(0, "")
+        return take
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's map (B, C, H/32, W/32)."""
+        self._check_input(x)
+        for i in range(self.num_stages):
+            x = self._stage(i, x)
+        return x
+
+    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
+        if self.global_pool == "avg":
+            x = x.mean(dim=(-2, -1))
+        return x if pre_logits else self.head(x)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_head(self.forward_features(x))
+
 
 
 class PolaPVTBlock(nn.Module):
@@ -56,7 +148,7 @@ class PolaPVTBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class PolaPVT(nn.Module):
+class PolaPVT(PyramidBase):
     """PVT (v1) with Pola linear attention; arguments use the official names.
 
     Args:
@@ -107,53 +199,8 @@ class PolaPVT(nn.Module):
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
 
-    def _init_weights(self):
-        for i in range(self.num_stages):
-            trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
-        for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-
-    @torch.jit.ignore
-    def no_weight_decay(self):
-        skip = (".scale", ".power", ".positional_encoding")
-        return {n for n, _ in self.named_parameters() if n.startswith("pos_embed") or n.endswith(skip)}
-
-    @torch.jit.ignore
-    def group_matcher(self, coarse=False):
-        return dict(
-            stem=r"^patch_embed1|^pos_embed1",
-            blocks=r"^(?:block|patch_embed|pos_embed)(\d+)" if coarse else [
-                (r"^block(\d+)\.(\d+)", None), (r"^(?:patch_embed|pos_embed)(\d+)", (0,)), (r"^norm", (99999,))
-            ],
-        )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self):
-        return self.head
-
-    def reset_classifier(self, num_classes, global_pool=None):
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
-
-    def _check_input(self, x):
-        in_chans = self.patch_embed1.proj.in_channels
-        if x.dim() != 4 or x.shape[1] != in_chans:
-            raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
-        if x.shape[-2] % self.total_stride or x.shape[-1] % self.total_stride:
-            raise ValueError(
-                f"image size {x.shape[-2]}x{x.shape[-1]} is not divisible by the total stride {self.total_stride}"
-            )
+    def _stage_modules(self, i: int) -> tuple[str, ...]:
+        return (f"patch_embed{i + 1}", f"pos_embed{i + 1}", f"block{i + 1}")
 
     def _stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Stage ``i`` (0-based) on an NCHW map; returns the NCHW map it produces."""
@@ -172,48 +219,14 @@ class PolaPVT(nn.Module):
                 x = blk(x, height, width)
         return x.transpose(1, 2).reshape(x.shape[0], -1, height, width)
 
-    def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
-                              intermediates_only=False):
-        """Stage outputs as NCHW maps (``norm`` has no effect: the official model has no stage norms)."""
-        if output_fmt != "NCHW":
-            raise ValueError("PolaPVT intermediates are NCHW maps")
-        self._check_input(x)
-        take, max_index = feature_take_indices(self.num_stages, indices)
-        intermediates = []
-        last = max_index if stop_early else self.num_stages - 1
-        for i in range(last + 1):
-            x = self._stage(i, x)
-            if i in take:
-                intermediates.append(x)
-        return intermediates if intermediates_only else (x, intermediates)
-
-    def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
-        take, max_index = feature_take_indices(self.num_stages, indices)
-        for i in range(max_index + 1, self.num_stages):
-            for name in (f"patch_embed{i + 1}", f"pos_embed{i + 1}", f"block{i + 1}"):
-                delattr(self, name)
-        if max_index < self.num_stages - 1:
-            self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
-        self.num_stages = max_index + 1
-        if prune_head or max_index < len(self.feature_info) - 1:
-            self.reset_classifier(0, "")
-        return take
-
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
-        """The last stage's map (B, C, H/32, W/32)."""
-        self._check_input(x)
+    def _init_weights(self):
         for i in range(self.num_stages):
-            x = self._stage(i, x)
-        return x
-
-    def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        if self.global_pool == "avg":
-            x = x.mean(dim=(-2, -1))
-        return x if pre_logits else self.head(x)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.forward_head(self.forward_features(x))
-
+            trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
 
 @register_official("pvt", "PyramidVisionTransformer")
 def _from_official(c: dict) -> PolaPVT:

@@ -1,0 +1,153 @@
+"""Pola-PVTv2 b0–b5 (paper Table 5). No official code exists; this follows FLatten Transformer's
+PVTv2 with the Pola attention swapped in:
+
+- overlapping patch embeddings (7×7 stride 4, then 3×3 stride 2) and an MLP with a 3×3
+  depthwise conv (timm's PVTv2 pieces), a LayerNorm after every stage, token-mean pooling;
+- Pola linear attention in every block with no spatial reduction of keys/values, a learnable
+  key positional table per block (resampled bilinearly for other input sizes), the 5×5
+  depthwise conv on v and the output gate.
+
+Sizes are PVTv2's: b0 32/64/160/256 wide, b1–b5 64/128/320/512; heads 1/2/5/8.
+"""
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import DropPath, trunc_normal_
+from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models.pvt_v2 import MlpWithDepthwiseConv, OverlapPatchEmbed
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from ..layers import PolaLinearAttention
+from .pvt import PyramidBase
+
+__all__ = ["PolaPVTv2"]
+
+
+class PolaPVTv2Block(nn.Module):
+    def __init__(self, dim, num_heads, mlp_ratio, num_tokens, drop_path, norm_layer, alpha, kernel_size):
+        super().__init__()
+        self.norm1 = norm_layer(dim)
+        self.attn = PolaLinearAttention(dim, num_heads, qkv_bias=True, kernel_size=kernel_size, alpha=alpha,
+                                        key_pos_tokens=num_tokens)
+        self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
+        self.norm2 = norm_layer(dim)
+        self.mlp = MlpWithDepthwiseConv(dim, int(dim * mlp_ratio))
+
+    def forward(self, x, height: int, width: int):
+        x = x + self.drop_path(self.attn(self.norm1(x), height, width))
+        return x + self.drop_path(self.mlp(self.norm2(x), [height, width]))
+
+
+class PolaPVTv2(PyramidBase):
+    def __init__(self, img_size=224, in_chans=3, num_classes=1000, embed_dims=(64, 128, 320, 512),
+                 num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), depths=(3, 4, 6, 3), drop_path_rate=0.0,
+                 norm_layer=partial(nn.LayerNorm, eps=1e-6), alpha=4, kernel_size=5, global_pool="avg"):
+        super().__init__()
+        if global_pool not in ("avg", ""):
+            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+        self.num_classes = num_classes
+        self.global_pool = global_pool
+        self.num_stages = len(depths)
+        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.grad_checkpointing = False
+        self.total_stride = 4 * 2 ** (self.num_stages - 1)
+        dpr = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
+        cur = 0
+        self.feature_info = []
+        for i, depth in enumerate(depths):
+            stride = 4 if i == 0 else 2
+            embed = OverlapPatchEmbed(7 if i == 0 else 3, stride, in_chans if i == 0 else embed_dims[i - 1],
+                                      embed_dims[i])
+            grid = img_size // (4 * 2**i)
+            setattr(self, f"patch_embed{i + 1}", embed)
+            setattr(self, f"block{i + 1}", nn.ModuleList(
+                PolaPVTv2Block(embed_dims[i], num_heads[i], mlp_ratios[i], grid * grid, dpr[cur + j], norm_layer,
+                               alpha, kernel_size)
+                for j in range(depth)
+            ))
+            setattr(self, f"norm{i + 1}", norm_layer(embed_dims[i]))
+            cur += depth
+            self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2**i, module=f"norm{i + 1}"))
+        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                trunc_normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+
+    def _stage_modules(self, i: int) -> tuple[str, ...]:
+        return (f"patch_embed{i + 1}", f"block{i + 1}", f"norm{i + 1}")
+
+    def _stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        x = getattr(self, f"patch_embed{i + 1}")(x)  # NHWC
+        b, height, width, c = x.shape
+        x = x.reshape(b, height * width, c)
+        for blk in getattr(self, f"block{i + 1}"):
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(blk, x, height, width, use_reentrant=False)
+            else:
+                x = blk(x, height, width)
+        x = getattr(self, f"norm{i + 1}")(x)
+        return x.transpose(1, 2).reshape(b, c, height, width)
+
+
+def _cfg(**kwargs):
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.9,
+        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed1.proj", "classifier": "head", "license": "apache-2.0",
+        **kwargs,
+    }
+
+
+default_cfgs = generate_default_cfgs({f"pola_pvt_v2_b{i}": _cfg() for i in range(6)})
+
+_WIDE = (64, 128, 320, 512)
+_SIZES = {
+    "pola_pvt_v2_b0": dict(embed_dims=(32, 64, 160, 256), depths=(2, 2, 2, 2)),
+    "pola_pvt_v2_b1": dict(embed_dims=_WIDE, depths=(2, 2, 2, 2)),
+    "pola_pvt_v2_b2": dict(embed_dims=_WIDE, depths=(3, 4, 6, 3)),
+    "pola_pvt_v2_b3": dict(embed_dims=_WIDE, depths=(3, 4, 18, 3)),
+    "pola_pvt_v2_b4": dict(embed_dims=_WIDE, depths=(3, 8, 27, 3)),
+    "pola_pvt_v2_b5": dict(embed_dims=_WIDE, depths=(3, 6, 40, 3), mlp_ratios=(4, 4, 4, 4)),
+}
+
+
+def _create(variant, pretrained, kwargs):
+    return build_model_with_cfg(PolaPVTv2, variant, pretrained,
+                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
+                                **{**_SIZES[variant], **kwargs})
+
+
+@register_model
+def pola_pvt_v2_b0(pretrained=False, **kwargs) -> PolaPVTv2:
+    return _create("pola_pvt_v2_b0", pretrained, kwargs)
+
+
+@register_model
+def pola_pvt_v2_b1(pretrained=False, **kwargs) -> PolaPVTv2:
+    return _create("pola_pvt_v2_b1", pretrained, kwargs)
+
+
+@register_model
+def pola_pvt_v2_b2(pretrained=False, **kwargs) -> PolaPVTv2:
+    return _create("pola_pvt_v2_b2", pretrained, kwargs)
+
+
+@register_model
+def pola_pvt_v2_b3(pretrained=False, **kwargs) -> PolaPVTv2:
+    return _create("pola_pvt_v2_b3", pretrained, kwargs)
+
+
+@register_model
+def pola_pvt_v2_b4(pretrained=False, **kwargs) -> PolaPVTv2:
+    return _create("pola_pvt_v2_b4", pretrained, kwargs)
+
+
+@register_model
+def pola_pvt_v2_b5(pretrained=False, **kwargs) -> PolaPVTv2:
+    return _create("pola_pvt_v2_b5", pretrained, kwargs)
