@@ -68,3 +68,10 @@ def test_no_weight_decay_lists_tables_and_attention_temperatures():
     assert {"pos_embed", "cls_token", "blocks.0.attn.power", "blocks.3.attn.scale"} <= skip
     assert "blocks.0.attn.qkvg.weight" not in skip
     assert isinstance(model, PolaDeiT)
+
+
+def test_features_only_gives_block_maps_at_patch_stride():
+    model = timm.create_model("pola_deit_tiny_patch16_224", depth=4, features_only=True, out_indices=(1, 3))
+    feats = model(torch.randn(1, 3, 224, 320))
+    assert [tuple(f.shape) for f in feats] == [(1, 192, 14, 20)] * 2
+    assert model.feature_info.reduction() == [16, 16]

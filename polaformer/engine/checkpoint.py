@@ -1,4 +1,4 @@
-"""Checkpoints: atomic writes and loading that fails with one clear line.
+"""Our training checkpoints: written atomically, loaded safely, failing with one clear line.
 
 A checkpoint is a plain dict (so it loads with ``weights_only=True``)::
 
@@ -11,70 +11,24 @@ A checkpoint is a plain dict (so it loads with ``weights_only=True``)::
 from __future__ import annotations
 
 import os
-import uuid
 from pathlib import Path
-from typing import Any, Callable, BinaryIO
+from typing import Any
 
 import torch
 from torch import nn
 
+# The errors, the atomic writer and the safe reader are shared with the public loader.
+from ..checkpoint import (  # noqa: F401  (re-exported)
+    ArchitectureMismatchError,
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    atomic_write,
+    compare_state_dicts,
+    read_checkpoint,
+)
+
 REQUIRED_KEYS = ("model", "arch", "model_kwargs", "num_classes")
-
-
-class CheckpointError(Exception):
-    """Base class of the errors below; its message is always a single line."""
-
-
-class CheckpointNotFoundError(CheckpointError, FileNotFoundError):
-    def __init__(self, path):
-        super().__init__(f"checkpoint not found: {path}")
-
-
-class CorruptCheckpointError(CheckpointError, ValueError):
-    def __init__(self, path, reason: str):
-        super().__init__(f"corrupt or unreadable checkpoint: {path} ({reason})")
-
-
-class ArchitectureMismatchError(CheckpointError, ValueError):
-    pass
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Call ``write(file)`` on a temporary file next to ``path``, then rename it over ``path``.
-
-    Readers (and a crash at any moment) see either the old complete file or the new complete
-    one, never a half-written one. The temporary file lives in the same folder because
-    ``os.replace`` is only atomic within one file system; it is removed if ``write`` fails.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    f = open(tmp, "xb")
-    try:
-        with f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; not every platform lets a folder be opened for this.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def save_checkpoint(
@@ -102,15 +56,7 @@ def save_checkpoint(
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
     """Load a checkpoint dict on the CPU, refusing anything but tensors and plain containers."""
-    path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(path)
-    if path.is_file() and path.stat().st_size == 0:
-        raise CorruptCheckpointError(path, "empty file")
-    try:
-        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # torch raises many types here (RuntimeError, UnpicklingError, EOFError, ...)
-        raise CorruptCheckpointError(path, _reason(e)) from e
+    checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint, dict):
         raise CorruptCheckpointError(path, f"expected a dict, found {type(checkpoint).__name__}")
     missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
@@ -133,40 +79,10 @@ def load_model_state(model: nn.Module, checkpoint: dict, *, arch: str, path: str
     instead of ``load_state_dict``'s multi-line error.
     """
     check_arch(checkpoint, arch, path)
-    problem = _state_dict_mismatch(model.state_dict(), checkpoint["model"])
+    problem = compare_state_dicts(model.state_dict(), checkpoint["model"]).describe(examples=1)
     if problem:
         raise ArchitectureMismatchError(
             f"checkpoint {path} (architecture {checkpoint['arch']!r}, kwargs {checkpoint['model_kwargs']}) "
             f"does not fit the model built as {arch!r}: {problem}"
         )
     model.load_state_dict(checkpoint["model"])
-
-
-def _state_dict_mismatch(expected: dict, found: dict) -> str:
-    missing = [k for k in expected if k not in found]
-    unexpected = [k for k in found if k not in expected]
-    reshaped = [k for k in expected if k in found and tuple(expected[k].shape) != tuple(found[k].shape)]
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing keys (e.g. {missing[0]!r})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]!r})")
-    if reshaped:
-        k = reshaped[0]
-        parts.append(
-            f"{len(reshaped)} shape mismatches (e.g. {k!r}: checkpoint {tuple(found[k].shape)}, "
-            f"model {tuple(expected[k].shape)})"
-        )
-    return "; ".join(parts)
-
-
-def _reason(error: Exception) -> str:
-    """The gist of a ``torch.load`` failure, on one line: its messages run to several paragraphs."""
-    message = str(error)
-    marker = "WeightsUnpickler error:"  # what the weights-only loader objected to follows this
-    if marker in message:
-        message = message.split(marker, 1)[1]
-    lines = [line.strip() for line in message.splitlines() if line.strip()]
-    gist = lines[0].split(". ")[0] if lines else ""
-    text = f"{type(error).__name__}: {gist}" if gist else type(error).__name__
-    return text if len(text) <= 200 else text[:197] + "..."

@@ -1,6 +1,8 @@
 """Model families, one file each; importing this package registers them with timm."""
 from .deit import PolaDeiT
+from .polapp import PolaFormerPP
 from .pvt import PolaPVT
 from .pvt_v2 import PolaPVTv2
+from .swin import PolaSwinTransformer
 
-__all__ = ["PolaDeiT", "PolaPVT", "PolaPVTv2"]
+__all__ = ["PolaDeiT", "PolaFormerPP", "PolaPVT", "PolaPVTv2", "PolaSwinTransformer"]

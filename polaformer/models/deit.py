@@ -26,9 +26,11 @@ import torch
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
+from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
+from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
 
 __all__ = ["PolaDeiT"]
@@ -89,6 +91,8 @@ class PolaDeiT(nn.Module):
             for i in range(depth)
         )
         self.norm = norm_layer(embed_dim)
+        reduction = self.patch_embed.patch_size[0]
+        self.feature_info = [dict(num_chs=embed_dim, reduction=reduction, module=f"blocks.{i}") for i in range(depth)]
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
@@ -139,20 +143,54 @@ class PolaDeiT(nn.Module):
             raise ValueError(f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}")
         return h // ph, w // pw
 
-    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+    def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         height, width = self._grid(x)
         x = self.patch_embed(x)
         pos_embed = self.pos_embed
         if (height, width) != self.patch_embed.grid_size:
             pos_embed = resample_abs_pos_embed(pos_embed, (height, width), self.patch_embed.grid_size,
                                                num_prefix_tokens=1)
-        x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed
+        return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed, height, width
+
+    def _block(self, blk, x, height, width):
+        if self.grad_checkpointing and torch.is_grad_enabled():
+            return checkpoint(blk, x, height, width, use_reentrant=False)
+        return blk(x, height, width)
+
+    def forward_features(self, x: torch.Tensor) -> torch.Tensor:
+        x, height, width = self._embed(x)
         for blk in self.blocks:
-            if self.grad_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(blk, x, height, width, use_reentrant=False)
-            else:
-                x = blk(x, height, width)
+            x = self._block(blk, x, height, width)
         return self.norm(x)
+
+    def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
+                              intermediates_only=False):
+        """Block outputs (patch tokens only) as NCHW maps at the patch stride, or NLC with the class token."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NLC', got {output_fmt!r}")
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        x, height, width = self._embed(x)
+        intermediates = []
+        blocks = self.blocks[: max_index + 1] if stop_early else self.blocks
+        for i, blk in enumerate(blocks):
+            x = self._block(blk, x, height, width)
+            if i in take:
+                y = self.norm(x) if norm else x
+                if output_fmt == "NCHW":
+                    y = y[:, 1:].transpose(1, 2).reshape(y.shape[0], -1, height, width)
+                intermediates.append(y)
+        if intermediates_only:
+            return intermediates
+        return self.norm(x), intermediates
+
+    def prune_intermediate_layers(self, indices=1, prune_norm=False, prune_head=True):
+        take, max_index = feature_take_indices(len(self.blocks), indices)
+        self.blocks = self.blocks[: max_index + 1]
+        if prune_norm:
+            self.norm = nn.Identity()
+        if prune_head:
+            self.reset_classifier(0)
+        return take
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         x = x[:, 0] if self.global_pool == "token" else x[:, self.num_prefix_tokens:].mean(dim=1)
@@ -183,7 +221,8 @@ default_cfgs = generate_default_cfgs({
 
 def _create(variant, pretrained, sizes, kwargs):
     """Build a variant; the caller's keyword arguments override the variant's sizes."""
-    return build_model_with_cfg(PolaDeiT, variant, pretrained, **{**sizes, **kwargs})
+    return build_model_with_cfg(PolaDeiT, variant, pretrained, feature_cfg=dict(feature_cls="getter"),
+                                **{**sizes, **kwargs})
 
 
 @register_model

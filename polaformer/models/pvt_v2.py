@@ -16,11 +16,12 @@ from functools import partial
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
-from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models.pvt_v2 import MlpWithDepthwiseConv, OverlapPatchEmbed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
 from .pvt import PyramidBase
 

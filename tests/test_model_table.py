@@ -1,0 +1,12 @@
+"""The README's model table is generated, never typed: it must equal the script's output."""
+import importlib.util
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "model_table.py"
+
+
+def test_readme_model_table_is_current():
+    spec = importlib.util.spec_from_file_location("model_table", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.main(["--check"]) == 0, "run: python scripts/model_table.py --write"
