@@ -321,3 +321,21 @@ def test_non_strict_loads_what_fits_and_reports_the_rest(smaller_model_file, cap
     for key, value in source.state_dict().items():
         if key.startswith(("blocks.0.", "blocks.1.", "patch_embed", "norm.")):
             assert torch.equal(model.state_dict()[key], value), key
+
+
+@pytest.mark.parametrize(
+    "name, size",
+    [
+        ("pola_pvt_tiny", dict(depths=(1, 1, 1, 1))),
+        ("pola_pvt_v2_b0", dict(depths=(1, 1, 1, 1))),
+        ("pola_swin_t", dict(depths=(1, 1, 1, 1))),
+        ("POLA_b0", dict(depths=(1, 1, 1, 1))),
+    ],
+)
+def test_every_family_reads_official_files_through_timm(tmp_path, name, size):
+    raw, ema = timm.create_model(name, **size), timm.create_model(name, **size)
+    path = save_official(tmp_path / "ckpt_epoch_10.pth", raw, ema=ema, prefix="module.")
+    model = timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=str(path)), **size)
+    assert_weights(model, ema.state_dict())
+    result = load_checkpoint(timm.create_model(name, **size), path, weights="raw")
+    assert result.entry == "model" and not result.missing_keys and not result.unexpected_keys
