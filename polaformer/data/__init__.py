@@ -1,8 +1,8 @@
 """Data sets known to the engine and the CLI, by name.
 
 Each entry says how to build the ``(train, test)`` datasets and the image geometry the model
-must be created for. Only the embedded ``digits`` set exists for now; ImageNet-style folders
-will be added here.
+must be created for. Only the embedded ``digits`` set is registered here; ImageNet-layout
+folders (``--data-path DIR``) are read by ``polaformer.data.folder``.
 """
 from __future__ import annotations
 

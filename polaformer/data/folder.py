@@ -1,0 +1,387 @@
+"""ImageNet-layout image folders for the training engine: datasets, transforms, Mixup/CutMix.
+
+Layout (the one the official Swin-style framework reads)::
+
+    DATA.DATA_PATH/train/<class>/<image>     e.g. train/n01440764/n01440764_10026.JPEG
+    DATA.DATA_PATH/val/<class>/<image>
+
+Class indices are the sorted class folder names (as torchvision's ``ImageFolder``); images are
+found recursively under each class folder, by extension (case-insensitive, see ``IMG_EXTENSIONS``).
+Hidden entries (names starting with ``.``) are ignored. Problems with the layout raise
+``DatasetError`` before training starts: a missing folder, a class folder without images, no
+images at all, train/val class lists that differ.
+
+Unreadable images (corrupt, truncated, not an image at all) do not stop an epoch: the dataset
+logs one warning per file and returns ``None`` for it; ``collate_skip_corrupt`` (the DataLoader
+``collate_fn``) drops those and returns ``(images, targets, num_skipped)``, so the count travels
+with the batch and works with any number of DataLoader workers without shared state.
+
+Config keys read (attribute access on the engine's config, nothing else is touched):
+
+    DATA.DATA_PATH, DATA.IMG_SIZE, DATA.INTERPOLATION,
+    AUG.COLOR_JITTER, AUG.AUTO_AUGMENT, AUG.REPROB, AUG.REMODE, AUG.RECOUNT,
+    AUG.MIXUP, AUG.CUTMIX, AUG.CUTMIX_MINMAX, AUG.MIXUP_PROB, AUG.MIXUP_SWITCH_PROB, AUG.MIXUP_MODE,
+    MODEL.LABEL_SMOOTHING, TEST.CROP
+
+The transforms and Mixup settings follow the official ``data/build.py`` (see ``build_transform``).
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, default_collate
+from torchvision import transforms
+
+__all__ = [
+    "IMG_EXTENSIONS",
+    "DatasetError",
+    "ImageFolderDataset",
+    "build_folder_datasets",
+    "build_mixup",
+    "build_transform",
+    "collate_skip_corrupt",
+    "mixup_active",
+]
+
+logger = logging.getLogger(__name__)
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "hamming", "box", "random")
+# Resize ratio of the evaluation transform with TEST.CROP (crop_pct = 224 / 256), as the official code.
+EVAL_RESIZE_RATIO = 256 / 224
+# The official code switches to CIFAR-style transforms at and below this size.
+SMALL_IMAGE_SIZE = 32
+_MAX_LISTED = 5
+
+
+class DatasetError(ValueError):
+    """The data folder cannot be used for training (raised before training starts)."""
+
+
+def _listing(names: Sequence[str], limit: int = _MAX_LISTED) -> str:
+    names = list(names)
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")
+
+
+def _visible(name: str) -> bool:
+    return not name.startswith(".")
+
+
+def _scan_split(root: str, extensions: Sequence[str]) -> tuple[list[str], list[list[str]]]:
+    """Class names (sorted) and, per class, the sorted image paths relative to ``root``."""
+    if not os.path.isdir(root):
+        raise DatasetError(f"data folder not found: {root}")
+    extensions = tuple(e.lower() for e in extensions)
+    with os.scandir(root) as it:
+        entries = sorted((e for e in it if _visible(e.name)), key=lambda e: e.name)
+    classes = [e.name for e in entries if e.is_dir()]
+    if not classes:
+        loose = [e.name for e in entries if e.is_file() and e.name.lower().endswith(extensions)]
+        hint = f" (found {len(loose)} image files directly in it)" if loose else ""
+        raise DatasetError(
+            f"no images in {root}: it has no class folders{hint}; expected {root}/<class>/<image>"
+        )
+    per_class: list[list[str]] = []
+    for name in classes:
+        class_dir = os.path.join(root, name)
+        files: list[str] = []
+        for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
+            dirnames[:] = sorted(d for d in dirnames if _visible(d))
+            rel = os.path.relpath(dirpath, root)
+            files.extend(
+                os.path.join(rel, f)
+                for f in sorted(filenames)
+                if _visible(f) and f.lower().endswith(extensions)
+            )
+        per_class.append(files)
+    if not any(per_class):
+        raise DatasetError(
+            f"no images in {root}: its {len(classes)} class folders hold no files with the extensions "
+            f"{', '.join(extensions)}"
+        )
+    empty = [name for name, files in zip(classes, per_class) if not files]
+    if empty:
+        first = os.path.join(root, empty[0])
+        what = "empty class folder" if len(empty) == 1 else f"{len(empty)} empty class folders under {root}"
+        raise DatasetError(
+            f"{what}: {first if len(empty) == 1 else _listing(empty)} (no files with the extensions "
+            f"{', '.join(extensions)}); remove the folder or add its images"
+        )
+    return classes, per_class
+
+
+class ImageFolderDataset(Dataset):
+    """``root/<class>/<image>`` images read with PIL as RGB; unreadable ones come back as ``None``.
+
+    ``dataset[i]`` is ``(transform(image), class_index)``, or ``None`` when the file cannot be
+    decoded (a warning is logged once per file and process; the file is not read again by that
+    process). Use ``collate_skip_corrupt`` (or ``dataset.collate_fn``) as the DataLoader's
+    ``collate_fn``. Paths are kept in one packed byte array, not a list of Python strings, so that
+    DataLoader workers do not copy them page by page at ImageNet scale.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        transform: Optional[Callable] = None,
+        *,
+        extensions: Sequence[str] = IMG_EXTENSIONS,
+        image_shape: Optional[tuple[int, ...]] = None,
+    ):
+        self.root = os.fspath(root)
+        self.transform = transform
+        self.classes, per_class = _scan_split(self.root, extensions)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        encoded = [os.fsencode(p) for files in per_class for p in files]
+        self._offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
+        np.cumsum([len(p) for p in encoded], out=self._offsets[1:])
+        self._paths = np.frombuffer(b"".join(encoded), dtype=np.uint8)
+        self.targets = np.concatenate(
+            [np.full(len(files), i, dtype=np.int64) for i, files in enumerate(per_class)]
+        )
+        self.image_shape = image_shape
+        self.collate_fn = functools.partial(collate_skip_corrupt, image_shape=image_shape)
+        self._bad: set[int] = set()  # indices found unreadable by this process
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def path(self, index: int) -> str:
+        start, end = self._offsets[index], self._offsets[index + 1]
+        return os.path.join(self.root, os.fsdecode(self._paths[start:end].tobytes()))
+
+    @property
+    def samples(self) -> list[tuple[str, int]]:
+        """``(path, class_index)`` pairs, as ``torchvision.datasets.ImageFolder.samples``."""
+        return [(self.path(i), int(t)) for i, t in enumerate(self.targets)]
+
+    def class_counts(self) -> list[int]:
+        return np.bincount(self.targets, minlength=len(self.classes)).tolist()
+
+    def load(self, index: int) -> Optional[Image.Image]:
+        """The RGB image at ``index``, or ``None`` (with a warning the first time) if unreadable."""
+        if index in self._bad:
+            return None
+        path = self.path(index)
+        try:
+            with open(path, "rb") as f:
+                image = Image.open(f)
+                image.load()  # decode now: truncated or corrupt data fails here, not in the transform
+                return image.convert("RGB")
+        except Exception as err:  # any decoding/reading failure: PIL raises many kinds
+            self._bad.add(index)
+            logger.warning("skipping unreadable image %s: %s: %s", path, type(err).__name__, err)
+            return None
+
+    def __getitem__(self, index: int):
+        image = self.load(index)
+        if image is None:
+            return None
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.targets[index])
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(root={self.root!r}, images={len(self)}, classes={len(self.classes)}, "
+            f"transform={self.transform!r})"
+        )
+
+
+def collate_skip_corrupt(
+    batch: Sequence[Any], *, image_shape: Optional[Sequence[int]] = None, even: bool = False
+):
+    """Collate ``(image, target)`` samples, dropping ``None`` (unreadable) ones.
+
+    Returns ``(images, targets, num_skipped)`` where ``num_skipped`` is the number of ``None``
+    samples dropped from this batch. When every sample was unreadable, ``images`` is an empty tensor
+    of shape ``(0, *image_shape)`` (``(0,)`` without ``image_shape``) and ``targets`` an empty int64
+    tensor: the caller must skip such a batch (``images.shape[0] == 0``).
+
+    ``even=True`` additionally drops the last readable sample when an odd number remain, for timm's
+    ``Mixup``, which requires an even batch size; that sample is not counted in ``num_skipped``.
+    """
+    kept = [sample for sample in batch if sample is not None]
+    num_skipped = len(batch) - len(kept)
+    if even and len(kept) % 2:
+        kept = kept[:-1]
+    if not kept:
+        shape = (0, *image_shape) if image_shape is not None else (0,)
+        return torch.empty(shape), torch.empty(0, dtype=torch.long), num_skipped
+    images, targets = default_collate(kept)
+    return images, targets, num_skipped
+
+
+# --------------------------------------------------------------------------------------------
+# transforms and Mixup, as the official data/build.py
+
+
+def _img_size(cfg) -> int:
+    size = cfg.DATA.IMG_SIZE
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise DatasetError(f"DATA.IMG_SIZE must be a positive integer, got {size!r}")
+    return size
+
+
+def _interpolation(cfg) -> str:
+    mode = str(cfg.DATA.INTERPOLATION).lower()
+    if mode not in INTERPOLATIONS:
+        raise DatasetError(
+            f"DATA.INTERPOLATION must be one of {', '.join(INTERPOLATIONS)}, got {cfg.DATA.INTERPOLATION!r}"
+        )
+    return mode
+
+
+def _eval_interp_mode(mode: str) -> transforms.InterpolationMode:
+    # The official evaluation transform maps anything it does not know (e.g. 'random') to bilinear.
+    return {
+        "bicubic": transforms.InterpolationMode.BICUBIC,
+        "nearest": transforms.InterpolationMode.NEAREST,
+        "lanczos": transforms.InterpolationMode.LANCZOS,
+        "hamming": transforms.InterpolationMode.HAMMING,
+        "box": transforms.InterpolationMode.BOX,
+    }.get(mode, transforms.InterpolationMode.BILINEAR)
+
+
+def build_transform(cfg, is_train: bool):
+    """The official training / evaluation transform for ``cfg.DATA.IMG_SIZE``.
+
+    Training: timm ``create_transform`` (RandomResizedCrop with ``DATA.INTERPOLATION``, horizontal
+    flip, RandAugment ``AUG.AUTO_AUGMENT``, colour jitter ``AUG.COLOR_JITTER``, normalisation with
+    the ImageNet mean/std, random erasing ``AUG.REPROB``/``REMODE``/``RECOUNT``). As in timm (and the
+    official runs), colour jitter is not applied while RandAugment is on. For ``IMG_SIZE <= 32`` the
+    random resized crop is replaced by ``RandomCrop(IMG_SIZE, padding=4)`` (CIFAR style).
+
+    Evaluation: with ``TEST.CROP`` a resize to the square ``int(256 / 224 * IMG_SIZE)`` (crop_pct
+    224/256; note that the official resize is to a square, not of the shorter side) and a centre crop
+    of ``IMG_SIZE``; without it a resize straight to ``IMG_SIZE x IMG_SIZE``; then ToTensor and
+    Normalize. For ``IMG_SIZE <= 32`` the official code does not resize at all (CIFAR images already
+    have the size); here images are resized to ``IMG_SIZE x IMG_SIZE``, which leaves images of that
+    size unchanged and lets other sizes be batched.
+    """
+    from timm.data import create_transform
+    from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    size = _img_size(cfg)
+    mode = _interpolation(cfg)
+    small = size <= SMALL_IMAGE_SIZE
+    if is_train:
+        aug = cfg.AUG
+        jitter = aug.COLOR_JITTER
+        auto_augment = aug.AUTO_AUGMENT
+        transform = create_transform(
+            input_size=size,
+            is_training=True,
+            color_jitter=jitter if jitter else None,
+            auto_augment=None if not auto_augment or str(auto_augment).lower() == "none" else auto_augment,
+            re_prob=aug.REPROB,
+            re_mode=aug.REMODE,
+            re_count=aug.RECOUNT,
+            interpolation=mode,
+        )
+        if small:
+            # pad_if_needed only matters for images smaller than IMG_SIZE - 8, where the official
+            # transform would fail.
+            transform.transforms[0] = transforms.RandomCrop(size, padding=4, pad_if_needed=True)
+        return transform
+
+    steps: list[Callable] = []
+    interp = _eval_interp_mode(mode)
+    if small:
+        steps.append(transforms.Resize((size, size), interpolation=interp))
+    elif cfg.TEST.CROP:
+        resize = int(EVAL_RESIZE_RATIO * size)
+        steps += [transforms.Resize((resize, resize), interpolation=interp), transforms.CenterCrop(size)]
+    else:
+        steps.append(transforms.Resize((size, size), interpolation=interp))
+    steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)]
+    return transforms.Compose(steps)
+
+
+def mixup_active(cfg) -> bool:
+    """Whether the official code would use Mixup/CutMix (and so soft targets) for this config."""
+    aug = cfg.AUG
+    return bool(aug.MIXUP > 0 or aug.CUTMIX > 0 or aug.CUTMIX_MINMAX is not None)
+
+
+def build_mixup(cfg, num_classes: int):
+    """timm ``Mixup`` with the ``AUG.*`` settings and ``MODEL.LABEL_SMOOTHING``; ``None`` when off.
+
+    Off means ``AUG.MIXUP == 0``, ``AUG.CUTMIX == 0`` and ``AUG.CUTMIX_MINMAX`` unset, as the
+    official code. When it is on, targets become soft (``(B, num_classes)`` probabilities with the
+    label smoothing folded in) and the loss must be ``timm.loss.SoftTargetCrossEntropy``; the batch
+    size must be even (see ``collate_skip_corrupt(even=True)``).
+    """
+    from timm.data import Mixup
+
+    if not mixup_active(cfg):
+        return None
+    aug = cfg.AUG
+    minmax = aug.CUTMIX_MINMAX
+    return Mixup(
+        mixup_alpha=aug.MIXUP,
+        cutmix_alpha=aug.CUTMIX,
+        cutmix_minmax=tuple(minmax) if minmax is not None else None,
+        prob=aug.MIXUP_PROB,
+        switch_prob=aug.MIXUP_SWITCH_PROB,
+        mode=aug.MIXUP_MODE,
+        label_smoothing=cfg.MODEL.LABEL_SMOOTHING,
+        num_classes=num_classes,
+    )
+
+
+def build_folder_datasets(cfg, *, is_distributed: bool = False):
+    """``(train_set, val_set, num_classes)`` for ``cfg.DATA.DATA_PATH`` with ``train/`` and ``val/``.
+
+    Both sets are ``ImageFolderDataset``s with ``build_transform`` applied; their ``collate_fn``
+    attribute is ``collate_skip_corrupt`` bound to the image shape (and, for the training set, to
+    ``even=True`` when Mixup/CutMix is on). Raises ``DatasetError`` for a missing or unset folder,
+    a class folder without images, no images, or train/val class lists that differ. With
+    ``is_distributed`` only rank 0 logs the summary (every rank scans, and fails, alike).
+    """
+    data_path = cfg.DATA.DATA_PATH
+    if not data_path:
+        raise DatasetError("no data folder given: set DATA.DATA_PATH (polaformer train --data-path DIR)")
+    data_path = os.path.expanduser(os.fspath(data_path))
+    if not os.path.isdir(data_path):
+        raise DatasetError(f"data folder not found: {data_path}")
+    roots = {split: os.path.join(data_path, split) for split in ("train", "val")}
+    missing = [path for path in roots.values() if not os.path.isdir(path)]
+    if missing:
+        raise DatasetError(
+            f"missing folder{'s' if len(missing) > 1 else ''} {' and '.join(missing)}: "
+            f"expected {data_path}/train/<class>/<image> and {data_path}/val/<class>/<image>"
+        )
+    size = _img_size(cfg)
+    shape = (3, size, size)
+    train_tf, val_tf = build_transform(cfg, True), build_transform(cfg, False)
+    train_set = ImageFolderDataset(roots["train"], train_tf, image_shape=shape)
+    val_set = ImageFolderDataset(roots["val"], val_tf, image_shape=shape)
+    if train_set.classes != val_set.classes:
+        only_train = sorted(set(train_set.classes) - set(val_set.classes))
+        only_val = sorted(set(val_set.classes) - set(train_set.classes))
+        parts = []
+        if only_train:
+            parts.append(f"{len(only_train)} only in train/ ({_listing(only_train)})")
+        if only_val:
+            parts.append(f"{len(only_val)} only in val/ ({_listing(only_val)})")
+        raise DatasetError(
+            f"train and val class folders differ in {data_path}: {'; '.join(parts)} "
+            f"(train has {len(train_set.classes)} classes, val {len(val_set.classes)})"
+        )
+    train_set.collate_fn = functools.partial(collate_skip_corrupt, image_shape=shape, even=mixup_active(cfg))
+    num_classes = len(train_set.classes)
+    rank0 = not is_distributed or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+    if rank0:
+        logger.info(
+            "data %s: %d classes, %d train images, %d val images",
+            data_path, num_classes, len(train_set), len(val_set),
+        )
+    return train_set, val_set, num_classes
