@@ -1,4 +1,4 @@
-"""The ``polaformer`` command: ``train`` a model and ``eval`` a checkpoint.
+"""The ``polaformer`` command: ``train`` a model, ``eval`` a checkpoint, measure ``throughput``.
 
 Every user error (a bad option, a missing or foreign checkpoint, an unknown model) ends the
 command with exit status 2 and a single ``polaformer...: error: ...`` line on stderr.
@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
@@ -14,14 +15,19 @@ from importlib.metadata import PackageNotFoundError, version
 import yaml
 
 from .data import DATASETS, DEFAULT_DATA, UnknownDatasetError
+from .data.folder import DatasetError
 from .engine import (
     DEFAULT_MODEL,
     CheckpointError,
+    ConfigError,
     ModelBuildError,
     evaluate_checkpoint,
+    load_config,
     make_config,
     run_training,
 )
+from .engine.config import merge_opts
+from .engine.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; checkpoint errors use it too
 
@@ -60,54 +66,201 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    # Options default to None so that make_config can tell "not given" from a preset's value.
-    train = commands.add_parser("train", help="train a model; writes checkpoint.pth and metrics.json")
-    train.add_argument("--model", default=DEFAULT_MODEL, metavar="NAME", help="timm model name (default: %(default)s)")
+    # Options default to None so that make_config (and the config file) can tell "not given".
+    train = commands.add_parser(
+        "train",
+        help="train a model: the digits demo by default, or any recipe with --config/--data-path",
+        description="Without --config and --data-path: the embedded digits demo (writes checkpoint.pth and "
+                    "metrics.json). With them: the official configuration keys (see docs/training.md); writes "
+                    "last.pth, best.pth, metrics.jsonl and metrics.json. Under torchrun, one process per GPU.",
+    )
+    train.add_argument("--config", "--cfg", metavar="FILE", help="YAML file with the official config keys")
+    train.add_argument("--data-path", metavar="DIR", help="ImageNet-layout folder: DIR/train/<class>/, DIR/val/<class>/")
+    train.add_argument(
+        "--resume", metavar="auto|FILE",
+        help="continue a run: 'auto' from the output folder's last checkpoint (from scratch if there is none), "
+             "or from FILE",
+    )
+    train.add_argument(
+        "--finetune", metavar="FILE",
+        help="start from these weights (MODEL.PRETRAINED): position tables resized, classifier replaced if the "
+             "number of classes differs",
+    )
+    train.add_argument(
+        "--opts", nargs="+", default=[], metavar="KEY VALUE",
+        help="config overrides as KEY VALUE pairs, e.g. --opts TRAIN.EPOCHS 30 DATA.NUM_WORKERS 4",
+    )
+    train.add_argument("--model", metavar="NAME", help=f"timm model name (MODEL.NAME; digits default: {DEFAULT_MODEL})")
     train.add_argument(
         "--model-kwarg", dest="model_kwargs", action="append", type=parse_model_kwarg, metavar="KEY=VALUE",
-        help="extra keyword argument for timm.create_model; repeatable (e.g. --model-kwarg depth=2)",
+        help="extra keyword argument for timm.create_model (MODEL.KWARGS); repeatable (e.g. --model-kwarg depth=2)",
     )
-    train.add_argument("--data", choices=sorted(DATASETS), default=DEFAULT_DATA, help="data set (default: %(default)s)")
-    train.add_argument("--epochs", type=positive_int, metavar="N", help="number of epochs")
-    train.add_argument("--batch-size", type=positive_int, metavar="B", help="training batch size")
-    train.add_argument("--lr", type=float, metavar="LR", help="peak learning rate (AdamW)")
-    train.add_argument("--weight-decay", type=float, help="AdamW weight decay")
-    train.add_argument("--warmup-epochs", type=int, help="linear warm-up length, in epochs")
+    train.add_argument("--data", choices=sorted(DATASETS), help=f"embedded data set (default: {DEFAULT_DATA})")
+    train.add_argument("--epochs", type=positive_int, metavar="N", help="number of epochs (TRAIN.EPOCHS)")
+    train.add_argument("--batch-size", type=positive_int, metavar="B", help="batch size per process (DATA.BATCH_SIZE)")
+    train.add_argument("--lr", type=float, metavar="LR", help="peak learning rate (TRAIN.BASE_LR)")
+    train.add_argument("--weight-decay", type=float, help="AdamW weight decay (TRAIN.WEIGHT_DECAY)")
+    train.add_argument("--warmup-epochs", type=int, help="linear warm-up length, in epochs (TRAIN.WARMUP_EPOCHS)")
     train.add_argument("--label-smoothing", type=float, help="label smoothing of the training loss")
     train.add_argument("--clip-grad", type=float, help="max gradient norm (0 disables clipping)")
-    train.add_argument("--augment", action=argparse.BooleanOptionalAction, help="random ±1 pixel shifts")
+    train.add_argument("--augment", action=argparse.BooleanOptionalAction, help="digits: random ±1 pixel shifts")
+    train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (AMP)")
+    train.add_argument(
+        "--use-checkpoint", action="store_true", default=None,
+        help="activation checkpointing, to save memory (TRAIN.USE_CHECKPOINT)",
+    )
     train.add_argument("--seed", type=int, metavar="S", help="seed for initialisation, shuffling and augmentation")
     train.add_argument("--device", help="'cpu', 'cuda', ... (default: cuda if available)")
-    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/digits)")
+    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/digits, or runs/MODEL.NAME)")
     train.set_defaults(handler=cmd_train)
 
-    evaluate = commands.add_parser("eval", help="evaluate a checkpoint on the test split")
-    evaluate.add_argument("--checkpoint", required=True, metavar="FILE", help="checkpoint written by 'train'")
-    evaluate.add_argument(
-        "--data", choices=sorted(DATASETS), help="data set (default: the one the checkpoint was trained on)"
+    evaluate = commands.add_parser(
+        "eval", help="evaluate a checkpoint: top-1, top-5 and loss on DIR/val, or on an embedded data set's test split"
     )
-    evaluate.add_argument("--model", metavar="NAME", help="refuse a checkpoint of any other architecture")
+    evaluate.add_argument(
+        "--checkpoint", required=True, metavar="FILE",
+        help="checkpoint written by 'train', or (with --data-path) any file the zoo loads: the authors' "
+             "PolaFormer/PolaFormer++ checkpoints, timm's, plain state dicts",
+    )
+    evaluate.add_argument(
+        "--data", choices=sorted(DATASETS), help="embedded data set (default: the one the checkpoint was trained on)"
+    )
+    evaluate.add_argument(
+        "--data-path", metavar="DIR", help="ImageNet-layout folder: evaluates on DIR/val/<class>/<image>"
+    )
+    evaluate.add_argument(
+        "--model", metavar="NAME",
+        help="timm model name; refuses a checkpoint of any other architecture (with --data-path, needed only "
+             "for files that name no architecture, neither as 'arch' nor in a stored config's MODEL.NAME)",
+    )
+    evaluate.add_argument(
+        "--model-kwarg", dest="model_kwargs", action="append", type=parse_model_kwarg, metavar="KEY=VALUE",
+        help="with --data-path: extra keyword argument for timm.create_model; repeatable",
+    )
+    evaluate.add_argument(
+        "--weights", choices=("auto", "ema", "raw"),
+        help="with --data-path: the EMA or the raw weights (default: auto, EMA if the file has them)",
+    )
+    evaluate.add_argument(
+        "--batch-size", type=positive_int, metavar="B", help="with --data-path: batch size (default: 128)"
+    )
+    evaluate.add_argument(
+        "--img-size", type=positive_int, metavar="S",
+        help="with --data-path: image size (default: the checkpoint config's DATA.IMG_SIZE, else the model's)",
+    )
+    evaluate.add_argument(
+        "--crop-pct", type=float, metavar="P",
+        help="with --data-path: resize to the square S/P, then centre-crop S (default: the official TEST.CROP: "
+             "0.875, or no crop if the checkpoint's config says so)",
+    )
+    evaluate.add_argument(
+        "--workers", type=int, metavar="N", help="with --data-path: data loading processes (default: 4)"
+    )
+    evaluate.add_argument(
+        "--amp", action="store_true", help="with --data-path: mixed precision (fp16 on CUDA, bf16 on CPU)"
+    )
     evaluate.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
     evaluate.set_defaults(handler=cmd_eval)
+
+    throughput = commands.add_parser(
+        "throughput", help="measure inference images/s on a fixed random batch (the official --throughput)"
+    )
+    throughput.add_argument("--model", required=True, metavar="NAME", help="timm model name")
+    throughput.add_argument(
+        "--model-kwarg", dest="model_kwargs", action="append", type=parse_model_kwarg, metavar="KEY=VALUE",
+        help="extra keyword argument for timm.create_model; repeatable",
+    )
+    throughput.add_argument(
+        "--batch-size", type=positive_int, default=64, metavar="B", help="batch size (default: %(default)s)"
+    )
+    throughput.add_argument(
+        "--img-size", type=positive_int, metavar="S", help="image size (default: the model's; 224 for ImageNet models)"
+    )
+    throughput.add_argument(
+        "--warmup", type=int, default=10, metavar="N", help="untimed iterations first (default: %(default)s)"
+    )
+    throughput.add_argument(
+        "--iters", type=positive_int, default=30, metavar="N", help="timed iterations (default: %(default)s)"
+    )
+    throughput.add_argument("--amp", action="store_true", help="mixed precision (fp16 on CUDA, bf16 on CPU)")
+    throughput.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
+    throughput.set_defaults(handler=cmd_throughput)
     return parser
 
 
+# `train` options and the config keys they set (with --config or --data-path).
+TRAIN_FLAG_KEYS = {
+    "model": "MODEL.NAME", "data": "DATA.DATASET", "data_path": "DATA.DATA_PATH", "epochs": "TRAIN.EPOCHS",
+    "batch_size": "DATA.BATCH_SIZE", "lr": "TRAIN.BASE_LR", "weight_decay": "TRAIN.WEIGHT_DECAY",
+    "warmup_epochs": "TRAIN.WARMUP_EPOCHS", "label_smoothing": "MODEL.LABEL_SMOOTHING", "clip_grad": "TRAIN.CLIP_GRAD",
+    "augment": "AUG.DIGITS_SHIFT", "seed": "SEED", "device": "DEVICE", "output": "OUTPUT",
+}
+
+
 def cmd_train(args: argparse.Namespace) -> int:
-    overrides = {
-        key: value
-        for key, value in vars(args).items()
-        if key not in ("command", "handler", "model", "data", "model_kwargs")
-    }
-    config = make_config(args.model, args.data, model_kwargs=dict(args.model_kwargs or []), **overrides)
-    metrics = run_training(config)
-    print(
-        f"final test top-1: {metrics['final_test_top1']:.2f}% "
-        f"(epochs={config.epochs}, time={metrics['wall_time_s']:.1f}s) -> {metrics['checkpoint']}"
-    )
+    if args.data is not None and args.data_path is not None:
+        return _usage_error("train", f"give --data {args.data} or --data-path DIR, not both")
+    # Settings shared by both modes, as config overrides applied after --opts.
+    extra = []
+    if args.resume == "auto":
+        extra += ["TRAIN.AUTO_RESUME", True]
+    elif args.resume:
+        extra += ["MODEL.RESUME", args.resume]
+    if args.finetune:
+        extra += ["MODEL.PRETRAINED", args.finetune]
+    if args.amp is not None:
+        extra += ["AMP", args.amp]
+    if args.use_checkpoint:
+        extra += ["TRAIN.USE_CHECKPOINT", True]
+    opts = [*args.opts, *extra]
+
+    if args.config is None and args.data_path is None:  # the digits demo
+        overrides = {key: getattr(args, key) for key in TRAIN_FLAG_KEYS if key not in ("model", "data", "data_path")}
+        config = make_config(args.model or DEFAULT_MODEL, args.data or DEFAULT_DATA,
+                             model_kwargs=dict(args.model_kwargs or []), **overrides)
+        metrics = run_training(config, opts=opts)
+        if _is_main_process():
+            print(
+                f"final test top-1: {metrics['final_test_top1']:.2f}% "
+                f"(epochs={config.epochs}, time={metrics['wall_time_s']:.1f}s) -> {metrics['checkpoint']}"
+            )
+        return 0
+
+    cfg = load_config(args.config, args.opts)
+    for name, key in TRAIN_FLAG_KEYS.items():
+        if getattr(args, name) is not None:
+            cfg.set_path(key, getattr(args, name), source=f"--{name.replace('_', '-')}")
+    cfg.MODEL.KWARGS.merge(dict(args.model_kwargs or []), source="--model-kwarg")
+    merge_opts(cfg, extra)
+    metrics = run_training(cfg)
+    if _is_main_process():
+        ema = f"EMA {metrics['best_ema_top1']:.2f}%, " if "best_ema_top1" in metrics else ""
+        print(
+            f"best top-1: {metrics.get('best_test_top1', float('nan')):.2f}% ({ema}final "
+            f"{metrics.get('final_test_top1', float('nan')):.2f}%, epochs={len(metrics['epochs'])}, "
+            f"time={metrics['wall_time_s']:.1f}s) -> {metrics['output']}"
+        )
     return 0
 
 
+def _is_main_process() -> bool:
+    """Rank 0 under torchrun (which sets RANK), or a plain process."""
+    return os.environ.get("RANK", "0") == "0"
+
+
+# `eval` options that only make sense with --data-path (an image folder).
+FOLDER_EVAL_OPTIONS = {
+    "model_kwargs": "--model-kwarg", "weights": "--weights", "batch_size": "--batch-size", "img_size": "--img-size",
+    "crop_pct": "--crop-pct", "workers": "--workers", "amp": "--amp",
+}
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.data_path is not None:
+        return _eval_folder(args)
+    given = [option for name, option in FOLDER_EVAL_OPTIONS.items() if getattr(args, name) not in (None, False)]
+    if given:
+        return _usage_error("eval", f"{given[0]} needs --data-path DIR (it applies to image folders)")
     metrics, checkpoint = evaluate_checkpoint(args.checkpoint, data=args.data, arch=args.model, device=args.device)
     print(
         f"test top-1: {metrics['top1']:.2f}% (top-5: {metrics['top5']:.2f}%, loss: {metrics['loss']:.4f}; "
@@ -116,12 +269,64 @@ def cmd_eval(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval_folder(args: argparse.Namespace) -> int:
+    if args.data is not None:
+        return _usage_error("eval", "give --data (an embedded data set) or --data-path DIR, not both")
+    if args.crop_pct is not None and not 0 < args.crop_pct <= 1:
+        return _usage_error("eval", f"--crop-pct must be in (0, 1], got {args.crop_pct}")
+    if args.workers is not None and args.workers < 0:
+        return _usage_error("eval", f"--workers must be >= 0, got {args.workers}")
+    try:
+        result = evaluate_folder_checkpoint(
+            args.checkpoint, args.data_path, model=args.model, model_kwargs=dict(args.model_kwargs or []),
+            weights=args.weights or "auto", batch_size=args.batch_size or DEFAULT_EVAL_BATCH_SIZE,
+            img_size=args.img_size, crop_pct=args.crop_pct, workers=4 if args.workers is None else args.workers,
+            device=args.device, amp=args.amp,
+        )
+    except (EvalError, DatasetError) as e:
+        return _usage_error(None, str(e))
+    m, load = result.metrics, result.load
+    weights = f"{load.entry!r} weights" if load.entry else "state dict"
+    epoch = f", epoch {load.epoch}" if load.epoch is not None else ""
+    skipped = f", {m['skipped']} unreadable skipped" if m["skipped"] else ""
+    print(
+        f"val top-1: {m['top1']:.3f}% (top-5: {m['top5']:.3f}%, loss: {m['loss']:.4f}; {m['images']} images{skipped}; "
+        f"{result.arch}, {weights}{epoch}, {result.img_size}px) <- {args.checkpoint}"
+    )
+    return 0
+
+
+def cmd_throughput(args: argparse.Namespace) -> int:
+    if args.warmup < 0:
+        return _usage_error("throughput", f"--warmup must be >= 0, got {args.warmup}")
+    try:
+        result = model_throughput(
+            args.model, model_kwargs=dict(args.model_kwargs or []), img_size=args.img_size,
+            batch_size=args.batch_size, warmup=args.warmup, iters=args.iters, device=args.device, amp=args.amp,
+        )
+    except EvalError as e:
+        return _usage_error(None, str(e))
+    c, h, w = result.input_size
+    print(
+        f"throughput: {result.images_per_s:.1f} images/s ({args.model}, batch {result.batch_size}, {c}x{h}x{w}, "
+        f"{result.ms_per_batch:.1f} ms/batch over {result.iters} iterations after {result.warmup} warm-up, "
+        f"{result.device}{', amp' if result.amp else ''})"
+    )
+    return 0
+
+
+def _usage_error(command: str | None, message: str) -> int:
+    prog = f"polaformer {command}" if command else "polaformer"
+    print(f"{prog}: error: {message}", file=sys.stderr)
+    return USAGE_ERROR
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     with _log_to_stderr():
         try:
             return args.handler(args)
-        except (CheckpointError, ModelBuildError, UnknownDatasetError) as e:
+        except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError) as e:
             print(f"polaformer: error: {e}", file=sys.stderr)
             return USAGE_ERROR
 

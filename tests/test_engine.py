@@ -272,3 +272,261 @@ def test_run_training_writes_checkpoint_and_metrics(tmp_path):
     metrics, checkpoint = evaluate_checkpoint(tmp_path / "checkpoint.pth")
     assert metrics["top1"] == saved["final_test_top1"]  # exactly: same weights, same batches
     assert TINY_KWARGS.items() <= checkpoint["model_kwargs"].items()  # merged into the model's preset
+
+
+# --- optimisation ----------------------------------------------------------------------------
+
+import math  # noqa: E402
+
+import timm  # noqa: E402
+from timm.data import Mixup  # noqa: E402
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy  # noqa: E402
+
+from polaformer.engine import (  # noqa: E402
+    TrainData,
+    Trainer,
+    build_optimizer,
+    build_scheduler,
+    load_config,
+)
+from polaformer.engine.optim import global_batch_size, lr_scale, no_weight_decay_names  # noqa: E402
+from polaformer.engine.train import build_criterion  # noqa: E402
+
+ATTENTION_TEMPERATURES = ("scale", "power", "positional_encoding", "s1", "s2")
+
+
+@pytest.mark.parametrize("name", ["pola_deit_tiny_patch16_224", "pola_pvt_tiny", "pola_pvt_v2_b0", "pola_swin_t", "POLA_b0"])
+def test_no_weight_decay_on_norms_biases_positions_and_temperatures(name):
+    with torch.device("meta"):
+        model = timm.create_model(name)
+    no_decay = no_weight_decay_names(model)
+    for param_name, param in model.named_parameters():
+        leaf = param_name.rsplit(".", 1)[-1]
+        exempt = (param.ndim <= 1 or leaf in ATTENTION_TEMPERATURES or "pos_embed" in leaf
+                  or leaf in ("cls_token", "relative_position_bias_table"))
+        assert (param_name in no_decay) == exempt, param_name
+    groups = build_optimizer(load_config(None, ["TRAIN.WEIGHT_DECAY", "0.05"]), model).param_groups
+    assert [g["weight_decay"] for g in groups] == [0.05, 0.0]
+    assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
+
+
+def test_learning_rates_scale_with_the_global_batch():
+    cfg = load_config(None, ["DATA.BATCH_SIZE", "128", "TRAIN.ACCUMULATION_STEPS", "2"])
+    assert global_batch_size(cfg, 8) == 2048
+    assert lr_scale(cfg, 8) == 4.0  # the official BASE_LR x global batch / 512
+    optimizer = build_optimizer(cfg, nn.Linear(4, 2))  # one process here: 256 / 512
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(5e-4 * 0.5)
+    assert lr_scale(load_config(None, ["TRAIN.BASE_BATCH_SIZE", "0"]), 8) == 1.0
+
+
+def test_cosine_schedule_with_warmup_and_cooldown():
+    cfg = load_config(None, [
+        "TRAIN.EPOCHS", "10", "TRAIN.WARMUP_EPOCHS", "2", "TRAIN.COOLDOWN_EPOCHS", "3", "TRAIN.BASE_BATCH_SIZE", "0",
+        "TRAIN.BASE_LR", "1e-3", "TRAIN.WARMUP_LR", "1e-6", "TRAIN.MIN_LR", "1e-5",
+    ])
+    optimizer = build_optimizer(cfg, nn.Linear(4, 2))
+    steps = 5  # updates per epoch
+    scheduler = build_scheduler(cfg, optimizer, steps)
+
+    def lr_at(update):
+        scheduler.step_update(num_updates=update)
+        return optimizer.param_groups[0]["lr"]
+
+    assert lr_at(0) == pytest.approx(1e-6)
+    assert lr_at(5) == pytest.approx(1e-6 + (1e-3 - 1e-6) / 2)  # linear warm-up over 10 updates
+    assert lr_at(10) == pytest.approx(1e-5 + (1e-3 - 1e-5) * 0.5 * (1 + math.cos(math.pi * 10 / 50)))
+    assert lr_at(49) > 1e-5
+    assert lr_at(50) == pytest.approx(1e-5) and lr_at(64) == pytest.approx(1e-5)  # cool-down at MIN_LR
+    assert all(g["lr"] == optimizer.param_groups[0]["lr"] for g in optimizer.param_groups)
+
+
+def test_loss_follows_the_official_choice():
+    mixup = Mixup(mixup_alpha=0.8, num_classes=10)
+    assert isinstance(build_criterion(load_config(), mixup), SoftTargetCrossEntropy)
+    assert isinstance(build_criterion(load_config(), None), LabelSmoothingCrossEntropy)
+    assert type(build_criterion(load_config(None, ["MODEL.LABEL_SMOOTHING", "0"]), None)) is nn.CrossEntropyLoss
+
+
+def test_gradient_accumulation_equals_the_larger_batch():
+    torch.manual_seed(0)
+    x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
+    weights = []
+    for batch_size, steps in ((16, 1), (8, 2)):
+        torch.manual_seed(1)
+        model = nn.Linear(4, 3)
+        cfg = load_config(None, ["TRAIN.BASE_BATCH_SIZE", "0", "TRAIN.EPOCHS", "1", "TRAIN.WARMUP_EPOCHS", "0"])
+        optimizer = build_optimizer(cfg, model)
+        scheduler = build_scheduler(cfg, optimizer, 64 // 16)
+        loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
+        result = train_one_epoch(model, loader, optimizer, scheduler, nn.CrossEntropyLoss(),
+                                 accumulation_steps=steps, clip_grad=1.0)
+        assert result["num_updates"] == 4
+        weights.append(model.weight.detach().clone())
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
+
+
+# --- the trainer on small random data --------------------------------------------------------
+
+NUM_CLASSES = 4
+TINY_OPTS = [
+    "MODEL.NAME", "pola_deit_digits", "MODEL.DROP_PATH_RATE", "0.1", "DATA.IMG_SIZE", "16", "DATA.BATCH_SIZE", "8",
+    "DATA.NUM_WORKERS", "0", "TRAIN.EPOCHS", "2", "TRAIN.WARMUP_EPOCHS", "1", "TRAIN.BASE_LR", "1e-3",
+    "TEST.BATCH_SIZE", "16", "DEVICE", "cpu", "MODEL.KWARGS", "{in_chans: 3, embed_dim: 16, depth: 1, num_heads: 1}",
+    "AUG.MIXUP", "0", "AUG.CUTMIX", "0",
+]
+
+
+def random_data(mixup=None, n_train=48, n_val=20):
+    generator = torch.Generator().manual_seed(0)
+
+    def dataset(n):
+        return TensorDataset(torch.randn(n, 3, 16, 16, generator=generator),
+                             torch.randint(0, NUM_CLASSES, (n,), generator=generator))
+
+    return TrainData(dataset(n_train), dataset(n_val), NUM_CLASSES, mixup=mixup)
+
+
+def tiny_config(tmp_path, *opts):
+    return load_config(None, [*TINY_OPTS, "OUTPUT", str(tmp_path), *opts])
+
+
+def jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_trainer_writes_last_best_and_metrics(tmp_path):
+    summary = run_training(tiny_config(tmp_path), data=random_data())
+    records = jsonl(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2] and records == summary["epochs"]
+    for record in records:
+        assert {"train_loss", "lr", "test_top1", "test_top5", "test_loss", "images_per_s", "skipped_images",
+                "epoch_time_s", "max_test_top1"} <= set(record)
+        assert math.isfinite(record["train_loss"]) and record["images_per_s"] > 0
+    assert summary["best_test_top1"] == max(r["test_top1"] for r in records)
+    assert json.loads((tmp_path / "metrics.json").read_text()) == json.loads(json.dumps(summary))
+    last = torch.load(tmp_path / "last.pth", weights_only=True)
+    assert (last["epoch"], last["step"], last["num_updates"]) == (2, 0, 12)
+    assert {"model", "optimizer", "lr_scheduler", "scaler", "max_accuracy", "config", "arch", "model_kwargs",
+            "num_classes", "rng"} <= set(last)
+    assert last["config"]["MODEL"]["NUM_CLASSES"] == NUM_CLASSES and len(last["rng"]) == 1
+    best = torch.load(tmp_path / "best.pth", weights_only=True)
+    assert best["max_accuracy"] == summary["best_test_top1"]
+    assert leftovers(tmp_path) == []
+    # The public loader reads our checkpoints.
+    from polaformer.checkpoint import load_checkpoint as load_weights
+
+    model = create_model("pola_deit_digits", NUM_CLASSES, **last["model_kwargs"])
+    assert load_weights(model, tmp_path / "last.pth").epoch == 2
+
+
+def test_ema_amp_and_activation_checkpointing(tmp_path):
+    cfg = tiny_config(tmp_path, "TRAIN.EMA.ENABLE", "true", "TRAIN.EMA.DECAY", "0.9", "AMP", "true",
+                      "TRAIN.USE_CHECKPOINT", "true", "TRAIN.EPOCHS", "1")
+    trainer = Trainer(cfg, data=random_data())
+    assert trainer.amp_dtype == torch.bfloat16 and not trainer.scaler.is_enabled()  # bf16 on the CPU
+    assert trainer.model.grad_checkpointing
+    summary = trainer.fit()
+    trainer.close()
+    record = summary["epochs"][0]
+    assert {"ema_top1", "ema_top5", "ema_loss"} <= set(record) and "best_ema_top1" in summary
+    checkpoint = torch.load(tmp_path / "last.pth", weights_only=True)
+    ema, raw = checkpoint["model_ema"], checkpoint["model"]
+    assert ema.keys() == raw.keys() and any(not torch.equal(ema[k], raw[k]) for k in raw)
+    assert (tmp_path / "best_ema.pth").is_file()
+
+
+def test_mixup_trains_with_soft_targets(tmp_path):
+    mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=NUM_CLASSES)
+    trainer = Trainer(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=random_data(mixup))
+    assert isinstance(trainer.criterion, SoftTargetCrossEntropy)
+    summary = trainer.fit()
+    trainer.close()
+    assert math.isfinite(summary["epochs"][0]["train_loss"])
+
+
+def test_resume_auto_extends_a_finished_run(tmp_path):
+    first = run_training(tiny_config(tmp_path, "TRAIN.EPOCHS", "1", "TRAIN.AUTO_RESUME", "true"), data=random_data())
+    assert len(first["epochs"]) == 1
+    second = run_training(tiny_config(tmp_path, "TRAIN.AUTO_RESUME", "true"), data=random_data())
+    assert [r["epoch"] for r in second["epochs"]] == [1, 2] and second["epochs"][0] == first["epochs"][0]
+    assert [r["epoch"] for r in jsonl(tmp_path / "metrics.jsonl")] == [1, 2]
+
+
+def test_resume_refuses_another_architecture(tmp_path):
+    run_training(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=random_data())
+    with pytest.raises(ArchitectureMismatchError, match="does not fit"):
+        Trainer(tiny_config(tmp_path, "MODEL.RESUME", str(tmp_path / "last.pth"), "MODEL.KWARGS.embed_dim", "32"),
+                data=random_data())
+
+
+def test_a_batch_of_unreadable_images_is_skipped_and_counted(tmp_path):
+    """Batches as ``polaformer.data.folder.collate_skip_corrupt`` makes them: (images, targets, skipped)."""
+    data = random_data()
+
+    def collate(samples):
+        images, targets = torch.utils.data.default_collate(samples)
+        return images[1:], targets[1:], 1  # one unreadable image per batch
+
+    data.train_collate = data.val_collate = collate
+    summary = run_training(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=data)
+    record = summary["epochs"][0]
+    assert record["skipped_images"] == 48 // 8 + math.ceil(20 / 16)
+
+
+def test_digits_run_is_the_config_run(tmp_path):
+    """`polaformer train` (TrainConfig) and the same settings as a Config give the same weights."""
+    kwargs = {k: v for k, v in TINY_KWARGS.items() if k not in ("in_chans", "img_size")}
+    train_config = make_config(TINY_ARCH, model_kwargs=kwargs, epochs=1, batch_size=256, output=str(tmp_path / "a"))
+    run_training(train_config)
+    from polaformer.engine import config_from_train_config
+
+    cfg = config_from_train_config(train_config)
+    cfg.OUTPUT = str(tmp_path / "b")
+    run_training(cfg)
+    a = torch.load(tmp_path / "a" / "checkpoint.pth", weights_only=True)["model"]
+    b = torch.load(tmp_path / "b" / "checkpoint.pth", weights_only=True)["model"]
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def make_image_folder(root, classes=3, train_per_class=4, val_per_class=2, size=40):
+    """DIR/{train,val}/<class>/ with JPEG and PNG images, and one corrupt file in train/."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", train_per_class), ("val", val_per_class)):
+        for c in range(classes):
+            folder = root / split / f"class_{c}"
+            folder.mkdir(parents=True)
+            for i in range(count):
+                pixels = (torch.rand(size, size, 3, generator=generator) * 255).to(torch.uint8).numpy()
+                pixels[..., c % 3] = 255 if c < 3 else 0  # a class cue
+                Image.fromarray(pixels).save(folder / f"img_{i}.{'png' if i % 2 else 'jpg'}")
+    (root / "train" / "class_0" / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+    return root
+
+
+def test_train_on_an_image_folder_from_the_command_line(tmp_path, capsys):
+    from polaformer.cli import main
+
+    data = make_image_folder(tmp_path / "data", train_per_class=5)  # 16 files: every one is in a batch
+    config = tmp_path / "tiny.yaml"
+    config.write_text(
+        "MODEL:\n  NAME: pola_deit_digits\n  DROP_PATH_RATE: 0.0\n"
+        "  KWARGS: {in_chans: 3, embed_dim: 16, depth: 1, num_heads: 1, patch_size: 8}\n"
+        "DATA:\n  IMG_SIZE: 32\n  BATCH_SIZE: 4\n  NUM_WORKERS: 0\n"
+        "TRAIN:\n  EPOCHS: 2\n  WARMUP_EPOCHS: 1\n"
+        "AUG:\n  AUTO_AUGMENT: none\n"  # Mixup/CutMix stay on (official defaults): soft targets
+    )
+    output = tmp_path / "out"
+    code = main(["train", "--config", str(config), "--data-path", str(data), "--output", str(output),
+                 "--device", "cpu", "--opts", "TRAIN.SAVE_FREQ_STEPS", "1"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    records = jsonl(output / "metrics.jsonl")
+    assert [r["epoch"] for r in records] == [1, 2]
+    # The corrupt file: skipped with a warning, counted in every epoch's summary.
+    assert all(r["skipped_images"] == 1 for r in records) and "broken.jpg" in err
+    assert out.strip().startswith("best top-1: ") and out.strip().endswith(f"-> {output}")
+    last = torch.load(output / "last.pth", weights_only=True)
+    assert last["num_classes"] == 3 and last["config"]["DATA"]["DATA_PATH"] == str(data)
+    assert last["model_kwargs"]["img_size"] == 32 and last["num_updates"] == 2 * (16 // 4)

@@ -313,3 +313,12 @@ def test_error_train_val_classes_differ(tmp_path):
         build_folder_datasets(make_cfg(tmp_path))
     message = str(info.value)
     assert "1 only in train/ (cat)" in message and "2 only in val/ (cow, dog)" in message
+
+
+def test_official_randaugment_posterize_to_zero_bits_works():
+    # 'rand-m9-mstd0.5-inc1' can draw magnitude 10, i.e. posterize to 0 bits (Pillow 13 refuses; we pin <13)
+    from PIL import Image
+    from timm.data.auto_augment import posterize
+
+    out = posterize(Image.new("RGB", (8, 8), (200, 100, 50)), 0)
+    assert out.getpixel((0, 0)) == (0, 0, 0)

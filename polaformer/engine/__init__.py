@@ -1,4 +1,4 @@
-"""Training and evaluation: the loop, model creation through timm, checkpoints."""
+"""Training and evaluation: configuration, the loop, model creation through timm, checkpoints."""
 from .checkpoint import (
     ArchitectureMismatchError,
     CheckpointError,
@@ -9,26 +9,45 @@ from .checkpoint import (
     load_model_state,
     save_checkpoint,
 )
-from .config import DEFAULT_MODEL, DIGITS_PRESETS, TrainConfig, make_config
+from .config import (
+    DEFAULT_MODEL,
+    DIGITS_PRESETS,
+    Config,
+    ConfigError,
+    TrainConfig,
+    config_from_train_config,
+    default_config,
+    load_config,
+    make_config,
+)
 from .factory import ModelBuildError, create_model, create_model_from_checkpoint
-from .train import evaluate, evaluate_checkpoint, fit, run_training, train_one_epoch
+from .optim import build_optimizer, build_scheduler
+from .train import TrainData, Trainer, evaluate, evaluate_checkpoint, run_training, train_one_epoch
 
 __all__ = [
     "ArchitectureMismatchError",
     "CheckpointError",
     "CheckpointNotFoundError",
+    "Config",
+    "ConfigError",
     "CorruptCheckpointError",
     "DEFAULT_MODEL",
     "DIGITS_PRESETS",
     "ModelBuildError",
     "TrainConfig",
+    "TrainData",
+    "Trainer",
     "atomic_write",
+    "build_optimizer",
+    "build_scheduler",
+    "config_from_train_config",
     "create_model",
     "create_model_from_checkpoint",
+    "default_config",
     "evaluate",
     "evaluate_checkpoint",
-    "fit",
     "load_checkpoint",
+    "load_config",
     "load_model_state",
     "make_config",
     "run_training",

@@ -1,0 +1,386 @@
+"""Evaluating a checkpoint on an ImageNet-layout folder, and measuring inference throughput.
+
+``polaformer eval --data-path DIR`` and ``polaformer throughput`` are thin wrappers around
+:func:`evaluate_folder_checkpoint` and :func:`measure_throughput`.
+
+Evaluation follows the official ``validate``: the model in eval mode over ``DIR/val`` with the
+official evaluation transform (:func:`polaformer.data.folder.build_transform`), cross-entropy
+loss, top-1 and top-5 accuracy, all averaged over images. Unreadable images are skipped and
+counted, as in training.
+
+Throughput follows the official ``--throughput``: the model in eval mode without gradients, one
+fixed batch (random here: no data loading, no host-to-device copies), warm-up iterations, then
+timed iterations between two device synchronisations; images/s = iterations × batch / seconds.
+
+(The module is not called ``evaluate``: importing a submodule binds its name on the package, which
+would hide the ``polaformer.engine.evaluate`` function of the training loop.)
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ..checkpoint import (
+    ArchitectureMismatchError,
+    LoadResult,
+    load_checkpoint,
+    read_checkpoint,
+    select_weights,
+    strip_wrapper_prefixes,
+)
+from ..data.folder import ImageFolderDataset, build_transform
+from .config import OFFICIAL_MODEL_NAMES, default_config
+from .factory import create_model
+
+__all__ = [
+    "EvalError",
+    "FolderEvaluation",
+    "Throughput",
+    "evaluate_folder_checkpoint",
+    "evaluate_loader",
+    "eval_transform",
+    "measure_throughput",
+    "model_throughput",
+    "resolve_device",
+]
+
+log = logging.getLogger(__name__)
+
+DEFAULT_EVAL_BATCH_SIZE = 128  # the official DATA.BATCH_SIZE, which its validation uses too
+DEFAULT_INTERPOLATION = "bicubic"  # the official DATA.INTERPOLATION
+
+
+class EvalError(ValueError):
+    """A user error in an evaluation or throughput request (one line)."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as e:
+        raise EvalError(f"unknown device {device!r}: {e}") from None
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise EvalError(f"device {device!r} requested but CUDA is not available")
+    return resolved
+
+
+def autocast_context(device: torch.device, enabled: bool):
+    """AMP as in training: float16 on CUDA, bfloat16 on the CPU."""
+    if not enabled:
+        return contextlib.nullcontext()
+    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    return torch.autocast(device.type, dtype=dtype)
+
+
+# --- evaluation ------------------------------------------------------------------------------
+
+@torch.no_grad()
+def evaluate_loader(model: nn.Module, loader, device: torch.device | str = "cpu", *, amp: bool = False) -> dict:
+    """Top-1 / top-5 accuracy (percent), mean cross-entropy, images seen and skipped over ``loader``.
+
+    Batches are ``(images, targets)`` or ``(images, targets, num_skipped)`` (the folder datasets'
+    ``collate_skip_corrupt``); a batch whose images were all unreadable is skipped. With fewer than
+    five classes, top-5 counts the top ``num_classes``.
+    """
+    device = torch.device(device)
+    model.eval()
+    correct1 = correct5 = seen = skipped = 0
+    loss_sum = 0.0
+    for batch in loader:
+        images, targets = batch[0], batch[1]
+        skipped += int(batch[2]) if len(batch) > 2 else 0
+        if images.shape[0] == 0:
+            continue
+        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
+        with autocast_context(device, amp):
+            logits = model(images)
+        logits = logits.float()
+        loss_sum += F.cross_entropy(logits, targets, reduction="sum").item()
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
+        hits = top == targets[:, None]
+        correct1 += hits[:, 0].sum().item()
+        correct5 += hits.any(dim=1).sum().item()
+        seen += len(targets)
+    if not seen:
+        raise EvalError("no readable images to evaluate")
+    return {
+        "top1": 100.0 * correct1 / seen,
+        "top5": 100.0 * correct5 / seen,
+        "loss": loss_sum / seen,
+        "images": seen,
+        "skipped": skipped,
+    }
+
+
+def eval_transform(img_size: int, *, interpolation: str = DEFAULT_INTERPOLATION, crop: bool = True,
+                   crop_pct: float | None = None):
+    """The evaluation transform: the official one (``TEST.CROP``), or with any ``crop_pct``.
+
+    Without ``crop_pct`` this is :func:`polaformer.data.folder.build_transform` (resize to the
+    square ``int(256/224 · size)`` and centre-crop with ``crop``, else resize to ``size``). With it,
+    timm's evaluation transform resizing to the square ``floor(size / crop_pct)`` and centre-cropping
+    (``crop_mode='squash'``, the official layout): ``crop_pct=0.875`` is the official crop, 1.0 none.
+    """
+    if crop_pct is None:
+        cfg = default_config()
+        cfg.DATA.IMG_SIZE, cfg.DATA.INTERPOLATION, cfg.TEST.CROP = img_size, interpolation, crop
+        return build_transform(cfg, is_train=False)
+    if not 0 < crop_pct <= 1:
+        raise EvalError(f"crop_pct must be in (0, 1], got {crop_pct}")
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+
+    return create_transform(img_size, is_training=False, interpolation=interpolation, crop_pct=crop_pct,
+                            crop_mode="squash", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
+
+
+@dataclass
+class FolderEvaluation:
+    metrics: dict  # top1, top5, loss, images, skipped
+    arch: str
+    load: LoadResult
+    img_size: int
+    crop: str  # how images were cropped, for the summary line
+    num_classes: int
+    device: torch.device
+
+
+def _checkpoint_metadata(path, weights: str) -> dict:
+    """The shapes of the selected weights, and the 'arch'/'model_kwargs' of our engine's checkpoints.
+
+    Reads the file once before :func:`load_checkpoint` reads it again: a missing, unreadable or
+    foreign file, or missing EMA weights, fail here, before the data folder is scanned.
+    """
+    checkpoint = read_checkpoint(path)
+    _, state_dict = select_weights(checkpoint, weights, path)
+    meta = {"shapes": {key: tuple(value.shape) for key, value in strip_wrapper_prefixes(state_dict).items()}}
+    if isinstance(checkpoint.get("arch"), str):
+        kwargs = checkpoint.get("model_kwargs")
+        meta.update(arch=checkpoint["arch"], model_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
+    meta["config_model"] = _config_model_name(checkpoint.get("config"))
+    return meta
+
+
+def _config_model_name(config: Any) -> str | None:
+    """The timm name for a stored config's ``MODEL.NAME`` / ``MODEL.TYPE`` (official names mapped)."""
+    import timm
+
+    model = config.get("MODEL") if isinstance(config, Mapping) else None
+    if not isinstance(model, Mapping):
+        return None
+    for name in (model.get("NAME"), model.get("TYPE")):
+        if isinstance(name, str) and name:
+            if timm.is_model(name):
+                return name
+            if name in OFFICIAL_MODEL_NAMES:
+                return OFFICIAL_MODEL_NAMES[name]
+    return None
+
+
+def _classifier_classes(model: nn.Module, shapes: dict) -> int | None:
+    """How many classes the file's weights for ``model``'s classifier have (None if unknown)."""
+    head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    name = next((n for n, m in model.named_modules() if m is head and n), None) if head is not None else None
+    shape = shapes.get(f"{name}.weight") if name else None
+    return shape[0] if shape else None
+
+
+def _config_value(config: dict | None, section: str, key: str, kind: type) -> Any:
+    """``config[section][key]`` from a checkpoint's stored (official-style) config, if of ``kind``."""
+    value = config.get(section, {}).get(key) if isinstance(config, dict) else None
+    if kind is int and isinstance(value, bool):
+        return None
+    return value if isinstance(value, kind) else None
+
+
+def _default_img_size(model: nn.Module, model_kwargs: dict) -> int:
+    size = model_kwargs.get("img_size")
+    if size is None:
+        size = (getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3, 224, 224))[-1]
+    return int(size if isinstance(size, int) else size[-1])
+
+
+def _input_channels(model: nn.Module, model_kwargs: dict) -> int:
+    if "in_chans" in model_kwargs:
+        return int(model_kwargs["in_chans"])
+    return int((getattr(model, "pretrained_cfg", None) or {}).get("input_size", (3,))[0])
+
+
+def evaluate_folder_checkpoint(
+    checkpoint: str | os.PathLike,
+    data_path: str | os.PathLike,
+    *,
+    model: str | None = None,
+    model_kwargs: dict | None = None,
+    weights: str = "auto",
+    batch_size: int = DEFAULT_EVAL_BATCH_SIZE,
+    img_size: int | None = None,
+    crop_pct: float | None = None,
+    workers: int = 0,
+    device: str | torch.device = "auto",
+    amp: bool = False,
+) -> FolderEvaluation:
+    """Evaluate ``checkpoint`` on ``data_path/val`` (one sub-folder per class).
+
+    The model is ``model`` (a timm name; optional for our engine's checkpoints, which name theirs,
+    and then it must match, and for files whose stored config's ``MODEL.NAME``/``MODEL.TYPE`` is a
+    timm or official model name, as in the authors' checkpoints) built with the checkpoint's
+    ``model_kwargs`` if it stores them, then ``model_kwargs``, and ``num_classes`` = the number of
+    class folders; the weights load strictly through :func:`polaformer.checkpoint.load_checkpoint`
+    (``weights``: ``'auto'``, ``'ema'``, ``'raw'``). The image size is ``img_size``, else the
+    checkpoint config's ``DATA.IMG_SIZE``, else the model's; interpolation and ``TEST.CROP`` come
+    from the checkpoint config too when it has them (official defaults: bicubic, crop), unless
+    ``crop_pct`` is given.
+    """
+    data_path = Path(data_path).expanduser()
+    val_dir = data_path / "val"
+    if not data_path.is_dir():
+        raise EvalError(f"data folder not found: {data_path}")
+    if not val_dir.is_dir():
+        raise EvalError(f"no val folder in {data_path}: expected {val_dir}/<class>/<image>")
+    device = resolve_device(device)
+
+    meta = _checkpoint_metadata(checkpoint, weights)
+    arch = model or meta.get("arch") or meta["config_model"]
+    if arch is None:
+        raise EvalError(f"{checkpoint} does not name its architecture: give --model NAME")
+    if model and meta.get("arch") not in (None, model):
+        raise ArchitectureMismatchError(
+            f"checkpoint {checkpoint} holds architecture {meta['arch']!r}, not the requested {model!r}"
+        )
+    kwargs = {**(meta.get("model_kwargs", {}) if meta.get("arch") == arch else {}), **(model_kwargs or {})}
+    kwargs.pop("num_classes", None)
+
+    dataset = ImageFolderDataset(str(val_dir))  # scans first: layout errors before the model is built
+    num_classes = len(dataset.classes)
+    network = create_model(arch, num_classes, **kwargs)
+    if _input_channels(network, kwargs) != 3:
+        raise EvalError(
+            f"model {arch!r} takes {_input_channels(network, kwargs)}-channel images; image folders are read as RGB"
+        )
+    file_classes = _classifier_classes(network, meta["shapes"])
+    if file_classes is not None and file_classes != num_classes:
+        raise EvalError(
+            f"the classifier in {checkpoint} has {file_classes} classes but {val_dir} has {num_classes} class "
+            "folders: evaluate on a folder of the classes the model was trained on"
+        )
+    loaded = load_checkpoint(network, checkpoint, weights=weights)
+
+    config = loaded.config
+    size = img_size or _config_value(config, "DATA", "IMG_SIZE", int) or _default_img_size(network, kwargs)
+    interpolation = _config_value(config, "DATA", "INTERPOLATION", str) or DEFAULT_INTERPOLATION
+    crop = _config_value(config, "TEST", "CROP", bool)
+    crop = True if crop is None else crop
+    dataset.transform = eval_transform(size, interpolation=interpolation, crop=crop, crop_pct=crop_pct)
+    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
+                        collate_fn=dataset.collate_fn, pin_memory=device.type == "cuda")
+    if crop_pct is not None:
+        crop_text = f"crop_pct {crop_pct:g}"
+    else:
+        crop_text = "crop_pct 0.875" if crop and size > 32 else "no crop"
+    source = f"{loaded.entry!r} weights" if loaded.entry else "state dict"
+    log.info("evaluating %s (%s) on %s: %d images, %d classes, %dx%d %s, %s, device %s",
+             arch, source, val_dir, len(dataset), num_classes, size, size, interpolation, crop_text, device)
+    metrics = evaluate_loader(network.to(device), loader, device, amp=amp)
+    if metrics["skipped"]:
+        log.warning("skipped %d unreadable images in %s", metrics["skipped"], val_dir)
+    return FolderEvaluation(metrics, arch, loaded, size, crop_text, num_classes, device)
+
+
+# --- throughput ------------------------------------------------------------------------------
+
+@dataclass
+class Throughput:
+    images_per_s: float
+    batch_size: int
+    input_size: tuple[int, int, int]
+    iters: int
+    warmup: int
+    seconds: float  # the timed iterations only
+    device: torch.device
+    amp: bool
+
+    @property
+    def ms_per_batch(self) -> float:
+        return 1000.0 * self.seconds / self.iters
+
+
+@torch.no_grad()
+def measure_throughput(
+    model: nn.Module,
+    *,
+    batch_size: int = 64,
+    input_size: tuple[int, int, int] = (3, 224, 224),
+    warmup: int = 10,
+    iters: int = 30,
+    device: str | torch.device = "auto",
+    amp: bool = False,
+    seed: int = 0,
+) -> Throughput:
+    """Images per second of ``model``'s forward pass on one fixed random batch (official ``--throughput``).
+
+    ``warmup`` untimed iterations (allocator, cuDNN autotuning, lazy initialisation), then
+    ``iters`` iterations timed with ``time.perf_counter`` between two device synchronisations
+    (CUDA kernels run asynchronously: without them only the launches would be timed).
+    """
+    if batch_size < 1 or iters < 1 or warmup < 0:
+        raise EvalError(f"need batch_size >= 1, iters >= 1, warmup >= 0 (got {batch_size}, {iters}, {warmup})")
+    device = resolve_device(device)
+    model = model.to(device).eval()
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn((batch_size, *input_size), generator=generator).to(device)
+
+    def synchronize():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    with autocast_context(device, amp):
+        for _ in range(warmup):
+            model(images)
+        synchronize()
+        start = time.perf_counter()
+        for _ in range(iters):
+            model(images)
+        synchronize()
+        seconds = time.perf_counter() - start
+    return Throughput(
+        images_per_s=iters * batch_size / seconds if seconds > 0 else math.inf,
+        batch_size=batch_size, input_size=tuple(input_size), iters=iters, warmup=warmup, seconds=seconds,
+        device=device, amp=amp,
+    )
+
+
+def model_throughput(
+    arch: str,
+    *,
+    model_kwargs: dict | None = None,
+    num_classes: int | None = None,
+    img_size: int | None = None,
+    **kwargs,
+) -> Throughput:
+    """Build ``arch`` (random weights) and :func:`measure_throughput` it at ``img_size`` (default: its own)."""
+    kwargs_ = dict(model_kwargs or {})
+    if num_classes is not None:
+        kwargs_["num_classes"] = num_classes
+    classes = kwargs_.pop("num_classes", None)
+    if classes is None:
+        import timm
+
+        classes = timm.get_pretrained_cfg_value(arch, "num_classes") if timm.is_model(arch) else None
+    network = create_model(arch, classes if classes is not None else 1000, **kwargs_)
+    size = img_size or _default_img_size(network, kwargs_)
+    channels = _input_channels(network, kwargs_)
+    return measure_throughput(network, input_size=(channels, size, size), **kwargs)
