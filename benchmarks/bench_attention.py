@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils import benchmark
 
 from polaformer.ops import learnable_power, pola_linear_attention
+from polaformer.runtime import tune_cpu_allocator
 
 
 def two_stream_pola(q, k, v, power, eps=1e-6):
@@ -79,7 +80,10 @@ def main(argv=None):
     parser.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
     parser.add_argument("--min-run-time", type=float, default=2.0, help="seconds per measurement")
     parser.add_argument("--json", help="also write the results here")
+    parser.add_argument("--default-malloc", action="store_true",
+                        help="keep glibc's default mmap thresholds (fresh large buffers page-fault)")
     args = parser.parse_args(argv)
+    allocator_tuned = not args.default_malloc and tune_cpu_allocator()
 
     rows = []
     for n in args.tokens:
@@ -88,7 +92,8 @@ def main(argv=None):
         rows.append({"tokens": n, **{f"{name}_ms": t * 1e3 for name, t in times.items()}})
 
     print(f"# {platform.processor() or platform.machine()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads, B={args.batch} H={args.heads} d={args.head_dim}, forward+backward")
+          f"{torch.get_num_threads()} threads, B={args.batch} H={args.heads} d={args.head_dim}, forward+backward, "
+          f"allocator reuse {'on' if allocator_tuned else 'off'}")
     header = ["N"] + [f"{m} (ms)" for m in args.methods]
     if "fused_pola" in args.methods:
         header += [f"{m}/fused" for m in args.methods if m != "fused_pola"]
