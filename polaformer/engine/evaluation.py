@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -43,6 +42,7 @@ from ..checkpoint import (
 from ..data.folder import ImageFolderDataset, build_transform
 from .config import OFFICIAL_MODEL_NAMES, default_config
 from .factory import create_model
+from .train import evaluate
 
 __all__ = [
     "EvalError",
@@ -97,33 +97,11 @@ def evaluate_loader(model: nn.Module, loader, device: torch.device | str = "cpu"
     five classes, top-5 counts the top ``num_classes``.
     """
     device = torch.device(device)
-    model.eval()
-    correct1 = correct5 = seen = skipped = 0
-    loss_sum = 0.0
-    for batch in loader:
-        images, targets = batch[0], batch[1]
-        skipped += int(batch[2]) if len(batch) > 2 else 0
-        if images.shape[0] == 0:
-            continue
-        images, targets = images.to(device, non_blocking=True), targets.to(device, non_blocking=True)
-        with autocast_context(device, amp):
-            logits = model(images)
-        logits = logits.float()
-        loss_sum += F.cross_entropy(logits, targets, reduction="sum").item()
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices
-        hits = top == targets[:, None]
-        correct1 += hits[:, 0].sum().item()
-        correct5 += hits.any(dim=1).sum().item()
-        seen += len(targets)
-    if not seen:
+    amp_dtype = (torch.float16 if device.type == "cuda" else torch.bfloat16) if amp else None
+    metrics = evaluate(model, loader, device, amp_dtype=amp_dtype)
+    if not metrics["images"]:
         raise EvalError("no readable images to evaluate")
-    return {
-        "top1": 100.0 * correct1 / seen,
-        "top5": 100.0 * correct5 / seen,
-        "loss": loss_sum / seen,
-        "images": seen,
-        "skipped": skipped,
-    }
+    return metrics
 
 
 def eval_transform(img_size: int, *, interpolation: str = DEFAULT_INTERPOLATION, crop: bool = True,

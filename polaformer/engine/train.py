@@ -264,12 +264,12 @@ def evaluate(
         correct1, correct5, loss_sum, seen, skipped = all_reduce_sum(
             [correct1, correct5, loss_sum, seen, skipped], ctx, torch.device(device)
         )
-    seen = max(int(seen), 1)
+    denominator = max(int(seen), 1)  # every image of the split may have been unreadable
     return {
-        "top1": 100.0 * correct1 / seen,
-        "top5": 100.0 * correct5 / seen,
-        "loss": loss_sum / seen,
-        "images": seen,
+        "top1": 100.0 * correct1 / denominator,
+        "top5": 100.0 * correct5 / denominator,
+        "loss": loss_sum / denominator,
+        "images": int(seen),
         "skipped": int(skipped),
     }
 
