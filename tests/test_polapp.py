@@ -1,5 +1,4 @@
 """PolaFormer++ (official POLA_b0..b5): structure against the manifests, the reference vector, timm API."""
-import json
 
 import pytest
 import timm
@@ -10,18 +9,12 @@ import polaformer.models  # noqa: F401  (registers the models)
 from polaformer.compat import from_official
 from polaformer.models import PolaFormerPP
 
-from conftest import REFERENCE, load_vector, official_state_dict
+from conftest import load_vector, official_state_dict
+from zoo_helpers import load_manifest
 
 VARIANTS = [f"POLA_b{i}" for i in range(6)]
 # A small model: the stage layout of the official ones at toy widths.
 TINY = dict(embed_dims=(16, 24, 32, 48), depths=(1, 2, 2, 1), num_heads=(1, 1, 2, 3), projection=64)
-
-
-def manifest(name):
-    path = REFERENCE / "manifests" / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"reference data not found at {path}")
-    return json.loads(path.read_text())
 
 
 def num_params(model):
@@ -29,8 +22,8 @@ def num_params(model):
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_variant_matches_official_manifest(name):
-    record = manifest(name)
+def test_variant_matches_official_load_manifest(name):
+    record = load_manifest(name)
     with torch.device("meta"):
         model = timm.create_model(name)
         alias = timm.create_model(name.lower())
@@ -45,7 +38,7 @@ def test_variant_matches_official_manifest(name):
 
 @pytest.mark.parametrize("name", VARIANTS)
 def test_gmacs_match_official(name):
-    record = manifest(name)
+    record = load_manifest(name)
     size = record["img_size"]
     with torch.device("meta"):
         model = timm.create_model(name).eval()
@@ -82,7 +75,7 @@ def test_reference_vector_with_intermediates():
 
 
 def test_block_types_follow_official_flags():
-    model = from_official(manifest("POLA_b3"))
+    model = from_official(load_manifest("POLA_b3"))
     kinds = ["".join(blk.block_type for blk in stage.blocks) for stage in model.layers]
     assert kinds == ["lll", "lllll", "v" * 9, "vvv"]
     assert model.layers[1].blocks[0].attn.s1.shape == (1, 2, 1, 128)

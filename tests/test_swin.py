@@ -1,12 +1,12 @@
 """Pola-Swin against the official manifests and reference vectors, plus the timm API and other input sizes."""
-import json
 
 import pytest
 import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import REFERENCE, load_vector, official_state_dict
+from conftest import load_vector, official_state_dict
+from zoo_helpers import load_manifest
 from polaformer.compat import from_official
 from polaformer.layers import WindowAttention
 from polaformer.models.swin import PolaSwinBlock, PolaSwinTransformer, block_attn_types, shifted_window_mask
@@ -16,20 +16,13 @@ VECTORS = ["swin_tiny_cfg", "swin_official_layout_cfg"]
 SMALL = dict(embed_dim=16, depths=(1, 2, 2, 1), num_heads=(1, 2, 2, 4))  # LLSS, global linear windows
 
 
-def manifest(name):
-    path = REFERENCE / "manifests" / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"reference data not found at {path}")
-    return json.loads(path.read_text())
-
-
 def count(model):
     return sum(p.numel() for p in model.parameters())
 
 
 @pytest.mark.parametrize("name", VARIANTS)
-def test_variant_matches_official_manifest(name):
-    man = manifest(name)
+def test_variant_matches_official_load_manifest(name):
+    man = load_manifest(name)
     with torch.device("meta"):
         model = timm.create_model(name).eval()
         official = from_official(man)

@@ -40,9 +40,10 @@ from ..checkpoint import (
     strip_wrapper_prefixes,
 )
 from ..data.folder import ImageFolderDataset, build_transform
-from .config import OFFICIAL_MODEL_NAMES, default_config
+from .config import OFFICIAL_MODEL_NAMES, ConfigError, default_config
 from .factory import create_model
 from .train import evaluate
+from .train import resolve_device as resolve_train_device
 
 __all__ = [
     "EvalError",
@@ -67,15 +68,11 @@ class EvalError(ValueError):
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    """The training engine's device resolution, with its errors as evaluation errors."""
     try:
-        resolved = torch.device(device)
-    except RuntimeError as e:
-        raise EvalError(f"unknown device {device!r}: {e}") from None
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise EvalError(f"device {device!r} requested but CUDA is not available")
-    return resolved
+        return resolve_train_device(str(device))
+    except ConfigError as e:
+        raise EvalError(str(e)) from None
 
 
 def autocast_context(device: torch.device, enabled: bool):
