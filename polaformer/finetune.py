@@ -52,6 +52,7 @@ from .checkpoint import (
 
 __all__ = [
     "FinetuneLoadResult",
+    "adapt_state_dict",
     "load_for_finetune",
     "resample_position_table",
     "resample_relative_position_bias",
@@ -230,6 +231,30 @@ def _classifier_prefixes(model: nn.Module) -> tuple[str, ...]:
 
 def _is_layout_buffer(key: str) -> bool:
     return key.rpartition(".")[2] in LAYOUT_BUFFERS
+
+
+def adapt_state_dict(state_dict: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` with its position tables resampled to ``model``'s grids and the model's own layout buffers.
+
+    The part of :func:`load_for_finetune` that timm's loader can use: every family's
+    ``pretrained_filter_fn``, so that ``timm.create_model(name, pretrained=True, img_size=288,
+    pretrained_cfg_overlay=dict(file=...))`` loads a 224 checkpoint. Wrapper prefixes are stripped;
+    other keys pass unchanged (timm drops a classifier of another size itself, and a strict load
+    still reports anything else that does not fit).
+    """
+    target = model.state_dict()
+    out = {key: value for key, value in target.items() if _is_layout_buffer(key)}
+    for key, value in strip_wrapper_prefixes(state_dict).items():
+        want = target.get(key)
+        if _is_layout_buffer(key):
+            continue  # the model's own (a shifted block at one size may have none at another)
+        if want is not None and value.shape != want.shape:
+            adapted = _adapt(model, key, value, want)
+            if adapted is not None:
+                _logger.info("resampled %s %s -> %s", key, tuple(value.shape), tuple(want.shape))
+                value = adapted
+        out[key] = value
+    return out
 
 
 # --- the loader ------------------------------------------------------------------------------

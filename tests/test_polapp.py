@@ -26,7 +26,8 @@ def test_variant_matches_official_load_manifest(name):
     record = load_manifest(name)
     with torch.device("meta"):
         model = timm.create_model(name)
-        alias = timm.create_model(name.lower())
+        with pytest.warns(UserWarning, match=f"deprecated model name {name.lower()} to current {name}"):
+            alias = timm.create_model(name.lower())
         official = from_official(record)
     expected = {key: shape for key, shape, _ in record["state_dict"]}
     for m in (model, alias, official):
@@ -85,7 +86,7 @@ def test_block_types_follow_official_flags():
 @pytest.mark.parametrize("size", [(224, 224), (256, 320)])
 def test_features_only_strides_and_channels(size):
     with torch.device("meta"):
-        model = timm.create_model("pola_b0", features_only=True)
+        model = timm.create_model("POLA_b0", features_only=True)
         feats = model(torch.empty(1, 3, *size))
     assert model.feature_info.reduction() == [4, 8, 16, 32]
     assert model.feature_info.channels() == [32, 64, 128, 384]
@@ -95,8 +96,8 @@ def test_features_only_strides_and_channels(size):
 
 
 def test_features_match_forward_intermediates_on_real_values():
-    model = timm.create_model("pola_b0", **TINY).eval()
-    features = timm.create_model("pola_b0", features_only=True, out_indices=(1, 2), **TINY).eval()
+    model = timm.create_model("POLA_b0", **TINY).eval()
+    features = timm.create_model("POLA_b0", features_only=True, out_indices=(1, 2), **TINY).eval()
     result = features.model.load_state_dict(model.state_dict(), strict=False)
     assert not result.missing_keys  # pruned away: stage 4, stage 3's PatchMerging and the head
     assert {k.split(".")[0] for k in result.unexpected_keys} == {"layers", "proj", "norm", "head"}
@@ -120,7 +121,7 @@ def test_full_size_forward_at_non_square_size():
 
 
 def test_clear_errors():
-    model = timm.create_model("pola_b0", **TINY)
+    model = timm.create_model("POLA_b0", **TINY)
     with pytest.raises(ValueError, match="image size 100x100 is not divisible by 32"):
         model(torch.randn(1, 3, 100, 100))
     with pytest.raises(ValueError, match="image size 64x48 is not divisible by 32"):
@@ -134,7 +135,7 @@ def test_clear_errors():
 
 
 def test_classifier_api():
-    model = timm.create_model("pola_b0", num_classes=7, **TINY).eval()
+    model = timm.create_model("POLA_b0", num_classes=7, **TINY).eval()
     x = torch.randn(2, 3, 64, 64)
     assert model(x).shape == (2, 7)
     assert model.get_classifier().weight.shape == (7, 64, 1, 1)
@@ -145,7 +146,7 @@ def test_classifier_api():
 
 
 def test_no_weight_decay_and_group_matcher():
-    model = timm.create_model("pola_b0", **TINY)
+    model = timm.create_model("POLA_b0", **TINY)
     skip = model.no_weight_decay()
     assert {"layers.0.blocks.0.attn.s1", "layers.1.blocks.1.attn.s2"} <= skip
     # The official optimizer decays the 4-D layerscale gammas and conv weights.
@@ -156,7 +157,7 @@ def test_no_weight_decay_and_group_matcher():
 
 
 def test_grad_checkpointing_gives_the_same_gradients():
-    model = timm.create_model("pola_b0", drop_path_rate=0.0, **TINY).eval()
+    model = timm.create_model("POLA_b0", drop_path_rate=0.0, **TINY).eval()
     x = torch.randn(2, 3, 64, 64)
     model(x).sum().backward()
     plain = {n: p.grad.clone() for n, p in model.named_parameters()}

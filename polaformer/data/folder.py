@@ -46,6 +46,7 @@ __all__ = [
     "build_mixup",
     "build_transform",
     "collate_skip_corrupt",
+    "eval_data_config",
     "mixup_active",
 ]
 
@@ -55,6 +56,7 @@ IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tif
 INTERPOLATIONS = ("bicubic", "bilinear", "nearest", "lanczos", "hamming", "box", "random")
 # Resize ratio of the evaluation transform with TEST.CROP (crop_pct = 224 / 256), as the official code.
 EVAL_RESIZE_RATIO = 256 / 224
+EVAL_CROP_PCT = 224 / 256  # timm's name for it; floor(size / EVAL_CROP_PCT) == int(EVAL_RESIZE_RATIO * size)
 # The official code switches to CIFAR-style transforms at and below this size.
 SMALL_IMAGE_SIZE = 32
 _MAX_LISTED = 5
@@ -239,15 +241,33 @@ def _interpolation(cfg) -> str:
     return mode
 
 
-def _eval_interp_mode(mode: str) -> transforms.InterpolationMode:
-    # The official evaluation transform maps anything it does not know (e.g. 'random') to bilinear.
+def eval_interpolation(mode: str) -> str:
+    """The interpolation of the official evaluation transform for ``DATA.INTERPOLATION`` ``mode``.
+
+    It maps anything it does not know (``'random'``) to bilinear.
+    """
+    mode = str(mode).lower()
+    if mode not in INTERPOLATIONS:
+        raise DatasetError(f"DATA.INTERPOLATION must be one of {', '.join(INTERPOLATIONS)}, got {mode!r}")
+    return mode if mode in ("bicubic", "nearest", "lanczos", "hamming", "box") else "bilinear"
+
+
+def eval_data_config(img_size: int, *, interpolation: str = "bicubic", crop: bool = True, in_chans: int = 3) -> dict:
+    """The official evaluation transform as timm data-config entries (arguments of ``create_transform``).
+
+    Official: with ``TEST.CROP`` a resize to the square ``int(256 / 224 · size)`` and a centre crop
+    of ``size``; without it a resize straight to ``size × size``; for sizes up to 32 no crop. In
+    timm's terms that is ``crop_mode='squash'`` with ``crop_pct`` 0.875, or 1.0 without a crop
+    (the centre crop then takes the whole image). These are the models' ``pretrained_cfg`` values,
+    so ``timm.data.create_transform(**timm.data.resolve_model_data_config(model))`` is this transform
+    at the model's size.
+    """
     return {
-        "bicubic": transforms.InterpolationMode.BICUBIC,
-        "nearest": transforms.InterpolationMode.NEAREST,
-        "lanczos": transforms.InterpolationMode.LANCZOS,
-        "hamming": transforms.InterpolationMode.HAMMING,
-        "box": transforms.InterpolationMode.BOX,
-    }.get(mode, transforms.InterpolationMode.BILINEAR)
+        "input_size": (in_chans, img_size, img_size),
+        "interpolation": eval_interpolation(interpolation),
+        "crop_pct": EVAL_CROP_PCT if crop and img_size > SMALL_IMAGE_SIZE else 1.0,
+        "crop_mode": "squash",
+    }
 
 
 def build_transform(cfg, is_train: bool):
@@ -264,10 +284,10 @@ def build_transform(cfg, is_train: bool):
     of ``IMG_SIZE``; without it a resize straight to ``IMG_SIZE x IMG_SIZE``; then ToTensor and
     Normalize. For ``IMG_SIZE <= 32`` the official code does not resize at all (CIFAR images already
     have the size); here images are resized to ``IMG_SIZE x IMG_SIZE``, which leaves images of that
-    size unchanged and lets other sizes be batched.
+    size unchanged and lets other sizes be batched. It is built by timm's ``create_transform`` from
+    :func:`eval_data_config`, the pipeline of ``polaformer eval`` and of timm's own data config.
     """
-    from timm.data import create_transform
-    from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    from timm.data import create_transform, resolve_data_config
 
     size = _img_size(cfg)
     mode = _interpolation(cfg)
@@ -292,17 +312,8 @@ def build_transform(cfg, is_train: bool):
             transform.transforms[0] = transforms.RandomCrop(size, padding=4, pad_if_needed=True)
         return transform
 
-    steps: list[Callable] = []
-    interp = _eval_interp_mode(mode)
-    if small:
-        steps.append(transforms.Resize((size, size), interpolation=interp))
-    elif cfg.TEST.CROP:
-        resize = int(EVAL_RESIZE_RATIO * size)
-        steps += [transforms.Resize((resize, resize), interpolation=interp), transforms.CenterCrop(size)]
-    else:
-        steps.append(transforms.Resize((size, size), interpolation=interp))
-    steps += [transforms.ToTensor(), transforms.Normalize(IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD)]
-    return transforms.Compose(steps)
+    data_config = resolve_data_config(args=eval_data_config(size, interpolation=mode, crop=bool(cfg.TEST.CROP)))
+    return create_transform(**data_config, is_training=False)
 
 
 def mixup_active(cfg) -> bool:

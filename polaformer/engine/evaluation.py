@@ -4,9 +4,11 @@
 :func:`evaluate_folder_checkpoint` and :func:`measure_throughput`.
 
 Evaluation follows the official ``validate``: the model in eval mode over ``DIR/val`` with the
-official evaluation transform (:func:`polaformer.data.folder.build_transform`), cross-entropy
-loss, top-1 and top-5 accuracy, all averaged over images. Unreadable images are skipped and
-counted, as in training.
+official evaluation transform, cross-entropy loss, top-1 and top-5 accuracy, all averaged over
+images. Unreadable images are skipped and counted, as in training. The transform is timm's
+(``create_transform(**resolve_model_data_config(model))``): the models' ``pretrained_cfg`` holds the
+official values (square bicubic resize to size / 0.875, centre crop), so there is one pipeline, and
+a checkpoint's stored config or the command line only override its size, interpolation or crop.
 
 Throughput follows the official ``--throughput``: the model in eval mode without gradients, one
 fixed batch (random here: no data loading, no host-to-device copies), warm-up iterations, then
@@ -28,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from timm.data import create_transform, resolve_model_data_config
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -39,8 +42,8 @@ from ..checkpoint import (
     select_weights,
     strip_wrapper_prefixes,
 )
-from ..data.folder import ImageFolderDataset, build_transform
-from .config import OFFICIAL_MODEL_NAMES, ConfigError, default_config
+from ..data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
+from .config import OFFICIAL_MODEL_NAMES, ConfigError
 from .factory import create_model
 from .train import evaluate
 from .train import resolve_device as resolve_train_device
@@ -51,6 +54,7 @@ __all__ = [
     "Throughput",
     "evaluate_folder_checkpoint",
     "evaluate_loader",
+    "eval_config",
     "eval_transform",
     "measure_throughput",
     "model_throughput",
@@ -60,7 +64,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 DEFAULT_EVAL_BATCH_SIZE = 128  # the official DATA.BATCH_SIZE, which its validation uses too
-DEFAULT_INTERPOLATION = "bicubic"  # the official DATA.INTERPOLATION
 
 
 class EvalError(ValueError):
@@ -101,25 +104,38 @@ def evaluate_loader(model: nn.Module, loader, device: torch.device | str = "cpu"
     return metrics
 
 
-def eval_transform(img_size: int, *, interpolation: str = DEFAULT_INTERPOLATION, crop: bool = True,
-                   crop_pct: float | None = None):
-    """The evaluation transform: the official one (``TEST.CROP``), or with any ``crop_pct``.
+def eval_config(model: nn.Module, img_size: int | None = None, *, interpolation: str | None = None,
+                crop: bool | None = None, crop_pct: float | None = None) -> dict:
+    """timm's data config for evaluating ``model``: ``resolve_model_data_config(model)`` with overrides.
 
-    Without ``crop_pct`` this is :func:`polaformer.data.folder.build_transform` (resize to the
-    square ``int(256/224 · size)`` and centre-crop with ``crop``, else resize to ``size``). With it,
-    timm's evaluation transform resizing to the square ``floor(size / crop_pct)`` and centre-cropping
-    (``crop_mode='squash'``, the official layout): ``crop_pct=0.875`` is the official crop, 1.0 none.
+    The model's ``pretrained_cfg`` gives the default (for every family the official evaluation
+    transform at its size); ``img_size``, ``interpolation`` (a ``DATA.INTERPOLATION`` value) and
+    ``crop`` (``TEST.CROP``) replace what they name as the official transform would set them, and
+    ``crop_pct`` replaces the crop fraction (resize to the square ``floor(size / crop_pct)``, centre
+    crop). Sizes up to 32 are not cropped unless ``crop_pct`` says so (as the official code).
     """
-    if crop_pct is None:
-        cfg = default_config()
-        cfg.DATA.IMG_SIZE, cfg.DATA.INTERPOLATION, cfg.TEST.CROP = img_size, interpolation, crop
-        return build_transform(cfg, is_train=False)
-    if not 0 < crop_pct <= 1:
+    if crop_pct is not None and not 0 < crop_pct <= 1:
         raise EvalError(f"crop_pct must be in (0, 1], got {crop_pct}")
-    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, create_transform
+    config = resolve_model_data_config(model)
+    in_chans, size = config["input_size"][0], img_size or config["input_size"][-1]
+    official = eval_data_config(size, interpolation=interpolation or config["interpolation"],
+                                crop=True if crop is None else crop, in_chans=in_chans)
+    config["input_size"], config["crop_mode"] = official["input_size"], "squash"
+    if interpolation is not None:
+        config["interpolation"] = official["interpolation"]
+    if crop_pct is not None:
+        config["crop_pct"] = crop_pct
+    elif crop is not None or size <= SMALL_IMAGE_SIZE:
+        config["crop_pct"] = official["crop_pct"]
+    return config
 
-    return create_transform(img_size, is_training=False, interpolation=interpolation, crop_pct=crop_pct,
-                            crop_mode="squash", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD)
+
+def eval_transform(model: nn.Module, img_size: int | None = None, *, interpolation: str | None = None,
+                   crop: bool | None = None, crop_pct: float | None = None):
+    """timm's ``create_transform`` for :func:`eval_config` (with no overrides: exactly
+    ``create_transform(**resolve_model_data_config(model))``)."""
+    config = eval_config(model, img_size, interpolation=interpolation, crop=crop, crop_pct=crop_pct)
+    return create_transform(**config, is_training=False)
 
 
 @dataclass
@@ -215,10 +231,11 @@ def evaluate_folder_checkpoint(
     timm or official model name, as in the authors' checkpoints) built with the checkpoint's
     ``model_kwargs`` if it stores them, then ``model_kwargs``, and ``num_classes`` = the number of
     class folders; the weights load strictly through :func:`polaformer.checkpoint.load_checkpoint`
-    (``weights``: ``'auto'``, ``'ema'``, ``'raw'``). The image size is ``img_size``, else the
-    checkpoint config's ``DATA.IMG_SIZE``, else the model's; interpolation and ``TEST.CROP`` come
-    from the checkpoint config too when it has them (official defaults: bicubic, crop), unless
-    ``crop_pct`` is given.
+    (``weights``: ``'auto'``, ``'ema'``, ``'raw'``). The transform is :func:`eval_transform`: the
+    model's timm data config, with the image size ``img_size``, else the checkpoint config's
+    ``DATA.IMG_SIZE``, else the model's; interpolation and ``TEST.CROP`` from the checkpoint config
+    when it has them, else the model's (for every family the official bicubic and crop); ``crop_pct``
+    overrides the crop.
     """
     data_path = Path(data_path).expanduser()
     val_dir = data_path / "val"
@@ -256,16 +273,13 @@ def evaluate_folder_checkpoint(
 
     config = loaded.config
     size = img_size or _config_value(config, "DATA", "IMG_SIZE", int) or _default_img_size(network, kwargs)
-    interpolation = _config_value(config, "DATA", "INTERPOLATION", str) or DEFAULT_INTERPOLATION
-    crop = _config_value(config, "TEST", "CROP", bool)
-    crop = True if crop is None else crop
-    dataset.transform = eval_transform(size, interpolation=interpolation, crop=crop, crop_pct=crop_pct)
+    data_config = eval_config(network, size, interpolation=_config_value(config, "DATA", "INTERPOLATION", str),
+                              crop=_config_value(config, "TEST", "CROP", bool), crop_pct=crop_pct)
+    dataset.transform = create_transform(**data_config, is_training=False)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         collate_fn=dataset.collate_fn, pin_memory=device.type == "cuda")
-    if crop_pct is not None:
-        crop_text = f"crop_pct {crop_pct:g}"
-    else:
-        crop_text = "crop_pct 0.875" if crop and size > 32 else "no crop"
+    interpolation = data_config["interpolation"]
+    crop_text = "no crop" if data_config["crop_pct"] == 1 else f"crop_pct {data_config['crop_pct']:g}"
     source = f"{loaded.entry!r} weights" if loaded.entry else "state dict"
     log.info("evaluating %s (%s) on %s: %d images, %d classes, %dx%d %s, %s, device %s",
              arch, source, val_dir, len(dataset), num_classes, size, size, interpolation, crop_text, device)

@@ -25,13 +25,14 @@ from functools import partial
 import torch
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
+from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaDeiT"]
 
@@ -60,24 +61,27 @@ class PolaDeiT(nn.Module):
     Args:
         img_size, patch_size, in_chans, num_classes, embed_dim, depth,
         num_heads, mlp_ratio, qkv_bias: as in timm's VisionTransformer.
-        global_pool: ``'token'`` (class token, DeiT's choice) or ``'avg'``.
+        global_pool: ``'token'`` (class token, DeiT's choice), ``'avg'`` (patch-token mean) or ``''``
+            (no pooling: the head sees every token, as timm's ViT).
         drop_rate, drop_path_rate: head dropout and stochastic depth.
         alpha: range of the learnable power, ``p ∈ (1, 1 + alpha)``.
         kernel_size: depthwise conv on v.
         key_pos_encoding: also learn the official key positional table (adds
             ``(1 + grid²)·dim`` parameters per block and fixes the input size).
+        device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
+    @factory_kwargs
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool="token",
                  embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0, qkv_bias=True, drop_rate=0.0,
                  drop_path_rate=0.0, alpha=4.0, kernel_size=5, key_pos_encoding=False,
                  norm_layer=partial(nn.LayerNorm, eps=1e-6)):
         super().__init__()
-        if global_pool not in ("token", "avg"):
-            raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+        _check_global_pool(global_pool)
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.global_pool = global_pool
-        self.num_features = self.embed_dim = embed_dim
+        self.num_features = self.head_hidden_size = self.embed_dim = embed_dim
         self.num_prefix_tokens = 1
         self.grad_checkpointing = False
         self.patch_embed = PatchEmbed(img_size, patch_size, in_chans, embed_dim, strict_img_size=False)
@@ -126,30 +130,20 @@ class PolaDeiT(nn.Module):
 
     def reset_classifier(self, num_classes, global_pool=None):
         if global_pool is not None:
-            if global_pool not in ("token", "avg"):
-                raise ValueError(f"global_pool must be 'token' or 'avg', got {global_pool!r}")
+            _check_global_pool(global_pool)
             self.global_pool = global_pool
         self.num_classes = num_classes
-        self.head = nn.Linear(self.embed_dim, num_classes) if num_classes > 0 else nn.Identity()
-
-    def _grid(self, x: torch.Tensor) -> tuple[int, int]:
-        if x.dim() != 4 or x.shape[1] != self.patch_embed.proj.in_channels:
-            raise ValueError(
-                f"expected images of shape (B, {self.patch_embed.proj.in_channels}, H, W), got {tuple(x.shape)}"
-            )
-        ph, pw = self.patch_embed.patch_size
-        h, w = x.shape[-2:]
-        if h % ph or w % pw:
-            raise ValueError(f"image size {h}x{w} is not divisible by the patch size {ph}x{pw}")
-        return h // ph, w // pw
+        dd = get_device_dtype(self)
+        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
 
     def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
-        height, width = self._grid(x)
+        ph, pw = self.patch_embed.patch_size
+        x = check_image(x, self.in_chans, (ph, pw), f"the patch size {ph}x{pw}")
+        height, width = x.shape[-2] // ph, x.shape[-1] // pw
         x = self.patch_embed(x)
-        pos_embed = self.pos_embed
-        if (height, width) != self.patch_embed.grid_size:
-            pos_embed = resample_abs_pos_embed(pos_embed, (height, width), self.patch_embed.grid_size,
-                                               num_prefix_tokens=1)
+        pos_embed = pos_table_for_grid(self.pos_embed, (height, width), self.patch_embed.grid_size,
+                                       num_prefix_tokens=1)
         return torch.cat([self.cls_token.expand(x.shape[0], -1, -1), x], dim=1) + pos_embed, height, width
 
     def _block(self, blk, x, height, width):
@@ -193,7 +187,10 @@ class PolaDeiT(nn.Module):
         return take
 
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
-        x = x[:, 0] if self.global_pool == "token" else x[:, self.num_prefix_tokens:].mean(dim=1)
+        if self.global_pool == "token":
+            x = x[:, 0]
+        elif self.global_pool == "avg":
+            x = x[:, self.num_prefix_tokens:].mean(dim=1)
         x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
@@ -201,10 +198,17 @@ class PolaDeiT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
+def _check_global_pool(global_pool):
+    if global_pool not in ("token", "avg", ""):
+        raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+
+
 def _cfg(**kwargs):
+    # The evaluation of `polaformer eval` (the official one): a square resize to size / crop_pct, bicubic,
+    # then a centre crop ('squash' in timm).
     return {
         "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.875,
-        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0",
         **kwargs,
     }
@@ -220,9 +224,12 @@ default_cfgs = generate_default_cfgs({
 
 
 def _create(variant, pretrained, sizes, kwargs):
-    """Build a variant; the caller's keyword arguments override the variant's sizes."""
-    return build_model_with_cfg(PolaDeiT, variant, pretrained, feature_cfg=dict(feature_cls="getter"),
-                                **{**sizes, **kwargs})
+    """Build a variant; the caller's keyword arguments override the variant's sizes.
+
+    ``features_only`` returns the last three blocks by default, as timm's ViT.
+    """
+    return build_model_with_cfg(PolaDeiT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=dict(out_indices=3, feature_cls="getter"), **{**sizes, **kwargs})
 
 
 @register_model

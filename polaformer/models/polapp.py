@@ -15,7 +15,10 @@ their checkpoints load strictly. The layout, as in the official code:
 - Head: 1×1 conv to ``projection`` channels, BatchNorm, Swish, global average pool, 1×1 conv
   classifier.
 
-RoPE tables are computed from the actual grid, so any input divisible by 32 works.
+RoPE tables are computed from the actual grid, so any input divisible by 32 works (``img_size`` is
+accepted for timm's API and changes nothing).
+
+The lower-case names ``pola_b0``..``pola_b5`` are timm deprecation aliases of ``POLA_b0``..``POLA_b5``.
 """
 from __future__ import annotations
 
@@ -24,8 +27,9 @@ from typing import Sequence
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, SelectAdaptivePool2d, trunc_normal_
+from timm.layers import DropPath, SelectAdaptivePool2d, get_device_dtype, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
+from timm.models._registry import register_model_deprecations
 from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -33,6 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
 
@@ -186,12 +191,15 @@ class PolaFormerPP(nn.Module):
         layerscales, layer_init_values: per stage, whether blocks scale their branches and the
             initial scale.
         global_pool: pooling before the classifier (``'avg'`` as in the official model).
+        img_size: accepted for timm's API; no effect (RoPE tables follow the input, any multiple of 32 runs).
+        device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
+    @factory_kwargs
     def __init__(self, in_chans=3, num_classes=1000, embed_dims=(96, 192, 384, 768), depths=(2, 2, 6, 2),
                  num_heads=(3, 6, 12, 24), mlp_ratios=(3, 3, 3, 3), block_types=("l", "l", "v", "v"),
                  drop_rate=0.0, drop_path_rate=0.1, projection=1024, layerscales=(False,) * 4,
-                 layer_init_values=(1e-6,) * 4, global_pool="avg"):
+                 layer_init_values=(1e-6,) * 4, global_pool="avg", img_size=None):
         super().__init__()
         num_stages = len(depths)
         for name, values in (("embed_dims", embed_dims), ("num_heads", num_heads), ("mlp_ratios", mlp_ratios),
@@ -272,15 +280,12 @@ class PolaFormerPP(nn.Module):
         self.num_classes = num_classes
         if global_pool is not None:
             self.global_pool = SelectAdaptivePool2d(pool_type=global_pool)
-        self.head = nn.Conv2d(self.num_features, num_classes, 1) if num_classes > 0 else nn.Identity()
+        dd = get_device_dtype(self)
+        self.head = nn.Conv2d(self.num_features, num_classes, 1, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 4 or x.shape[1] != self.in_chans:
-            raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
-        h, w = x.shape[-2:]
-        if h % self.reduction or w % self.reduction:
-            raise ValueError(f"image size {h}x{w} is not divisible by {self.reduction}")
-        return x
+        return check_image(x, self.in_chans, (self.reduction, self.reduction), f"{self.reduction}")
 
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
@@ -355,7 +360,7 @@ def _from_official(constructor: dict) -> PolaFormerPP:
 
 
 def _cfg(**kwargs):
-    # The official evaluation resizes both sides to 256 (bicubic) and center-crops 224.
+    # The official evaluation resizes both sides to 256 (bicubic) and center-crops 224 (timm's 'squash').
     return {
         "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
         "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
@@ -364,14 +369,14 @@ def _cfg(**kwargs):
 
 
 _VARIANTS = [f"POLA_b{i}" for i in range(6)]
-default_cfgs = generate_default_cfgs({name: _cfg() for name in _VARIANTS + [n.lower() for n in _VARIANTS]})
+default_cfgs = generate_default_cfgs({name: _cfg() for name in _VARIANTS})
 
 
 def _create(variant, pretrained, sizes, kwargs):
     """Build a variant; the caller's keyword arguments override the variant's sizes."""
     return build_model_with_cfg(
-        PolaFormerPP, variant, pretrained, feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-        **{**sizes, **kwargs},
+        PolaFormerPP, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **{**sizes, **kwargs},
     )
 
 
@@ -429,31 +434,5 @@ def POLA_b5(pretrained=False, **kwargs) -> PolaFormerPP:
     return _create("POLA_b5", pretrained, _SIZES["POLA_b5"], kwargs)
 
 
-@register_model
-def pola_b0(pretrained=False, **kwargs) -> PolaFormerPP:
-    return _create("pola_b0", pretrained, _SIZES["POLA_b0"], kwargs)
-
-
-@register_model
-def pola_b1(pretrained=False, **kwargs) -> PolaFormerPP:
-    return _create("pola_b1", pretrained, _SIZES["POLA_b1"], kwargs)
-
-
-@register_model
-def pola_b2(pretrained=False, **kwargs) -> PolaFormerPP:
-    return _create("pola_b2", pretrained, _SIZES["POLA_b2"], kwargs)
-
-
-@register_model
-def pola_b3(pretrained=False, **kwargs) -> PolaFormerPP:
-    return _create("pola_b3", pretrained, _SIZES["POLA_b3"], kwargs)
-
-
-@register_model
-def pola_b4(pretrained=False, **kwargs) -> PolaFormerPP:
-    return _create("pola_b4", pretrained, _SIZES["POLA_b4"], kwargs)
-
-
-@register_model
-def pola_b5(pretrained=False, **kwargs) -> PolaFormerPP:
-    return _create("pola_b5", pretrained, _SIZES["POLA_b5"], kwargs)
+# The lower-case names some configs use: timm aliases that warn and build the official model.
+register_model_deprecations(__name__, {name.lower(): name for name in _VARIANTS})

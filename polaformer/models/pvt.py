@@ -7,6 +7,8 @@ load strictly. Quirks of the official model kept on purpose:
 - The official build passes ``la_sr_ratios='1111'``: Pola blocks attend over all tokens of their
   stage (no spatial reduction); ``'8421'`` is the class default and gives a different layout.
 - The final ``norm`` is built but never applied: features are the token mean of the last stage.
+  Its weight and bias are held as buffers (:class:`HeldNorm`), so checkpoints keep loading strictly
+  while every parameter of the model gets a gradient (timm's test-suite checks that).
 - Patch embeddings use a LayerNorm with eps 1e-5; blocks use ``norm_layer`` (eps 1e-6).
 
 Any input divisible by 32 works: the per-stage position tables and the attention's key
@@ -19,7 +21,7 @@ from functools import partial
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -28,16 +30,17 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
+from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs, pos_table_for_grid
 
-__all__ = ["PolaPVT", "PyramidBase"]
+__all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
 
 
 class PyramidBase(nn.Module):
     """What the PVT-style families share: flat ``patch_embed{i}``/``block{i}`` stages (the official
     module names), the timm API, size checks and stage-wise intermediates.
 
-    Subclasses set ``num_stages``, ``total_stride``, ``num_features``, ``feature_info``,
-    ``global_pool``, ``head`` and ``grad_checkpointing``, and implement ``_stage(i, x)`` mapping an
+    Subclasses set ``in_chans``, ``num_stages``, ``total_stride``, ``num_features``, ``feature_info``,
+    ``global_pool``, ``head_drop``, ``head`` and ``grad_checkpointing``, and implement ``_stage(i, x)`` mapping an
     NCHW map to the next stage's NCHW map, and ``_stage_modules(i)`` naming the stage's modules.
     """
 
@@ -69,23 +72,20 @@ class PyramidBase(nn.Module):
                 raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
         self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        dd = get_device_dtype(self)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
 
-    def _check_input(self, x):
-        in_chans = self.patch_embed1.proj.in_channels
-        if x.dim() != 4 or x.shape[1] != in_chans:
-            raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
-        if x.shape[-2] % self.total_stride or x.shape[-1] % self.total_stride:
-            raise ValueError(
-                f"image size {x.shape[-2]}x{x.shape[-1]} is not divisible by the total stride {self.total_stride}"
-            )
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        stride = self.total_stride
+        return check_image(x, self.in_chans, (stride, stride), f"the total stride {stride}")
 
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
         """Stage outputs as NCHW maps (``norm`` has no effect: stage outputs are taken as the stages emit them)."""
         if output_fmt != "NCHW":
             raise ValueError("intermediates are NCHW maps")
-        self._check_input(x)
+        x = self._check_input(x)
         take, max_index = feature_take_indices(self.num_stages, indices)
         intermediates = []
         last = max_index if stop_early else self.num_stages - 1
@@ -109,7 +109,7 @@ class PyramidBase(nn.Module):
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's map (B, C, H/32, W/32)."""
-        self._check_input(x)
+        x = self._check_input(x)
         for i in range(self.num_stages):
             x = self._stage(i, x)
         return x
@@ -117,11 +117,21 @@ class PyramidBase(nn.Module):
     def forward_head(self, x: torch.Tensor, pre_logits: bool = False) -> torch.Tensor:
         if self.global_pool == "avg":
             x = x.mean(dim=(-2, -1))
+        x = self.head_drop(x)
         return x if pre_logits else self.head(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
+
+class HeldNorm(nn.Module):
+    """The official final LayerNorm's ``weight`` and ``bias``, held as buffers: the official model
+    builds the norm but never applies it, so they are loaded and saved, never trained."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.register_buffer("weight", torch.ones(dim))
+        self.register_buffer("bias", torch.zeros(dim))
 
 
 class PolaPVTBlock(nn.Module):
@@ -157,8 +167,10 @@ class PolaPVT(PyramidBase):
         sr_ratios: key/value reduction of softmax ('S') stages.
         la_sr_ratios: key/value reduction of Pola ('L') stages, one digit per stage.
         alpha, kernel_size: the power map's range and the depthwise conv size.
+        device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
+    @factory_kwargs
     def __init__(self, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dims=(64, 128, 320, 512),
                  num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), qkv_bias=True, qk_scale=None, drop_rate=0.0,
                  drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), depths=(2, 2, 2, 2),
@@ -170,6 +182,7 @@ class PolaPVT(PyramidBase):
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.global_pool = global_pool
         self.num_stages = num_stages
         self.depths = list(depths)
@@ -196,7 +209,8 @@ class PolaPVT(PyramidBase):
             setattr(self, f"block{i + 1}", blocks)
             reduction = patch_size * 2**i
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f"block{i + 1}"))
-        self.norm = norm_layer(embed_dims[-1])  # held for checkpoint compatibility; never applied (official)
+        self.norm = HeldNorm(embed_dims[-1])  # held for checkpoint compatibility; never applied (official)
+        self.head_drop = nn.Identity()  # the official drop_rate acts inside the blocks, not before the head
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
 
@@ -208,10 +222,8 @@ class PolaPVT(PyramidBase):
         embed = getattr(self, f"patch_embed{i + 1}")
         height, width = x.shape[-2] // embed.patch_size[0], x.shape[-1] // embed.patch_size[1]
         x = embed(x)
-        pos = getattr(self, f"pos_embed{i + 1}")
-        if (height, width) != tuple(embed.grid_size):
-            pos = resample_abs_pos_embed(pos, [height, width], list(embed.grid_size), num_prefix_tokens=0,
-                                         interpolation="bilinear", antialias=False)
+        pos = pos_table_for_grid(getattr(self, f"pos_embed{i + 1}"), (height, width), embed.grid_size,
+                                 interpolation="bilinear", antialias=False)
         x = self.pos_drop(x + pos)
         for blk in getattr(self, f"block{i + 1}"):
             if self.grad_checkpointing and torch.is_grad_enabled():
@@ -244,9 +256,10 @@ def _from_official(c: dict) -> PolaPVT:
 
 
 def _cfg(**kwargs):
+    # The official evaluation (TEST.CROP): a square bicubic resize to size / 0.875, then a centre crop.
     return {
         "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
-        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed1.proj", "classifier": "head", "license": "apache-2.0",
         **kwargs,
     }
@@ -265,7 +278,7 @@ def _create(variant, pretrained, sizes, kwargs):
     args = dict(patch_size=4, embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4),
                 qkv_bias=True, sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", **sizes)
     args.update(kwargs)
-    return build_model_with_cfg(PolaPVT, variant, pretrained,
+    return build_model_with_cfg(PolaPVT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
                                 feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **args)
 
 

@@ -23,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
+from ._helpers import checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
 __all__ = ["PolaPVTv2"]
@@ -44,13 +45,24 @@ class PolaPVTv2Block(nn.Module):
 
 
 class PolaPVTv2(PyramidBase):
+    """PVTv2 with Pola linear attention.
+
+    Args:
+        drop_rate: dropout before the classifier (as timm's PVTv2 ``drop_rate``).
+        device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
+        Others: as :class:`~polaformer.models.PolaPVT`.
+    """
+
+    @factory_kwargs
     def __init__(self, img_size=224, in_chans=3, num_classes=1000, embed_dims=(64, 128, 320, 512),
-                 num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), depths=(3, 4, 6, 3), drop_path_rate=0.0,
-                 norm_layer=partial(nn.LayerNorm, eps=1e-6), alpha=4, kernel_size=5, global_pool="avg"):
+                 num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), depths=(3, 4, 6, 3), drop_rate=0.0,
+                 drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), alpha=4, kernel_size=5,
+                 global_pool="avg"):
         super().__init__()
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.global_pool = global_pool
         self.num_stages = len(depths)
         self.num_features = self.head_hidden_size = embed_dims[-1]
@@ -73,6 +85,7 @@ class PolaPVTv2(PyramidBase):
             setattr(self, f"norm{i + 1}", norm_layer(embed_dims[i]))
             cur += depth
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=4 * 2**i, module=f"norm{i + 1}"))
+        self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         for m in self.modules():
             if isinstance(m, nn.Linear):
@@ -97,9 +110,10 @@ class PolaPVTv2(PyramidBase):
 
 
 def _cfg(**kwargs):
+    # The official evaluation (TEST.CROP): a square bicubic resize to size / 0.875, then a centre crop.
     return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.9,
-        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
+        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed1.proj", "classifier": "head", "license": "apache-2.0",
         **kwargs,
     }
@@ -119,7 +133,7 @@ _SIZES = {
 
 
 def _create(variant, pretrained, kwargs):
-    return build_model_with_cfg(PolaPVTv2, variant, pretrained,
+    return build_model_with_cfg(PolaPVTv2, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
                                 feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
                                 **{**_SIZES[variant], **kwargs})
 

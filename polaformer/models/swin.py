@@ -48,8 +48,8 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, to_2tuple, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, to_2tuple, trunc_normal_
+from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -57,6 +57,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PolaLinearAttention, WindowAttention
+from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
 
@@ -107,6 +108,7 @@ def shifted_window_mask(grid, window, shift, device=None) -> torch.Tensor:
     return torch.zeros(apart.shape, device=device).masked_fill(apart, MASK_VALUE)
 
 
+@register_notrace_module  # reason: the window layout (size, shift, padding) is chosen from the input's grid
 class PolaSwinBlock(nn.Module):
     """Pre-norm block: (shifted) window attention, then an MLP; works on (B, H, W, C) maps.
 
@@ -157,6 +159,10 @@ class PolaSwinBlock(nn.Module):
             return None
         if grid == self.input_resolution and self.attn_mask is not None:
             return self.attn_mask
+        if torch.jit.is_tracing():
+            # TorchScript tracing (legacy ONNX export) hands sizes over as traced tensors, and the mask's
+            # index writes would then be mis-traced; a trace holds for its own input size, so use plain ints.
+            grid = tuple(int(side) for side in grid)
         return shifted_window_mask(grid, window, shift, device)
 
     def _attention(self, x: torch.Tensor) -> torch.Tensor:
@@ -251,8 +257,14 @@ class PolaSwinTransformer(nn.Module):
         kernel_size: depthwise conv on v in the linear blocks.
         attn_type: per-stage attention letters (see the module docstring).
         global_pool: ``'avg'`` (the official token mean) or ``''``.
+        device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
+
+    ``forward_features`` returns (B, H/32, W/32, C) maps: ``output_fmt`` is ``'NHWC'``, as timm's Swin.
     """
 
+    output_fmt = "NHWC"
+
+    @factory_kwargs
     def __init__(self, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dim=96, depths=(2, 2, 6, 2),
                  num_heads=(3, 6, 12, 24), window_size=7, mlp_ratio=4.0, qkv_bias=True, qk_scale=None, drop_rate=0.0,
                  attn_drop_rate=0.0, drop_path_rate=0.1, norm_layer=nn.LayerNorm, ape=False, patch_norm=True,
@@ -265,6 +277,7 @@ class PolaSwinTransformer(nn.Module):
         num_stages = len(depths)
         attn_types = block_attn_types(attn_type, depths)
         self.num_classes = num_classes
+        self.in_chans = in_chans
         self.global_pool = global_pool
         self.num_features = self.head_hidden_size = embed_dim * 2 ** (num_stages - 1)
         self.total_stride = tuple(p * 2 ** (num_stages - 1) for p in to_2tuple(patch_size))
@@ -340,22 +353,18 @@ class PolaSwinTransformer(nn.Module):
                 raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
             self.global_pool = global_pool
         self.num_classes = num_classes
-        self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
+        dd = get_device_dtype(self)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
-        in_chans = self.patch_embed.proj.in_channels
-        if x.dim() != 4 or x.shape[1] != in_chans:
-            raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
-        h, w = x.shape[-2:]
         sh, sw = self.total_stride
-        if h % sh or w % sw:
-            stride = sh if sh == sw else f"{sh}x{sw}"
-            raise ValueError(f"image size {h}x{w} is not divisible by {stride} (the total stride)")
+        x = check_image(x, self.in_chans, (sh, sw), f"{sh if sh == sw else f'{sh}x{sw}'} (the total stride)")
         x = self.patch_embed(x)  # (B, H, W, C)
         if self.absolute_pos_embed is not None:
-            pos = resample_abs_pos_embed(self.absolute_pos_embed, list(x.shape[1:3]),
-                                         list(self.patch_embed.grid_size), num_prefix_tokens=0)
-            x = x + pos.view(1, *x.shape[1:])
+            b, h, w, c = x.shape
+            pos = pos_table_for_grid(self.absolute_pos_embed, (h, w), self.patch_embed.grid_size)
+            x = x + pos.reshape(1, h, w, c)
         return self.pos_drop(x)
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
@@ -375,12 +384,12 @@ class PolaSwinTransformer(nn.Module):
 
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
-        """Stage outputs before their PatchMerging, as NCHW maps at strides 4/8/16/32.
+        """Stage outputs before their PatchMerging, as NCHW (or NHWC) maps at strides 4/8/16/32.
 
         ``norm`` applies the final norm to the last stage's map (the only one it is sized for).
         """
-        if output_fmt != "NCHW":
-            raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
+        if output_fmt not in ("NCHW", "NHWC"):
+            raise ValueError(f"output_fmt must be 'NCHW' or 'NHWC', got {output_fmt!r}")
         take, max_index = feature_take_indices(len(self.layers), indices)
         last = len(self.layers) - 1
         stages = self.layers[:max_index + 1] if stop_early else self.layers
@@ -390,7 +399,7 @@ class PolaSwinTransformer(nn.Module):
             x = stage.forward_blocks(x)
             if i in take:
                 feat = self.norm(x) if norm and i == last else x
-                intermediates.append(feat.permute(0, 3, 1, 2).contiguous())
+                intermediates.append(feat.permute(0, 3, 1, 2).contiguous() if output_fmt == "NCHW" else feat)
             if stage.downsample is not None:
                 x = stage.downsample(x)
         if intermediates_only:
@@ -435,9 +444,10 @@ def _from_official(c: dict) -> PolaSwinTransformer:
 
 
 def _cfg(**kwargs):
+    # The official evaluation (TEST.CROP): a square bicubic resize to size / 0.875, then a centre crop.
     return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.9,
-        "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
+        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
         "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj", "classifier": "head", "license": "mit",
         **kwargs,
     }
@@ -447,6 +457,7 @@ default_cfgs = generate_default_cfgs({
     "pola_swin_t": _cfg(),
     "pola_swin_s": _cfg(),
     "pola_swin_b": _cfg(),
+    # cfgs/pola_swin_b_384.yaml evaluates without a centre crop (TEST.CROP False): a 384x384 resize.
     "pola_swin_b_384": _cfg(input_size=(3, 384, 384), pool_size=(12, 12), crop_pct=1.0),
 })
 
@@ -454,7 +465,7 @@ default_cfgs = generate_default_cfgs({
 def _create(variant, pretrained, sizes, kwargs):
     """The official cfgs/pola_swin_*.yaml sizes (LLSS, global linear windows); caller kwargs override."""
     args = {**dict(patch_size=4, window_size=56, attn_type="LLSS"), **sizes, **kwargs}
-    return build_model_with_cfg(PolaSwinTransformer, variant, pretrained,
+    return build_model_with_cfg(PolaSwinTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
                                 feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **args)
 
 

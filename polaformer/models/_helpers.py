@@ -1,0 +1,88 @@
+"""What every family needs to behave as a timm model, in one place.
+
+- :func:`factory_kwargs`: timm's ``device=``/``dtype=`` constructor arguments
+  (``timm.create_model(name, device='meta')``).
+- :func:`check_image` and :func:`pos_table_for_grid`: the input check and the position-table
+  lookup, registered with timm as FX leaf functions (``register_notrace_function``). Both take
+  Python decisions on the input's size, which symbolic tracing cannot record; as leaf calls they
+  run, unchanged, every time the traced graph runs. FX wraps a leaf function where it is a
+  module-level name of the calling module, so family files import them by name. The attention
+  layers (shape checks, key-table resampling) are FX leaf modules for the same reason.
+- :func:`checkpoint_filter_fn`: the families' ``pretrained_filter_fn``: a checkpoint made for
+  another input size loads through ``timm.create_model(..., pretrained=True)`` with its position
+  tables resampled (the same resampling as :func:`polaformer.finetune.load_for_finetune`).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+from timm.layers import resample_abs_pos_embed
+from timm.models import register_notrace_function, register_notrace_module
+
+from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
+from ..ops.feature_maps import legacy_onnx_tracing
+
+__all__ = ["check_image", "checkpoint_filter_fn", "factory_kwargs", "pos_table_for_grid"]
+
+# reason: input checks and key-table resampling decide in Python on the token grid
+for _layer in (PolaLinearAttention, SpatialReductionAttention, PacsLinearAttention, RopeSoftmaxAttention):
+    register_notrace_module(_layer)
+
+
+def factory_kwargs(init):
+    """Decorate a model ``__init__`` so that it takes timm's ``device`` and ``dtype`` arguments.
+
+    The model is built under ``torch.device(device)`` (parameters and buffers are created there,
+    nothing is allocated elsewhere first) and cast to ``dtype`` afterwards (floating-point tensors
+    only, as ``Module.to``).
+    """
+
+    @functools.wraps(init)
+    def __init__(self, *args, device=None, dtype=None, **kwargs):
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            init(self, *args, **kwargs)
+        if dtype is not None:
+            self.to(dtype=dtype)
+
+    return __init__
+
+
+@register_notrace_function  # reason: Python control flow on the input's shape
+def check_image(x: torch.Tensor, in_chans: int, stride: tuple[int, int], stride_text: str) -> torch.Tensor:
+    """``x`` itself if it is a (B, in_chans, H, W) batch with H, W multiples of ``stride``, else a ValueError."""
+    if x.dim() != 4 or x.shape[1] != in_chans:
+        raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
+    h, w = x.shape[-2:]
+    if h % stride[0] or w % stride[1]:
+        raise ValueError(f"image size {h}x{w} is not divisible by {stride_text}")
+    return x
+
+
+@register_notrace_function  # reason: compares the input's grid with the table's
+def pos_table_for_grid(table: torch.Tensor, grid: tuple[int, int], table_grid: tuple[int, int],
+                       num_prefix_tokens: int = 0, interpolation: str = "bicubic",
+                       antialias: bool = True) -> torch.Tensor:
+    """A (1, prefix + h·w, C) position table for a ``grid`` token grid: the table itself on its own
+    grid, else resampled from ``table_grid`` with timm's ``resample_abs_pos_embed``."""
+    if tuple(grid) == tuple(table_grid):
+        return table
+    if antialias and legacy_onnx_tracing():  # it has no antialiased resize: refuse here, not with an IR dump
+        raise RuntimeError(
+            f"the TorchScript-based ONNX exporter (torch.onnx.export(..., dynamo=False)) cannot resample this "
+            f"model's position table to a {grid[0]}x{grid[1]} token grid (antialiased bicubic); use "
+            f"torch.onnx.export(..., dynamo=True) or 'polaformer export', or the model's own input size "
+            f"(a {table_grid[0]}x{table_grid[1]} grid)"
+        )
+    return resample_abs_pos_embed(table, list(grid), list(table_grid), num_prefix_tokens=num_prefix_tokens,
+                                  interpolation=interpolation, antialias=antialias)
+
+
+def checkpoint_filter_fn(state_dict: dict, model: torch.nn.Module) -> dict:
+    """timm's ``pretrained_filter_fn`` for every family: the official layouts need no renaming;
+    position tables made for another input size are resampled to ``model``'s, and the layout
+    buffers (``relative_position_index``, ``attn_mask``) are the model's own."""
+    from ..finetune import adapt_state_dict  # finetune imports the checkpoint machinery; only needed here
+
+    return adapt_state_dict(state_dict, model)
