@@ -1,5 +1,6 @@
 """The ``polaformer`` command: ``train`` a model, ``eval`` a checkpoint, measure ``throughput``, ``analyze``,
-``bench``, and the Long Range Arena (``lra train|eval|generate|bench``, in :mod:`polaformer.lra.cli`).
+``bench``, ``export`` to ONNX (in :mod:`polaformer.export`), and the Long Range Arena (``lra
+train|eval|generate|bench``, in :mod:`polaformer.lra.cli`).
 
 Every user error (a bad option, a missing or foreign checkpoint, an unknown model) ends the
 command with exit status 2 and a single ``polaformer...: error: ...`` line on stderr.
@@ -152,8 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument(
         "--crop-pct", type=float, metavar="P",
-        help="with --data-path: resize to the square S/P, then centre-crop S (default: the official TEST.CROP: "
-             "0.875, or no crop if the checkpoint's config says so)",
+        help="with --data-path: resize to the square S/P, then centre-crop S (default: the checkpoint config's "
+             "TEST.CROP, else the model's pretrained_cfg: the official 0.875, no crop for pola_swin_b_384)",
     )
     evaluate.add_argument(
         "--workers", type=int, metavar="N", help="with --data-path: data loading processes (default: 4)"
@@ -236,6 +237,49 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the per-N peak-memory subprocesses of the fused op")
     bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (explicit options win)")
     bench.set_defaults(handler=cmd_bench)
+
+    export = commands.add_parser(
+        "export", help="export a model to ONNX (dynamo exporter), verified against eager PyTorch in onnxruntime",
+        description="Exports with torch.onnx's dynamo exporter, then runs the written file in onnxruntime on random "
+                    "inputs (two batch sizes when the batch is dynamic) and keeps it only if it matches the eager "
+                    "model within --atol; otherwise the file is deleted and the exit status is 1. Needs the 'export' "
+                    "extra (onnx, onnxruntime, onnxscript). See docs/export.md.",
+    )
+    export.add_argument("--model", required=True, metavar="NAME", help="timm model name")
+    export.add_argument(
+        "--checkpoint", metavar="FILE",
+        help="weights (default: random): the authors' checkpoints, ours, timm's, plain or .safetensors state dicts",
+    )
+    export.add_argument(
+        "--weights", choices=("auto", "ema", "raw"), default="auto",
+        help="with --checkpoint: the EMA or the raw weights (default: auto, EMA if the file has them)",
+    )
+    export.add_argument(
+        "--model-kwarg", dest="model_kwargs", action="append", type=parse_model_kwarg, metavar="KEY=VALUE",
+        help="extra keyword argument for timm.create_model; repeatable",
+    )
+    export.add_argument("--img-size", type=positive_int, metavar="S", help="square input size (default: the model's)")
+    export.add_argument(
+        "--batch-size", type=positive_int, default=1, metavar="B",
+        help="batch of the first verification, and of the input when the batch is static (default: %(default)s)",
+    )
+    export.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: %(default)s)")
+    export.add_argument("--out", required=True, metavar="FILE", help="file to write (replaced atomically)")
+    export.add_argument("--opset", type=positive_int, metavar="N", help="ONNX opset (default: the exporter's)")
+    export.add_argument(
+        "--dynamic-batch", action=argparse.BooleanOptionalAction, default=True,
+        help="symbolic batch axis, verified at two batch sizes (default: on)",
+    )
+    export.add_argument(
+        "--dynamic-size", action=argparse.BooleanOptionalAction, default=False,
+        help="symbolic height/width, verified at a second size; refused for models whose graph depends on the "
+             "size (all but PolaFormer++); default: off, the file takes --img-size only",
+    )
+    export.add_argument(
+        "--atol", type=float, metavar="TOL",
+        help="largest allowed max |onnxruntime - eager| (default: 1e-4)",
+    )
+    export.set_defaults(handler=cmd_export)
 
     from .lra.cli import add_lra_parser
 
@@ -418,6 +462,32 @@ def cmd_bench(args: argparse.Namespace) -> int:
     exponent_text = "n/a (needs 2 sizes in 4096..65536)" if exponent is None else f"{exponent:.3f} (N 4096..65536)"
     print(f"fused Pola fwd+bwd time exponent {exponent_text}; wrote results.json, {', '.join(results['plots'])} "
           f"-> {args.out} ({results['wall_time_s']:.0f} s)")
+    return 0
+
+
+VERIFICATION_FAILED = 1  # `export`: the file did not reproduce the model and was deleted
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import DEFAULT_ATOL, ExportError, ExportVerificationError, export_model
+
+    if args.atol is not None and not args.atol >= 0:
+        return _usage_error("export", f"--atol must be >= 0, got {args.atol}")
+    if args.checkpoint is None and args.weights != "auto":
+        return _usage_error("export", "--weights needs --checkpoint FILE")
+    try:
+        result = export_model(
+            args.model, args.out, checkpoint=args.checkpoint, weights=args.weights,
+            model_kwargs=dict(args.model_kwargs or []), img_size=args.img_size, batch_size=args.batch_size,
+            dynamic_batch=args.dynamic_batch, dynamic_size=args.dynamic_size, opset=args.opset,
+            atol=DEFAULT_ATOL if args.atol is None else args.atol,
+        )
+    except ExportVerificationError as e:
+        print(f"polaformer export: error: {e}", file=sys.stderr)
+        return VERIFICATION_FAILED
+    except ExportError as e:
+        return _usage_error("export", str(e))
+    print(result.summary(args.model))
     return 0
 
 

@@ -83,7 +83,13 @@ class WindowAttention(nn.Module):
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias.to(q.dtype), dropout_p=self.attn_drop if self.training else 0.0, scale=self.scale
         )
-        out = out.transpose(1, 2).reshape(b_, n, c)
+        out = out.transpose(1, 2)
+        if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
+            # The fused CPU kernel returns (B, N, H, d) memory, so the trace records a view here; the export's
+            # decompositions give a (B, H, N, d)-contiguous output that cannot be viewed ("Cannot view a tensor
+            # ...", ONNX export step 2/3). An explicit copy is recorded whatever the strides are.
+            out = out.clone(memory_format=torch.contiguous_format)
+        out = out.reshape(b_, n, c)
         return self.proj_drop(self.proj(out))
 
     def extra_repr(self) -> str:

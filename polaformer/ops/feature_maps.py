@@ -32,6 +32,17 @@ def learnable_power(weight: torch.Tensor, alpha: float) -> torch.Tensor:
     return 1 + alpha * torch.sigmoid(weight)
 
 
+def legacy_onnx_tracing() -> bool:
+    """True inside ``torch.onnx.export(..., dynamo=False)`` (the TorchScript-tracing exporter)."""
+    return torch.onnx.is_in_onnx_export() and torch.jit.is_tracing()
+
+
+def _expm1(x: torch.Tensor) -> torch.Tensor:
+    # The TorchScript-based ONNX exporter has no symbolic for expm1 (ONNX has no such operator);
+    # exp(x) - 1 is also what the dynamo exporter writes for it.
+    return torch.exp(x) - 1 if legacy_onnx_tracing() else torch.expm1(x)
+
+
 def _sign_expand(magnitude: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """Place ``magnitude`` into the positive or negative half by the sign of ``x``."""
     positive = x > 0
@@ -66,8 +77,8 @@ def pacs_query_features(
     d = q.shape[-1]
     positive = q > 0
     mag = q.abs()
-    same = torch.expm1(mag * torch.where(positive, temp_same[..., :d], temp_same[..., d:]))
-    opposite = torch.expm1(mag * torch.where(positive, temp_opposite[..., d:], temp_opposite[..., :d]))
+    same = _expm1(mag * torch.where(positive, temp_same[..., :d], temp_same[..., d:]))
+    opposite = _expm1(mag * torch.where(positive, temp_opposite[..., d:], temp_opposite[..., :d]))
     zero = q.new_zeros(())
     same = torch.cat([torch.where(positive, same, zero), torch.where(positive, zero, same)], dim=-1)
     opposite = torch.cat([torch.where(positive, zero, opposite), torch.where(positive, opposite, zero)], dim=-1)
@@ -76,7 +87,7 @@ def pacs_query_features(
 
 def pacs_key_features(k: torch.Tensor) -> torch.Tensor:
     """PolaFormer++ key features ``exp([k⁺; k⁻]) − 1`` (no temperature, as in the official code)."""
-    return _sign_expand(torch.expm1(k.abs()), k)
+    return _sign_expand(_expm1(k.abs()), k)
 
 
 def elu_feature(x: torch.Tensor) -> torch.Tensor:

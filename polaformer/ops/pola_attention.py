@@ -25,7 +25,7 @@ import contextlib
 
 import torch
 
-from .feature_maps import pacs_key_features, pacs_query_features
+from .feature_maps import legacy_onnx_tracing, pacs_key_features, pacs_query_features
 from .rope import apply_rope
 
 __all__ = ["pola_linear_attention", "pacs_linear_attention", "linear_attention"]
@@ -358,7 +358,9 @@ def pacs_linear_attention(
         phi_q = torch.stack([q_same, q_opposite], dim=2)  # (B, H, 2, N, 2d)
         # Power-of-two row scale: exact, and bounds every product by 2d·max|S|.
         row_max = phi_q.amax(dim=-1, keepdim=True).detach()
-        scale = torch.exp2(torch.floor(torch.log2(row_max.clamp_min(1.0))))
+        exponent = torch.floor(torch.log2(row_max.clamp_min(1.0)))
+        # The TorchScript-based ONNX exporter has no exp2; Pow(2, n) is what the dynamo exporter writes.
+        scale = torch.pow(2.0, exponent) if legacy_onnx_tracing() else torch.exp2(exponent)
         phi_q = phi_q / scale
         denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps / scale  # (B, H, 2, N, 1)
         if sin is not None:
