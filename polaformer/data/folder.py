@@ -91,18 +91,10 @@ def _scan_split(root: str, extensions: Sequence[str]) -> tuple[list[str], list[l
             f"no images in {root}: it has no class folders{hint}; expected {root}/<class>/<image>"
         )
     per_class: list[list[str]] = []
+    walk = _SplitWalk(root, extensions, classes)
     for name in classes:
-        class_dir = os.path.join(root, name)
-        files: list[str] = []
-        for dirpath, dirnames, filenames in os.walk(class_dir, followlinks=True):
-            dirnames[:] = sorted(d for d in dirnames if _visible(d))
-            rel = os.path.relpath(dirpath, root)
-            files.extend(
-                os.path.join(rel, f)
-                for f in sorted(filenames)
-                if _visible(f) and f.lower().endswith(extensions)
-            )
-        per_class.append(files)
+        per_class.append(walk.images(name))
+    walk.report()
     if not any(per_class):
         raise DatasetError(
             f"no images in {root}: its {len(classes)} class folders hold no files with the extensions "
@@ -117,6 +109,93 @@ def _scan_split(root: str, extensions: Sequence[str]) -> tuple[list[str], list[l
             f"{', '.join(extensions)}); remove the folder or add its images"
         )
     return classes, per_class
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """``image`` as 8-bit RGB, scaled from its real range.
+
+    PIL's ``convert('RGB')`` clips 16- and 32-bit integer pixels to 255 (a 16-bit PNG turns white)
+    and truncates float pixels (a float TIFF in [0, 1] turns black). Integer images are scaled from
+    their bit depth (16 bits unless a value exceeds it); float images from [0, 1] when they lie in
+    it, else from their own minimum and maximum.
+    """
+    if image.mode not in ("I", "F") and not image.mode.startswith("I;"):
+        return image.convert("RGB")
+    pixels = np.asarray(image, dtype=np.float64)
+    if image.mode == "F":
+        finite = pixels[np.isfinite(pixels)]
+        low, high = (0.0, 1.0) if finite.size == 0 or (finite.min() >= 0 and finite.max() <= 1) else (
+            float(finite.min()), float(finite.max()))
+    else:
+        low, high = 0.0, 65535.0 if pixels.max(initial=0) <= 65535 else float(pixels.max())
+    scaled = np.nan_to_num((pixels - low) / max(high - low, 1e-12), nan=0.0, posinf=1.0, neginf=0.0)
+    gray = np.clip(np.rint(scaled * 255), 0, 255).astype(np.uint8)
+    return Image.fromarray(gray, mode="L").convert("RGB")
+
+
+class _SplitWalk:
+    """Finds the images of one split, following symbolic links but visiting each real folder once.
+
+    A link loop (``class/self -> .``) would otherwise be followed until the path gets too long,
+    and a link into another class would count its images twice. Links that lead outside the split
+    (into ``val/`` from ``train/``, say) are followed but reported: they may leak images across splits.
+    """
+
+    def __init__(self, root: str, extensions: tuple[str, ...], classes: Sequence[str]):
+        self.root, self.extensions = root, extensions
+        self.real_root = os.path.realpath(root)
+        self.class_roots = {name: os.path.realpath(os.path.join(root, name)) for name in classes}
+        self.visited: set[str] = set()
+        self.outside: list[str] = []  # links leading outside the split
+        self.repeated: list[str] = []  # links to folders already visited, or into another class
+
+    def _inside(self, real: str, folder: str | None = None) -> bool:
+        folder = folder or self.real_root
+        return real == folder or real.startswith(folder + os.sep)
+
+    def images(self, name: str) -> list[str]:
+        files: list[str] = []
+        top = os.path.join(self.root, name)
+        stack = [(top, os.path.realpath(top))]
+        if os.path.islink(top) and not self._inside(stack[0][1]):
+            self.outside.append(f"{top} -> {stack[0][1]}")
+        while stack:
+            path, real = stack.pop()
+            if real in self.visited or self._in_other_class(real, name):
+                self.repeated.append(f"{path} -> {real}")
+                continue
+            self.visited.add(real)
+            try:
+                with os.scandir(path) as it:
+                    entries = sorted((e for e in it if _visible(e.name)), key=lambda e: e.name)
+            except OSError as err:
+                logger.warning("cannot list %s: %s", path, err.strerror or err)
+                continue
+            subdirs = []
+            for entry in entries:
+                link = entry.is_symlink()
+                target = os.path.realpath(entry.path) if link else os.path.join(real, entry.name)
+                if link and not self._inside(target):
+                    self.outside.append(f"{entry.path} -> {target}")
+                if entry.is_dir():
+                    subdirs.append((entry.path, target))
+                elif entry.name.lower().endswith(self.extensions):
+                    files.append(os.path.relpath(entry.path, self.root))
+            stack.extend(reversed(subdirs))  # os.walk's order: a folder's files, then its sub-folders by name
+        return files
+
+    def _in_other_class(self, real: str, name: str) -> bool:
+        return any(self._inside(real, folder) for other, folder in self.class_roots.items()
+                   if other != name and not self._inside(self.class_roots[name], folder))
+
+    def report(self) -> None:
+        if self.repeated:
+            logger.warning("%s: skipped %d symbolic links to folders scanned already or of another class (e.g. %s)",
+                           self.root, len(self.repeated), self.repeated[0])
+        if self.outside:
+            logger.warning("%s: %d symbolic links lead outside this split, their images are included "
+                           "(e.g. %s); check that no image is in both train/ and val/",
+                           self.root, len(self.outside), self.outside[0])
 
 
 class ImageFolderDataset(Dataset):
@@ -176,7 +255,7 @@ class ImageFolderDataset(Dataset):
             with open(path, "rb") as f:
                 image = Image.open(f)
                 image.load()  # decode now: truncated or corrupt data fails here, not in the transform
-                return image.convert("RGB")
+                return to_rgb(image)
         except Exception as err:  # any decoding/reading failure: PIL raises many kinds
             self._bad.add(index)
             logger.warning("skipping unreadable image %s: %s: %s", path, type(err).__name__, err)
