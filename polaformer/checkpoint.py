@@ -47,8 +47,10 @@ __all__ = [
     "MissingWeightsError",
     "StateDictMismatch",
     "UnsafeCheckpointError",
+    "WriteError",
     "atomic_write",
     "build_model_with_cfg",
+    "check_weight_values",
     "compare_state_dicts",
     "load_checkpoint",
     "official_checkpoint_globals",
@@ -97,6 +99,17 @@ class MissingWeightsError(CheckpointError, LookupError):
     """The requested weights (EMA or raw) are not in the file."""
 
 
+class WriteError(CheckpointError, OSError):
+    """A file could not be written (full disk, no permission); the previous file is unchanged."""
+
+    def __init__(self, path, error: OSError):
+        super().__init__(error.errno, f"cannot write {path}: {(error.strerror or str(error)).lower()} "
+                                      "(any previous version of the file is unchanged)")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
 # --- atomic writes ---------------------------------------------------------------------------
 
 def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
@@ -109,15 +122,20 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    f = open(tmp, "xb")
+    try:
+        f = open(tmp, "xb")
+    except OSError as e:
+        raise WriteError(path, e) from e
     try:
         with f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
         tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
+            raise WriteError(path, e) from e
         raise
     _fsync_dir(path.parent)
     return path
@@ -304,6 +322,32 @@ def compare_state_dicts(expected: Mapping[str, torch.Tensor], found: Mapping[str
     )
 
 
+def check_weight_values(
+    expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor], path, *, allow_nonfinite: bool = False
+) -> None:
+    """Refuse weights that would load silently wrong, naming the first such key.
+
+    ``load_state_dict`` casts integer or complex tensors into floating-point parameters without a
+    word, and NaN/inf weights evaluate to a NaN loss with a plausible-looking accuracy. Only keys
+    the model holds as floating point are checked (index buffers are integers by design).
+    ``allow_nonfinite`` lets NaN/inf through (to inspect a diverged run, say), never a cast.
+    """
+    for key, value in found.items():
+        target = expected.get(key)
+        if target is None or not target.is_floating_point():
+            continue
+        if not value.is_floating_point():
+            raise CorruptCheckpointError(
+                path, f"weight {key!r} is {str(value.dtype).removeprefix('torch.')}, the model's is "
+                      f"{str(target.dtype).removeprefix('torch.')}; refusing to cast it"
+            )
+        if not allow_nonfinite and not bool(torch.isfinite(value).all()):
+            raise CorruptCheckpointError(
+                path, f"weight {key!r} holds NaN or infinite values; --allow-nonfinite (allow_nonfinite=True) "
+                      "loads it anyway"
+            )
+
+
 # --- the loader ------------------------------------------------------------------------------
 
 @dataclass
@@ -328,6 +372,7 @@ def load_checkpoint(
     weights: str = "auto",
     strict: bool = True,
     map_location: str | torch.device = "cpu",
+    allow_nonfinite: bool = False,
 ) -> LoadResult:
     """Load the weights in ``path`` into ``model``; never runs code stored in the file.
 
@@ -339,6 +384,8 @@ def load_checkpoint(
             :class:`ArchitectureMismatchError` (nothing is loaded); when False, load what fits,
             log a warning, and report the rest in the result.
         map_location: as for ``torch.load``.
+        allow_nonfinite: load NaN/inf weights instead of refusing them (see
+            :func:`check_weight_values`; integer or complex weights are always refused).
 
     ``module.`` / ``_orig_mod.`` key prefixes are removed. Missing files, unreadable files and
     files naming code raise :class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError`
@@ -360,6 +407,7 @@ def load_checkpoint(
     if mismatch:
         _logger.warning("loaded %s (%s) into %s partially: %s", path, source, type(model).__name__, mismatch.describe())
     fitting = {key: value for key, value in state_dict.items() if key not in mismatch.reshaped}
+    check_weight_values(model.state_dict(), fitting, path, allow_nonfinite=allow_nonfinite)
     model.load_state_dict(fitting, strict=False)
     _logger.info("loaded %s from %s", source, path)
     extras = checkpoint if entry else {}

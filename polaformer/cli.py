@@ -24,15 +24,24 @@ from .engine import (
     CheckpointError,
     ConfigError,
     ModelBuildError,
+    TrainingDivergedError,
     evaluate_checkpoint,
     load_config,
     make_config,
     run_training,
 )
-from .engine.config import merge_opts
+from .engine.config import load_yaml, merge_opts
 from .engine.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; checkpoint errors use it too
+INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
+MAX_MESSAGE = 500  # characters of an error line: a message may quote a value of any size
+
+
+def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
+    """``message`` on one line of at most ``limit`` characters."""
+    text = " ".join(str(message).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class OneLineParser(argparse.ArgumentParser):
@@ -43,7 +52,7 @@ class OneLineParser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str):
-        self.exit(USAGE_ERROR, f"{self.prog}: error: {message} (see '{self.prog} --help')\n")
+        self.exit(USAGE_ERROR, one_line(f"{self.prog}: error: {message} (see '{self.prog} --help')") + "\n")
 
 
 def positive_int(text: str) -> int:
@@ -59,7 +68,7 @@ def parse_model_kwarg(text: str) -> tuple[str, object]:
     if not sep or not key:
         raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
     try:
-        return key, yaml.safe_load(value)
+        return key, load_yaml(value)
     except yaml.YAMLError:
         raise argparse.ArgumentTypeError(f"cannot read the value of {text!r}") from None
 
@@ -83,6 +92,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--resume", metavar="auto|FILE",
         help="continue a run: 'auto' from the output folder's last checkpoint (from scratch if there is none), "
              "or from FILE",
+    )
+    train.add_argument(
+        "--overwrite", action="store_true",
+        help="start afresh in an output folder that holds a run, replacing its files (OVERWRITE); without it "
+             "such a folder is refused unless --resume is given",
     )
     train.add_argument(
         "--finetune", metavar="FILE",
@@ -161,6 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument(
         "--amp", action="store_true", help="with --data-path: mixed precision (fp16 on CUDA, bf16 on CPU)"
+    )
+    evaluate.add_argument(
+        "--allow-nonfinite", action="store_true",
+        help="evaluate weights holding NaN or infinite values (refused by default, naming the first such weight)",
     )
     evaluate.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
     evaluate.set_defaults(handler=cmd_eval)
@@ -307,6 +325,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         extra += ["MODEL.RESUME", args.resume]
     if args.finetune:
         extra += ["MODEL.PRETRAINED", args.finetune]
+    if args.overwrite:
+        extra += ["OVERWRITE", True]
     if args.amp is not None:
         extra += ["AMP", args.amp]
     if args.use_checkpoint:
@@ -360,7 +380,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     given = [option for name, option in FOLDER_EVAL_OPTIONS.items() if getattr(args, name) not in (None, False)]
     if given:
         return _usage_error("eval", f"{given[0]} needs --data-path DIR (it applies to image folders)")
-    metrics, checkpoint = evaluate_checkpoint(args.checkpoint, data=args.data, arch=args.model, device=args.device)
+    metrics, checkpoint = evaluate_checkpoint(args.checkpoint, data=args.data, arch=args.model, device=args.device,
+                                              allow_nonfinite=args.allow_nonfinite)
     print(
         f"test top-1: {metrics['top1']:.2f}% (top-5: {metrics['top5']:.2f}%, loss: {metrics['loss']:.4f}; "
         f"{checkpoint['arch']}, epoch {checkpoint.get('epoch', '?')}) <- {args.checkpoint}"
@@ -380,7 +401,7 @@ def _eval_folder(args: argparse.Namespace) -> int:
             args.checkpoint, args.data_path, model=args.model, model_kwargs=dict(args.model_kwargs or []),
             weights=args.weights or "auto", batch_size=args.batch_size or DEFAULT_EVAL_BATCH_SIZE,
             img_size=args.img_size, crop_pct=args.crop_pct, workers=4 if args.workers is None else args.workers,
-            device=args.device, amp=args.amp,
+            device=args.device, amp=args.amp, allow_nonfinite=args.allow_nonfinite,
         )
     except (EvalError, DatasetError) as e:
         return _usage_error(None, str(e))
@@ -493,7 +514,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def _usage_error(command: str | None, message: str) -> int:
     prog = f"polaformer {command}" if command else "polaformer"
-    print(f"{prog}: error: {message}", file=sys.stderr)
+    print(one_line(f"{prog}: error: {message}"), file=sys.stderr)
     return USAGE_ERROR
 
 
@@ -503,9 +524,17 @@ def main(argv: list[str] | None = None) -> int:
     with _log_to_stderr():
         try:
             return args.handler(args)
-        except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError) as e:
-            print(f"polaformer: error: {e}", file=sys.stderr)
-            return USAGE_ERROR
+        except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
+                TrainingDivergedError) as e:
+            return _usage_error(None, str(e))
+        except OSError as e:  # the environment: a full disk, a file that cannot be written or read
+            where = f": {e.filename}" if e.filename else ""
+            return _usage_error(None, f"{(e.strerror or str(e)).lower()}{where}")
+        except KeyboardInterrupt as e:
+            saved = getattr(e, "checkpoint", None)
+            note = f"; last saved checkpoint: {saved}" if saved else "; no checkpoint saved by this run"
+            print(one_line(f"polaformer: interrupted{note}"), file=sys.stderr)
+            return INTERRUPTED
 
 
 @contextmanager

@@ -22,7 +22,16 @@ from .config import (
 )
 from .factory import ModelBuildError, create_model, create_model_from_checkpoint
 from .optim import build_optimizer, build_scheduler
-from .train import TrainData, Trainer, evaluate, evaluate_checkpoint, run_training, train_one_epoch
+from .train import (
+    TrainData,
+    Trainer,
+    TrainingDivergedError,
+    TrainingInterrupted,
+    evaluate,
+    evaluate_checkpoint,
+    run_training,
+    train_one_epoch,
+)
 
 __all__ = [
     "ArchitectureMismatchError",
@@ -37,6 +46,8 @@ __all__ = [
     "TrainConfig",
     "TrainData",
     "Trainer",
+    "TrainingDivergedError",
+    "TrainingInterrupted",
     "atomic_write",
     "build_optimizer",
     "build_scheduler",

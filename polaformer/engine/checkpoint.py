@@ -24,6 +24,7 @@ from ..checkpoint import (  # noqa: F401  (re-exported)
     CheckpointNotFoundError,
     CorruptCheckpointError,
     atomic_write,
+    check_weight_values,
     compare_state_dicts,
     read_checkpoint,
 )
@@ -62,7 +63,22 @@ def load_checkpoint(path: str | os.PathLike) -> dict:
     missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
     if missing:
         raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
+    check_metadata(checkpoint, path)
     return checkpoint
+
+
+def check_metadata(checkpoint: dict, path: str | os.PathLike) -> None:
+    """The entries that rebuild the model must have the types ``timm.create_model`` needs."""
+    kwargs, classes = checkpoint["model_kwargs"], checkpoint["num_classes"]
+    if not isinstance(checkpoint["arch"], str):
+        raise CorruptCheckpointError(path, f"'arch' must be a model name, found {checkpoint['arch']!r}")
+    if not isinstance(kwargs, dict) or not all(isinstance(key, str) for key in kwargs):
+        raise CorruptCheckpointError(path, f"'model_kwargs' must be a dict of keyword arguments, found {kwargs!r}")
+    if isinstance(classes, bool) or not isinstance(classes, int) or classes < 0:
+        raise CorruptCheckpointError(path, f"'num_classes' must be an integer >= 0, found {classes!r}")
+    if not isinstance(checkpoint["model"], dict) or not all(
+            isinstance(value, torch.Tensor) for value in checkpoint["model"].values()):
+        raise CorruptCheckpointError(path, "'model' is not a state dict (name -> tensor)")
 
 
 def check_arch(checkpoint: dict, arch: str, path: str | os.PathLike) -> None:
@@ -72,7 +88,9 @@ def check_arch(checkpoint: dict, arch: str, path: str | os.PathLike) -> None:
         )
 
 
-def load_model_state(model: nn.Module, checkpoint: dict, *, arch: str, path: str | os.PathLike) -> None:
+def load_model_state(
+    model: nn.Module, checkpoint: dict, *, arch: str, path: str | os.PathLike, allow_nonfinite: bool = False
+) -> None:
     """Load the checkpoint's weights into ``model`` (built as ``arch``), insisting on an exact fit.
 
     Key and shape differences are reported up front, in one line naming both architectures,
@@ -82,7 +100,8 @@ def load_model_state(model: nn.Module, checkpoint: dict, *, arch: str, path: str
     problem = compare_state_dicts(model.state_dict(), checkpoint["model"]).describe(examples=1)
     if problem:
         raise ArchitectureMismatchError(
-            f"checkpoint {path} (architecture {checkpoint['arch']!r}, kwargs {checkpoint['model_kwargs']}) "
-            f"does not fit the model built as {arch!r}: {problem}"
+            f"checkpoint {path} does not fit the model built as {arch!r}: {problem} (checkpoint architecture "
+            f"{checkpoint['arch']!r}, kwargs {checkpoint['model_kwargs']})"
         )
+    check_weight_values(model.state_dict(), checkpoint["model"], path, allow_nonfinite=allow_nonfinite)
     model.load_state_dict(checkpoint["model"])

@@ -20,6 +20,7 @@ keys), a few keys of Swin-Transformer's newer config that recipes use, and the e
 ``TEST.BATCH_SIZE``             evaluation batch size (0: ``DATA.BATCH_SIZE``, as official)
 ``AUG.DIGITS_SHIFT``            the digits data set's random ±1 pixel shifts
 ``LAST_CHECKPOINT``             file name of the latest checkpoint in the output folder
+``OVERWRITE``                   start afresh in an output folder that holds a run (``--overwrite``)
 ==============================  ==============================================================
 
 Files are merged as the official ``_update_config_from_file`` does (``BASE:`` files first,
@@ -34,6 +35,7 @@ from __future__ import annotations
 
 import ast
 import copy
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -69,6 +71,23 @@ DIGITS_EVAL_BATCH_SIZE = 256
 
 class ConfigError(ValueError):
     """An unknown key, a value of the wrong type, or an unusable setting (one line)."""
+
+
+class _NoAliasLoader(yaml.SafeLoader):
+    """PyYAML's safe loader without aliases: a few hundred bytes of nested ``*ref`` can expand to
+    gigabytes (a "billion laughs" file). Configuration files have no use for them."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            mark = self.peek_event().start_mark
+            raise yaml.constructor.ConstructorError(
+                None, None, "YAML aliases (*name) are not allowed in configurations", mark)
+        return super().compose_node(parent, index)
+
+
+def load_yaml(text: str) -> Any:
+    """``yaml.safe_load`` refusing aliases (see :class:`_NoAliasLoader`)."""
+    return yaml.load(text, Loader=_NoAliasLoader)
 
 
 # --- the nested configuration ----------------------------------------------------------------
@@ -358,6 +377,7 @@ def _official_defaults() -> dict:
         "LOCAL_RANK": 0,  # accepted, not used: torchrun's environment variables are read
         "DEVICE": "auto",
         "LAST_CHECKPOINT": "last.pth",
+        "OVERWRITE": False,  # replace a finished run in OUTPUT (--overwrite) instead of refusing
     }
 
 
@@ -385,13 +405,15 @@ def merge_file(cfg: Config, path: str | os.PathLike, _seen: tuple = ()) -> Confi
     if path.resolve() in _seen:
         raise ConfigError(f"config file {path} includes itself through BASE")
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
     try:
-        values = yaml.safe_load(text)
+        values = load_yaml(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         at = f" at line {mark.line + 1}" if mark is not None else ""
@@ -401,7 +423,10 @@ def merge_file(cfg: Config, path: str | os.PathLike, _seen: tuple = ()) -> Confi
     if not isinstance(values, Mapping):
         raise ConfigError(f"config file {path} must hold a mapping of keys, not {type(values).__name__}")
     bases = values.get("BASE") or []
-    for base in [bases] if isinstance(bases, str) else bases:
+    bases = [bases] if isinstance(bases, str) else bases
+    if not isinstance(bases, list) or not all(isinstance(base, str) for base in bases):
+        raise ConfigError(f"BASE in {path} must be a file name or a list of them, got {values['BASE']!r}")
+    for base in bases:
         if base:
             merge_file(cfg, path.parent / base, _seen + (path.resolve(),))
     cfg.merge(values, source=str(path))
@@ -413,7 +438,7 @@ def merge_opts(cfg: Config, opts: Sequence[str]) -> Config:
         raise ConfigError(f"--opts needs KEY VALUE pairs; {opts[-1]!r} has no value")
     for key, text in zip(opts[::2], opts[1::2]):
         try:
-            value = yaml.safe_load(text) if isinstance(text, str) else text
+            value = load_yaml(text) if isinstance(text, str) else text
         except yaml.YAMLError:
             value = text
         cfg.set_path(key, value, source="--opts")
@@ -462,6 +487,9 @@ def check_config(cfg: Config) -> None:
     def is_int(value) -> bool:
         return isinstance(value, int) and not isinstance(value, bool)
 
+    def is_number(value) -> bool:  # finite int or float, not a bool
+        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
     train = cfg.TRAIN
     require(is_int(train.EPOCHS) and train.EPOCHS >= 1, f"TRAIN.EPOCHS must be a positive integer, got {train.EPOCHS!r}")
     for key in ("WARMUP_EPOCHS", "COOLDOWN_EPOCHS", "SAVE_FREQ_STEPS", "BASE_BATCH_SIZE"):
@@ -481,6 +509,16 @@ def check_config(cfg: Config) -> None:
             f"TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step', got {train.LR_SCHEDULER.NAME!r}")
     require(0.0 < train.EMA.DECAY < 1.0, f"TRAIN.EMA.DECAY must lie in (0, 1), got {train.EMA.DECAY!r}")
     require(cfg.AMP_DTYPE in ("float16", "bfloat16"), f"AMP_DTYPE must be 'float16' or 'bfloat16', got {cfg.AMP_DTYPE!r}")
+    for key in ("BASE_LR", "WARMUP_LR", "MIN_LR", "WEIGHT_DECAY"):
+        require(is_number(train[key]) and train[key] >= 0, f"TRAIN.{key} must be a finite number >= 0, got {train[key]!r}")
+    require(is_int(cfg.DATA.NUM_WORKERS) and cfg.DATA.NUM_WORKERS >= 0,
+            f"DATA.NUM_WORKERS must be an integer >= 0, got {cfg.DATA.NUM_WORKERS!r}")
+    require(is_int(cfg.TEST.BATCH_SIZE) and cfg.TEST.BATCH_SIZE >= 0,
+            f"TEST.BATCH_SIZE must be an integer >= 0 (0: DATA.BATCH_SIZE), got {cfg.TEST.BATCH_SIZE!r}")
+    require(is_number(cfg.MODEL.LABEL_SMOOTHING) and 0.0 <= cfg.MODEL.LABEL_SMOOTHING < 1.0,
+            f"MODEL.LABEL_SMOOTHING must lie in [0, 1), got {cfg.MODEL.LABEL_SMOOTHING!r}")
+    require(is_number(cfg.MODEL.DROP_RATE) and 0.0 <= cfg.MODEL.DROP_RATE < 1.0,
+            f"MODEL.DROP_RATE must lie in [0, 1), got {cfg.MODEL.DROP_RATE!r}")
     require(0.0 <= cfg.MODEL.DROP_PATH_RATE < 1.0, f"MODEL.DROP_PATH_RATE must lie in [0, 1), got {cfg.MODEL.DROP_PATH_RATE!r}")
     require(bool(cfg.LAST_CHECKPOINT) and "/" not in cfg.LAST_CHECKPOINT,
             f"LAST_CHECKPOINT must be a file name, got {cfg.LAST_CHECKPOINT!r}")

@@ -45,6 +45,7 @@ from ..checkpoint import (
 from ..data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
 from .config import OFFICIAL_MODEL_NAMES, ConfigError
 from .factory import create_model
+from .limits import check_batch_memory
 from .train import evaluate
 from .train import resolve_device as resolve_train_device
 
@@ -223,6 +224,7 @@ def evaluate_folder_checkpoint(
     workers: int = 0,
     device: str | torch.device = "auto",
     amp: bool = False,
+    allow_nonfinite: bool = False,
 ) -> FolderEvaluation:
     """Evaluate ``checkpoint`` on ``data_path/val`` (one sub-folder per class).
 
@@ -235,7 +237,7 @@ def evaluate_folder_checkpoint(
     model's timm data config, with the image size ``img_size``, else the checkpoint config's
     ``DATA.IMG_SIZE``, else the model's; interpolation and ``TEST.CROP`` from the checkpoint config
     when it has them, else the model's (for every family the official bicubic and crop); ``crop_pct``
-    overrides the crop.
+    overrides the crop. NaN/inf weights are refused unless ``allow_nonfinite``.
     """
     data_path = Path(data_path).expanduser()
     val_dir = data_path / "val"
@@ -255,6 +257,8 @@ def evaluate_folder_checkpoint(
         )
     kwargs = {**(meta.get("model_kwargs", {}) if meta.get("arch") == arch else {}), **(model_kwargs or {})}
     kwargs.pop("num_classes", None)
+    if img_size is not None:  # before the model is built at that size, or an image decoded
+        _check_eval_memory(batch_size, img_size, crop_pct, device)
 
     dataset = ImageFolderDataset(str(val_dir))  # scans first: layout errors before the model is built
     num_classes = len(dataset.classes)
@@ -269,12 +273,14 @@ def evaluate_folder_checkpoint(
             f"the classifier in {checkpoint} has {file_classes} classes but {val_dir} has {num_classes} class "
             "folders: evaluate on a folder of the classes the model was trained on"
         )
-    loaded = load_checkpoint(network, checkpoint, weights=weights)
+    loaded = load_checkpoint(network, checkpoint, weights=weights, allow_nonfinite=allow_nonfinite)
 
     config = loaded.config
     size = img_size or _config_value(config, "DATA", "IMG_SIZE", int) or _default_img_size(network, kwargs)
     data_config = eval_config(network, size, interpolation=_config_value(config, "DATA", "INTERPOLATION", str),
                               crop=_config_value(config, "TEST", "CROP", bool), crop_pct=crop_pct)
+    _check_eval_memory(batch_size, size, data_config["crop_pct"], device)
+    check_forward(network, (_input_channels(network, kwargs), size, size), arch)
     dataset.transform = create_transform(**data_config, is_training=False)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         collate_fn=dataset.collate_fn, pin_memory=device.type == "cuda")
@@ -287,6 +293,27 @@ def evaluate_folder_checkpoint(
     if metrics["skipped"]:
         log.warning("skipped %d unreadable images in %s", metrics["skipped"], val_dir)
     return FolderEvaluation(metrics, arch, loaded, size, crop_text, num_classes, device)
+
+
+def _check_eval_memory(batch_size: int, size: int, crop_pct: float | None, device: torch.device) -> None:
+    if crop_pct is not None and not 0 < crop_pct <= 1:
+        raise EvalError(f"crop_pct must be in (0, 1], got {crop_pct}")
+    check_batch_memory(batch_size, 3, size, size, device, EvalError)
+    resized = math.floor(size / (crop_pct or 1.0))  # each image is resized to this square before the crop
+    check_batch_memory(1, 3, resized, resized, "cpu", EvalError, what=f"an image resized for crop_pct {crop_pct:g}"
+                       if crop_pct else "an image resized")
+
+
+def check_forward(model: nn.Module, input_size: tuple[int, int, int], arch: str) -> None:
+    """Run ``model`` on one blank image of ``input_size``: a size the model cannot take (not divisible
+    by its patches or windows, or other than its fixed size) fails here in one line, not mid-run."""
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(torch.zeros(1, *input_size))
+    except (RuntimeError, AssertionError, ValueError, IndexError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise EvalError(f"model {arch!r} cannot take {input_size[1]}x{input_size[2]} images: {reason}") from None
 
 
 # --- throughput ------------------------------------------------------------------------------
@@ -369,7 +396,12 @@ def model_throughput(
         import timm
 
         classes = timm.get_pretrained_cfg_value(arch, "num_classes") if timm.is_model(arch) else None
+    device = resolve_device(kwargs.pop("device", "auto"))
+    if img_size is not None:  # a lower bound (one channel) before the model is built
+        check_batch_memory(kwargs.get("batch_size", 64), 1, img_size, img_size, device, EvalError)
     network = create_model(arch, classes if classes is not None else 1000, **kwargs_)
     size = img_size or _default_img_size(network, kwargs_)
     channels = _input_channels(network, kwargs_)
-    return measure_throughput(network, input_size=(channels, size, size), **kwargs)
+    check_batch_memory(kwargs.get("batch_size", 64), channels, size, size, device, EvalError)
+    check_forward(network, (channels, size, size), arch)
+    return measure_throughput(network, input_size=(channels, size, size), device=device, **kwargs)

@@ -8,6 +8,7 @@ from torch import nn
 
 from .. import models  # noqa: F401  (registers our architectures with timm)
 from .checkpoint import check_arch, load_model_state
+from .limits import check_model_kwargs
 
 
 class ModelBuildError(ValueError):
@@ -15,17 +16,21 @@ class ModelBuildError(ValueError):
 
 
 def create_model(arch: str, num_classes: int, **model_kwargs) -> nn.Module:
-    if not timm.is_model(arch):
+    if not isinstance(arch, str) or not timm.is_model(arch):
         raise ModelBuildError(f"unknown model {arch!r} (not registered with timm)")
+    if isinstance(num_classes, bool) or not isinstance(num_classes, int) or num_classes < 0:
+        raise ModelBuildError(f"num_classes must be an integer >= 0, got {num_classes!r}")
+    check_model_kwargs(arch, model_kwargs, ModelBuildError)  # before a huge model is allocated
     try:
         return timm.create_model(arch, pretrained=False, num_classes=num_classes, **model_kwargs)
-    except (TypeError, ValueError, AssertionError) as e:
+    except (TypeError, ValueError, AssertionError, RuntimeError) as e:
         # Typically a kwarg the architecture does not take, or an inconsistent one (dim % heads).
-        raise ModelBuildError(f"cannot build model {arch!r} with {model_kwargs}: {e}") from e
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ModelBuildError(f"cannot build model {arch!r} with {model_kwargs}: {reason}") from e
 
 
 def create_model_from_checkpoint(
-    checkpoint: dict, path: str | os.PathLike, arch: str | None = None
+    checkpoint: dict, path: str | os.PathLike, arch: str | None = None, *, allow_nonfinite: bool = False
 ) -> nn.Module:
     """Rebuild the checkpoint's model and load its weights.
 
@@ -36,5 +41,5 @@ def create_model_from_checkpoint(
         check_arch(checkpoint, arch, path)
     arch = checkpoint["arch"]
     model = create_model(arch, checkpoint["num_classes"], **checkpoint["model_kwargs"])
-    load_model_state(model, checkpoint, arch=arch, path=path)
+    load_model_state(model, checkpoint, arch=arch, path=path, allow_nonfinite=allow_nonfinite)
     return model

@@ -67,6 +67,7 @@ from .distributed import (
     shutdown,
 )
 from .factory import create_model, create_model_from_checkpoint
+from .output import OutputLock
 from .optim import build_optimizer, build_scheduler, global_batch_size, lr_scale, unwrap
 
 log = logging.getLogger(__name__)
@@ -76,6 +77,18 @@ BEST_CHECKPOINT = "best.pth"
 BEST_EMA_CHECKPOINT = "best_ema.pth"
 METRICS_JSONL = "metrics.jsonl"
 METRICS_JSON = "metrics.json"
+
+
+class TrainingDivergedError(FloatingPointError):
+    """The training loss became NaN or infinite (one line)."""
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; ``checkpoint`` is the last file saved by this run (or None)."""
+
+    def __init__(self, checkpoint: Path | None):
+        super().__init__()
+        self.checkpoint = checkpoint
 
 
 # --- one epoch -------------------------------------------------------------------------------
@@ -199,7 +212,10 @@ def train_one_epoch(
 
         loss_value = loss.item()
         if not math.isfinite(loss_value):
-            raise FloatingPointError(f"training loss became {loss_value} at update {num_updates}")
+            raise TrainingDivergedError(
+                f"training diverged at step {num_updates}, loss {loss_value} (lower the learning rate, "
+                "or clip gradients with TRAIN.CLIP_GRAD)"
+            )
         count = len(targets) if weight else 0
         progress.loss_sum += loss_value * count
         progress.seen += count
@@ -341,6 +357,10 @@ def resolve_device(device: str) -> torch.device:
         raise ConfigError(f"unknown device {device!r}: {e}") from None
     if resolved.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r} requested but CUDA is not available")
+    if resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError(f"device {device!r} requested but MPS is not available")
+    if resolved.type not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device {device!r} cannot run models: use 'cpu' or 'cuda'")
     return resolved
 
 
@@ -409,10 +429,13 @@ class Trainer:
         merge_opts(cfg, opts)
         check_config(cfg)
         self.device = resolve_device(cfg.DEVICE)
+        self.lock: OutputLock | None = None
+        self.last_saved: Path | None = None  # the last checkpoint this run wrote
         self.ctx = init_distributed(self.device.type)
         try:
             self._setup(cfg, data)
         except BaseException:
+            self._release()
             shutdown(self.ctx)
             raise
 
@@ -421,20 +444,24 @@ class Trainer:
         if self.device.type == "cuda" and ctx.is_distributed:
             self.device = torch.device("cuda", ctx.local_rank)
         seed_everything(cfg.SEED + ctx.rank)  # the official per-process seed
+        self.output = Path(cfg.OUTPUT or Path("runs") / cfg.MODEL.NAME)
+        cfg.OUTPUT = str(self.output)
+        if ctx.is_main:  # before anything is built: a busy or unwritable folder fails at once
+            self.lock = OutputLock(self.output)
         self.data = data or build_data(cfg, ctx)
         self.arch = resolve_model_name(cfg)
         self.model_kwargs = model_kwargs_from_config(cfg, self.arch, self.data.model_kwargs)
         cfg.MODEL.NUM_CLASSES = self.data.num_classes
-        self.output = Path(cfg.OUTPUT or Path("runs") / cfg.MODEL.NAME)
-        cfg.OUTPUT = str(self.output)
         self.cfg = cfg.freeze()
+        self.resume_path = self._find_resume()
+        self._check_no_finished_run()
+        self._check_channels()
 
         model = create_model(self.arch, self.data.num_classes, **self.model_kwargs)
         if cfg.TRAIN.USE_CHECKPOINT:
             if not hasattr(model, "set_grad_checkpointing"):
                 raise ConfigError(f"TRAIN.USE_CHECKPOINT: model {self.arch!r} has no set_grad_checkpointing()")
             model.set_grad_checkpointing(True)
-        self.resume_path = self._find_resume()
         resume = self._read_resume(self.resume_path) if self.resume_path else None
         if resume is not None:
             load_model_state(model, resume, arch=self.arch, path=self.resume_path)
@@ -481,7 +508,42 @@ class Trainer:
         self.skip_samples = 0  # of this process's share of the first epoch (a mid-epoch resume)
         if resume is not None:
             self._restore(resume)
+            self._check_epochs_left()
         self.scheduler.step_update(num_updates=self.num_updates)
+
+    def _check_no_finished_run(self) -> None:
+        """Starting afresh must not silently replace (and first empty the metrics of) an earlier run."""
+        if self.resume_path is not None or self.cfg.OVERWRITE:
+            return
+        names = (self.cfg.LAST_CHECKPOINT, BEST_CHECKPOINT, METRICS_JSONL, METRICS_JSON)
+        found = [name for name in names if (self.output / name).exists()]
+        if found:
+            raise ConfigError(
+                f"the output folder {self.output} already holds a run ({', '.join(found)}): --resume auto "
+                "continues it, --overwrite replaces it, or choose another --output"
+            )
+
+    def _check_channels(self) -> None:
+        """A model for other than the data's channels would fail only at the first batch."""
+        shape = getattr(self.data.train, "image_shape", None)
+        channels = self.model_kwargs.get("in_chans", 3)
+        if shape and channels != shape[0]:
+            raise ConfigError(
+                f"model {self.arch!r} is built for {channels}-channel images (in_chans={channels}) but the "
+                f"images of {self.cfg.DATA.DATA_PATH} are read as {shape[0]}-channel"
+            )
+
+    def _check_epochs_left(self) -> None:
+        """A resumed run with no epoch left writes nothing: refuse, unless it is this folder's own run."""
+        if self.epoch < self.total_epochs:
+            return
+        if self.resume_path.resolve() != self.last_path.resolve():
+            raise ConfigError(
+                f"nothing to train: {self.resume_path} has completed {self.epoch} epochs and the run has "
+                f"{self.total_epochs} (TRAIN.EPOCHS); give more epochs to continue it"
+            )
+        if self.ctx.is_main:
+            log.info("%s has completed all %d epochs: nothing to train", self.resume_path, self.total_epochs)
 
     # building
 
@@ -536,6 +598,16 @@ class Trainer:
         return checkpoint
 
     def _restore(self, checkpoint: dict) -> None:
+        try:
+            self._restore_state(checkpoint)
+        except (KeyError, ValueError, TypeError, RuntimeError, IndexError, AttributeError) as e:
+            # load_state_dict and the RNG setters fail with all of these on tampered data.
+            reason = (str(e).strip().splitlines() or [""])[0]
+            raise CorruptCheckpointError(
+                self.resume_path, f"its training state cannot be restored: {type(e).__name__}: {reason}"
+            ) from e
+
+    def _restore_state(self, checkpoint: dict) -> None:
         ctx = self.ctx
         if self.model_ema is not None:
             if checkpoint.get("model_ema") is not None:
@@ -619,6 +691,7 @@ class Trainer:
             return
         state = self._state(per_process)
         first = atomic_write(self.output / names[0], lambda f: torch.save(state, f))
+        self.last_saved = first
         for name in names[1:]:
             atomic_write(self.output / name, lambda f: f.write(first.read_bytes()))
 
@@ -662,8 +735,16 @@ class Trainer:
         return summary
 
     def close(self) -> None:
-        barrier(self.ctx)
-        shutdown(self.ctx)
+        try:
+            barrier(self.ctx)
+            shutdown(self.ctx)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self.lock is not None:
+            self.lock.release()
+            self.lock = None
 
     def _prepare_output(self) -> None:
         self.output.mkdir(parents=True, exist_ok=True)
@@ -785,6 +866,8 @@ def run_training(config: Config | TrainConfig, *, data: TrainData | None = None,
     trainer = Trainer(config, data=data, opts=opts)
     try:
         return trainer.fit()
+    except KeyboardInterrupt:
+        raise TrainingInterrupted(trainer.last_saved) from None
     finally:
         trainer.close()
 
@@ -804,15 +887,16 @@ def model_kwargs_for(config: TrainConfig) -> dict:
 
 
 def evaluate_checkpoint(
-    path, data: str | None = None, arch: str | None = None, device: str = "auto"
+    path, data: str | None = None, arch: str | None = None, device: str = "auto", *, allow_nonfinite: bool = False
 ) -> tuple[dict, dict]:
     """Rebuild the model saved at ``path`` and evaluate it on the test split of ``data``.
 
     ``data`` defaults to the data set the checkpoint was trained on; ``arch``, if given, must
-    match the checkpoint's architecture. Returns ``(metrics, checkpoint)``.
+    match the checkpoint's architecture; NaN/inf weights are refused unless ``allow_nonfinite``.
+    Returns ``(metrics, checkpoint)``.
     """
     checkpoint = load_checkpoint(path)
-    model = create_model_from_checkpoint(checkpoint, path, arch=arch)
+    model = create_model_from_checkpoint(checkpoint, path, arch=arch, allow_nonfinite=allow_nonfinite)
     data = data or _trained_on(checkpoint.get("config"))
     _, test_set = get_data_spec(data).build(augment=False)
     device = resolve_device(device)

@@ -18,6 +18,8 @@ from typing import Any
 
 import yaml
 
+from ..engine.config import load_yaml
+
 __all__ = ["LRAConfigError", "TrainSettings", "LRAConfig", "load_lra_config", "MODEL_KEYS", "RECIPES"]
 
 # LRAModelConfig fields a file may set; the task decides vocab_size, num_classes, max_len and dual.
@@ -148,9 +150,11 @@ def load_lra_config(path: str | Path | None = None, *, task: str | None = None) 
     if not path.is_file():
         raise LRAConfigError(f"config file {path} does not exist")
     try:
-        raw = yaml.safe_load(path.read_text()) or {}
+        raw = load_yaml(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as e:
         raise LRAConfigError(f"{path} is not valid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError as e:
+        raise LRAConfigError(f"{path} is not UTF-8 text (byte {e.start})") from None
     if not isinstance(raw, dict):
         raise LRAConfigError(f"{path} must hold a mapping of keys, found {type(raw).__name__}")
     valid = ("task", "attention", "attention_options", "model", "train")

@@ -8,6 +8,7 @@
   run, unchanged, every time the traced graph runs. FX wraps a leaf function where it is a
   module-level name of the calling module, so family files import them by name. The attention
   layers (shape checks, key-table resampling) are FX leaf modules for the same reason.
+- :func:`empty_batch`: an empty batch (B = 0) gives empty outputs of the right shapes.
 - :func:`checkpoint_filter_fn`: the families' ``pretrained_filter_fn``: a checkpoint made for
   another input size loads through ``timm.create_model(..., pretrained=True)`` with its position
   tables resampled (the same resampling as :func:`polaformer.finetune.load_for_finetune`).
@@ -24,7 +25,7 @@ from timm.models import register_notrace_function, register_notrace_module
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
 from ..ops.feature_maps import legacy_onnx_tracing
 
-__all__ = ["check_image", "checkpoint_filter_fn", "factory_kwargs", "pos_table_for_grid"]
+__all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid"]
 
 # reason: input checks and key-table resampling decide in Python on the token grid
 for _layer in (PolaLinearAttention, SpatialReductionAttention, PacsLinearAttention, RopeSoftmaxAttention):
@@ -47,6 +48,44 @@ def factory_kwargs(init):
             self.to(dtype=dtype)
 
     return __init__
+
+
+def empty_batch(method):
+    """Decorate ``forward_features``/``forward_intermediates`` so that a batch of 0 images returns
+    empty outputs of the right shapes (token reshapes with ``-1`` cannot infer a size from 0 elements).
+
+    The shapes come from one blank image run in eval mode without gradients (no dropout drawn, no
+    norm statistics updated), sliced to 0 rows. Graph capture (compile, export, tracing, FX) is left
+    alone: it never sees an empty batch.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self, x, *args, **kwargs):
+        if _capturing() or not isinstance(x, torch.Tensor) or x.shape[0] != 0:
+            return method(self, x, *args, **kwargs)
+        training = self.training
+        try:
+            self.eval()
+            with torch.no_grad():
+                out = method(self, x.new_zeros((1, *x.shape[1:])), *args, **kwargs)
+        finally:
+            self.train(training)
+        return _first_rows(out, 0)
+
+    return wrapper
+
+
+def _capturing() -> bool:
+    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
+            or torch.jit.is_scripting() or legacy_onnx_tracing())
+
+
+def _first_rows(out, rows: int):
+    if isinstance(out, torch.Tensor):
+        return out[:rows]
+    if isinstance(out, (list, tuple)):
+        return type(out)(_first_rows(item, rows) for item in out)
+    return out
 
 
 @register_notrace_function  # reason: Python control flow on the input's shape

@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
-from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs, pos_table_for_grid
+from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaDeiT"]
 
@@ -151,12 +151,14 @@ class PolaDeiT(nn.Module):
             return checkpoint(blk, x, height, width, use_reentrant=False)
         return blk(x, height, width)
 
+    @empty_batch
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         x, height, width = self._embed(x)
         for blk in self.blocks:
             x = self._block(blk, x, height, width)
         return self.norm(x)
 
+    @empty_batch
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
         """Block outputs (patch tokens only) as NCHW maps at the patch stride, or NLC with the class token."""

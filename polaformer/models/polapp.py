@@ -37,7 +37,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
-from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs
+from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
 
@@ -287,6 +287,7 @@ class PolaFormerPP(nn.Module):
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         return check_image(x, self.in_chans, (self.reduction, self.reduction), f"{self.reduction}")
 
+    @empty_batch
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
         """Stage features (before each PatchMerging) at strides 4/8/16/32, NCHW.
@@ -328,6 +329,7 @@ class PolaFormerPP(nn.Module):
     def _final_conv(self, x: torch.Tensor) -> torch.Tensor:
         return self.swish(self.norm(self.proj(x)))
 
+    @empty_batch
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, projection, H/32, W/32): the map after projection, BatchNorm and Swish, before pooling."""
         x = self.patch_embed(self._check_input(x))

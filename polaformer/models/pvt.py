@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
-from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs, pos_table_for_grid
+from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
 
@@ -80,6 +80,7 @@ class PyramidBase(nn.Module):
         stride = self.total_stride
         return check_image(x, self.in_chans, (stride, stride), f"the total stride {stride}")
 
+    @empty_batch
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
         """Stage outputs as NCHW maps (``norm`` has no effect: stage outputs are taken as the stages emit them)."""
@@ -107,6 +108,7 @@ class PyramidBase(nn.Module):
             self.reset_classifier(0, "")
         return take
 
+    @empty_batch
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """The last stage's map (B, C, H/32, W/32)."""
         x = self._check_input(x)

@@ -57,7 +57,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PolaLinearAttention, WindowAttention
-from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs, pos_table_for_grid
+from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
 
@@ -367,6 +367,7 @@ class PolaSwinTransformer(nn.Module):
             x = x + pos.reshape(1, h, w, c)
         return self.pos_drop(x)
 
+    @empty_batch
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, H/32, W/32, C) map after the final norm."""
         x = self._embed(x)
@@ -382,6 +383,7 @@ class PolaSwinTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.forward_head(self.forward_features(x))
 
+    @empty_batch
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
         """Stage outputs before their PatchMerging, as NCHW (or NHWC) maps at strides 4/8/16/32.

@@ -52,6 +52,35 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, even_head_d
         )
 
 
+def _check_float(**tensors) -> None:
+    """Integer inputs would be computed in float and truncated back to integers: refuse them."""
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+
+
+def _as_power(power, q: torch.Tensor) -> torch.Tensor:
+    """``power`` as a tensor that broadcasts to (B, H, 1, d), checked to be >= 1 where that is cheap.
+
+    A Python number is taken as one exponent for every channel. The values are checked only in
+    eager mode on the CPU: elsewhere the check would synchronise with the device on every call
+    (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power` is > 1
+    by construction.
+    """
+    if isinstance(power, (int, float)) and not isinstance(power, bool):
+        power = torch.tensor(float(power), dtype=q.dtype, device=q.device)
+    _check_float(power=power)
+    target = (q.shape[0], q.shape[1], 1, q.shape[-1])
+    if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
+        raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
+    if power.device.type == "cpu" and not _capturing_graph() and power.numel() and bool(power.detach().amin() < 1):
+        raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
+                         f"{power.detach().amin().item():g}")
+    return power
+
+
 def _key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):
     """``(keep, count)``: a (B, 1, M, 1) 0/1 factor for the key rows and the (B, 1, 1, 1) number of
     valid keys (at least 1, so an all-padding sequence gives zeros); ``(None, M)`` without a mask."""
@@ -258,8 +287,8 @@ def pola_linear_attention(
         k: keys (B, H, M, d), same.
         v: values (B, H, M, dv), dv even: the first half feeds the same-sign
             stream, the second half the opposite-sign stream.
-        power: exponents ``p ≥ 1`` broadcastable to (B, H, 1, d), e.g. from
-            :func:`~polaformer.ops.learnable_power`.
+        power: exponents ``p ≥ 1`` broadcastable to (B, H, 1, d) (a tensor, or a
+            number for all channels), e.g. from :func:`~polaformer.ops.learnable_power`.
         eps: added to each stream's normaliser.
         key_padding_mask: (B, M) bool, True for padded keys (see the module
             docstring); values there must be finite.
@@ -269,9 +298,9 @@ def pola_linear_attention(
         regions are computed in float32, since ``|x|ᵖ`` and the products
         overflow float16 long before the output does.
     """
+    _check_float(q=q, k=k, v=v)
     _check_qkv(q, k, v, even_head_dim=True)
-    if power.dim() > 4 or power.shape[-1] not in (1, q.shape[-1]):
-        raise ValueError(f"power must broadcast to (B, H, 1, {q.shape[-1]}), got {tuple(power.shape)}")
+    power = _as_power(power, q)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
     attention = _pola_attention_graph if _capturing_graph() else _PolaPowerAttention.apply
@@ -295,6 +324,7 @@ def linear_attention(
     by RoPE variants). Used for the ELU+1, ReLU and focused baselines.
     ``key_padding_mask`` (B, M), True at padding, as in :func:`pola_linear_attention`.
     """
+    _check_float(phi_q=phi_q, phi_k=phi_k, v=v)
     num_q = phi_q if phi_q_num is None else phi_q_num
     num_k = phi_k if phi_k_num is None else phi_k_num
     keep, m = _key_keep(key_padding_mask, phi_k, phi_k.dtype)
@@ -332,6 +362,7 @@ def pacs_linear_attention(
     power of two before the products (and ``eps`` with it), which is exact in
     floating point and keeps ``exp`` features from overflowing float32.
     """
+    _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
     _check_qkv(q, k, v, even_head_dim=True)
     two_d = 2 * q.shape[-1]
     for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):

@@ -1,0 +1,82 @@
+"""Sizes checked before anything is allocated: a request that cannot fit fails in one line.
+
+Without these checks ``eval --img-size 100000`` grows until the kernel kills it, and a
+checkpoint whose ``model_kwargs`` say ``depth=1e9`` hangs, then aborts in C++. The estimates are
+lower bounds (the input batch alone; the weights of the transformer blocks alone), so a request
+is refused only when it certainly cannot fit in the memory available now.
+"""
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+import torch
+
+# Keyword arguments that size a model: each must be a positive number (or a list of them).
+SIZE_KWARGS = (
+    "img_size", "patch_size", "in_chans", "embed_dim", "embed_dims", "depth", "depths", "num_heads",
+    "mlp_ratio", "mlp_ratios", "window_size", "sr_ratios", "head_dim",
+)
+
+
+def available_memory(device: torch.device | str = "cpu") -> int:
+    """Bytes that can be allocated now on ``device`` (free GPU memory, or the host's MemAvailable)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _gib(count: float) -> str:
+    return f"{count / 2**30:.3g} GiB"
+
+
+def _values(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) else [value]
+
+
+def check_model_kwargs(arch: str, kwargs: Mapping, error: type[Exception] = ValueError) -> None:
+    """Refuse non-positive sizes, and models whose blocks alone exceed the memory available.
+
+    The estimate counts 12·dim² weights per transformer block (attention 4·dim², MLP 8·dim² at
+    the usual ratio 4) for the depths and widths given (32 where no width is given, less than any
+    of the zoo's), plus a position table of (img_size / patch_size)² tokens.
+    """
+    for key in SIZE_KWARGS:
+        if key not in kwargs or kwargs[key] is None:
+            continue
+        for value in _values(kwargs[key]):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise error(f"model {arch!r}: {key} must be positive, got {kwargs[key]!r}")
+    depths = [int(d) for d in _values(kwargs.get("depths", kwargs.get("depth", 1)))]
+    widths = [int(w) for w in _values(kwargs.get("embed_dims", kwargs.get("embed_dim", 32)))]
+    widths = (widths * len(depths))[: len(depths)] if len(widths) < len(depths) else widths[: len(depths)]
+    weights = sum(12 * depth * width**2 for depth, width in zip(depths, widths))
+    if "img_size" in kwargs:
+        size = max(int(v) for v in _values(kwargs["img_size"]))
+        patch = min(int(v) for v in _values(kwargs.get("patch_size", 16)))
+        weights += (size // patch) ** 2 * widths[0]
+    needed, free = 4 * weights, available_memory("cpu")
+    if needed > free:
+        raise error(
+            f"model {arch!r} with {dict(kwargs)} needs at least {_gib(needed)} for its weights "
+            f"({weights:.3g} parameters), more than the {_gib(free)} of memory available"
+        )
+
+
+def check_batch_memory(batch_size: int, channels: int, height: int, width: int, device: torch.device | str,
+                       error: type[Exception] = ValueError, what: str = "the input batch") -> None:
+    """Refuse a float32 ``batch_size x channels x height x width`` batch larger than the memory available."""
+    needed, free = 4 * batch_size * channels * height * width, available_memory(device)
+    if needed > free:
+        raise error(
+            f"{what} ({batch_size} x {channels} x {height} x {width}) needs {_gib(needed)}, more than the "
+            f"{_gib(free)} of memory available on {torch.device(device)}; use a smaller size or batch"
+        )
