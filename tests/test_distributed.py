@@ -102,7 +102,10 @@ def test_torchrun_command_line(runs, tmp_path):
     config = tmp_path / "ddp.yaml"
     config.write_text(load_config(None, [*OPTS, "DATA.BATCH_SIZE", str(PER_PROCESS_BATCH)]).dump())
     output = tmp_path / "out"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    # One thread per process, as the spawned workers it is compared with bit for bit: torchrun sets
+    # OMP_NUM_THREADS=1 only when the variable is unset, and more threads sum in another order.
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     result = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
          "-m", "polaformer", "train", "--config", str(config), "--output", str(output)],

@@ -36,6 +36,7 @@ from torch.utils.data import DataLoader
 
 from ..checkpoint import (
     ArchitectureMismatchError,
+    _plain_data,
     LoadResult,
     load_checkpoint,
     read_checkpoint,
@@ -157,8 +158,10 @@ def _checkpoint_metadata(path, weights: str) -> dict:
     foreign file, or missing EMA weights, fail here, before the data folder is scanned.
     """
     checkpoint = read_checkpoint(path)
-    _, state_dict = select_weights(checkpoint, weights, path)
+    entry, state_dict = select_weights(checkpoint, weights, path)
     meta = {"shapes": {key: tuple(value.shape) for key, value in strip_wrapper_prefixes(state_dict).items()}}
+    # The training configuration, as load_checkpoint reports it (LoadResult.config).
+    meta["config"] = _plain_data(checkpoint["config"]) if entry and checkpoint.get("config") is not None else None
     if isinstance(checkpoint.get("arch"), str):
         kwargs = checkpoint.get("model_kwargs")
         meta.update(arch=checkpoint["arch"], model_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
@@ -273,14 +276,14 @@ def evaluate_folder_checkpoint(
             f"the classifier in {checkpoint} has {file_classes} classes but {val_dir} has {num_classes} class "
             "folders: evaluate on a folder of the classes the model was trained on"
         )
-    loaded = load_checkpoint(network, checkpoint, weights=weights, allow_nonfinite=allow_nonfinite)
 
-    config = loaded.config
+    config = meta["config"]
     size = img_size or _config_value(config, "DATA", "IMG_SIZE", int) or _default_img_size(network, kwargs)
     data_config = eval_config(network, size, interpolation=_config_value(config, "DATA", "INTERPOLATION", str),
                               crop=_config_value(config, "TEST", "CROP", bool), crop_pct=crop_pct)
     _check_eval_memory(batch_size, size, data_config["crop_pct"], device)
     check_forward(network, (_input_channels(network, kwargs), size, size), arch)
+    loaded = load_checkpoint(network, checkpoint, weights=weights, allow_nonfinite=allow_nonfinite)
     dataset.transform = create_transform(**data_config, is_training=False)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
                         collate_fn=dataset.collate_fn, pin_memory=device.type == "cuda")

@@ -1,0 +1,167 @@
+"""Bad input through the API: data folders with link loops and high-bit-depth images, empty batches,
+the attention op's boundary, models and checkpoints described wrongly. (The command line's cases
+are in test_cli_errors.py.)"""
+import logging
+import os
+
+import numpy as np
+import pytest
+import timm
+import torch
+from PIL import Image
+
+import polaformer.models  # noqa: F401  (registers the zoo with timm)
+from polaformer.checkpoint import CorruptCheckpointError, check_weight_values
+from polaformer.data.folder import ImageFolderDataset, to_rgb
+from polaformer.engine import ModelBuildError, create_model, create_model_from_checkpoint
+from polaformer.ops import pacs_linear_attention, pola_linear_attention
+
+
+# --- data folders ------------------------------------------------------------------------------
+
+def _images(folder, count, value=0):
+    folder.mkdir(parents=True)
+    for i in range(count):
+        Image.fromarray(np.full((8, 8, 3), value + i, dtype=np.uint8)).save(folder / f"{i}.png")
+
+
+def test_link_loops_and_links_across_classes_and_splits(tmp_path, caplog):
+    for split in ("train", "val"):
+        for c in ("a", "b"):
+            _images(tmp_path / split / c, 3)
+    os.symlink(".", tmp_path / "train" / "a" / "self")  # a loop: followed 40 levels deep before
+    os.symlink("../b", tmp_path / "train" / "a" / "to_b")  # into another class: b's images are b's
+    os.symlink(tmp_path / "val" / "b", tmp_path / "train" / "b" / "from_val")  # leaves the split
+    with caplog.at_level(logging.WARNING, logger="polaformer.data.folder"):
+        dataset = ImageFolderDataset(str(tmp_path / "train"))
+    paths = [os.path.relpath(path, tmp_path / "train") for path, _ in dataset.samples]
+    assert paths == ["a/0.png", "a/1.png", "a/2.png", "b/0.png", "b/1.png", "b/2.png",
+                     "b/from_val/0.png", "b/from_val/1.png", "b/from_val/2.png"]
+    assert dataset.targets.tolist() == [0, 0, 0, 1, 1, 1, 1, 1, 1]
+    messages = " ".join(record.getMessage() for record in caplog.records)
+    assert "skipped 2 symbolic links" in messages
+    assert "1 symbolic links lead outside this split" in messages and str(tmp_path / "val" / "b") in messages
+
+
+def test_sixteen_bit_and_float_images_keep_their_range(tmp_path):
+    ramp16 = (np.arange(256, dtype=np.uint16).reshape(16, 16) * 257)  # 0 .. 65535
+    Image.fromarray(ramp16).save(tmp_path / "ramp16.png")
+    ramp_float = (np.arange(256, dtype=np.float32).reshape(16, 16) / 255)  # 0 .. 1
+    Image.fromarray(ramp_float, mode="F").save(tmp_path / "ramp.tiff")
+    expected = np.arange(256, dtype=np.uint8).reshape(16, 16)
+    for name in ("ramp16.png", "ramp.tiff"):
+        image = Image.open(tmp_path / name)
+        assert image.mode in ("I;16", "I", "F")
+        rgb = np.asarray(to_rgb(image))
+        assert rgb.shape == (16, 16, 3) and (rgb == expected[..., None]).all(), name
+    wide = Image.fromarray(np.array([[-5.0, 5.0]], dtype=np.float32), mode="F")  # outside [0, 1]: its own range
+    assert np.asarray(to_rgb(wide))[0, :, 0].tolist() == [0, 255]
+    assert np.asarray(to_rgb(Image.new("RGB", (2, 2), (1, 2, 3))))[0, 0].tolist() == [1, 2, 3]
+
+
+# --- empty batches -----------------------------------------------------------------------------
+
+FAMILIES = {
+    "pola_deit_tiny_patch16_224": dict(depth=1, img_size=32, patch_size=8, embed_dim=16, num_heads=2),
+    "pola_pvt_tiny": dict(img_size=64, depths=[1, 1, 1, 1], embed_dims=[16, 16, 16, 16], num_heads=[1, 1, 1, 1]),
+    "pola_pvt_v2_b0": dict(depths=[1, 1, 1, 1]),
+    "pola_swin_t": dict(img_size=64, window_size=2, depths=[1, 1, 1, 1], embed_dim=16, num_heads=[1, 1, 1, 1]),
+    "POLA_b0": dict(),
+}
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_empty_batch_gives_empty_outputs_of_the_right_shape(name):
+    model = timm.create_model(name, num_classes=7, **FAMILIES[name])
+    size = FAMILIES[name].get("img_size", 64)
+    one = torch.randn(1, 3, size, size)
+    with torch.no_grad():
+        model.eval()
+        features, (final, maps) = model.forward_features(one), model.forward_intermediates(one)
+    model.train()
+    logits = model(one[:0])
+    assert logits.shape == (0, 7) and model.training
+    logits.sum().backward()  # an empty loss still back-propagates (to zero gradients)
+    assert model.forward_features(one[:0]).shape == (0, *features.shape[1:])
+    empty_final, empty_maps = model.forward_intermediates(one[:0])
+    assert empty_final.shape == (0, *final.shape[1:])
+    assert [m.shape[1:] for m in empty_maps] == [m.shape[1:] for m in maps] and all(len(m) == 0 for m in empty_maps)
+
+
+# --- the attention op's boundary ---------------------------------------------------------------
+
+def _qkv(dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    return (torch.randn(2, 3, 5, 4, generator=g, dtype=dtype), torch.randn(2, 3, 6, 4, generator=g, dtype=dtype),
+            torch.randn(2, 3, 6, 8, generator=g, dtype=dtype))
+
+
+def test_power_as_a_number_or_0d_tensor_equals_the_broadcast_tensor():
+    q, k, v = _qkv()
+    full = pola_linear_attention(q, k, v, torch.full((3, 1, 4), 2.5, dtype=torch.float64))
+    for power in (2.5, torch.tensor(2.5, dtype=torch.float64)):
+        torch.testing.assert_close(pola_linear_attention(q, k, v, power), full, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("power, error, message", [
+    (torch.full((2, 3, 5, 4), 2.0), ValueError, "power must broadcast to (B, H, 1, d) = (2, 3, 1, 4)"),
+    (torch.full((7,), 2.0), ValueError, "got (7,)"),
+    (torch.full((1, 1, 1, 1, 4), 2.0), ValueError, "power must broadcast"),
+    (torch.tensor(0.5), ValueError, "power must be >= 1 everywhere"),
+    (torch.tensor([1.5, 1.5, 0.9, 2.0]), ValueError, "minimum of 0.9"),
+    (torch.tensor(2), TypeError, "power must be a floating-point tensor, got torch.int64"),
+    ("2", TypeError, "power must be a tensor, got str"),
+])
+def test_bad_power_is_refused_at_the_boundary(power, error, message):
+    q, k, v = _qkv(torch.float32)
+    with pytest.raises(error) as info:
+        pola_linear_attention(q, k, v, power)
+    assert message in str(info.value)
+
+
+def test_integer_inputs_are_refused():
+    q, k, v = (t.round().long() for t in _qkv())
+    with pytest.raises(TypeError, match="q must be a floating-point tensor, got torch.int64"):
+        pola_linear_attention(q, k, v, 2.0)
+    temp = torch.full((8,), 0.5)
+    with pytest.raises(TypeError, match="q must be a floating-point tensor"):
+        pacs_linear_attention(q, k, v, temp, temp)
+
+
+# --- models and checkpoints described wrongly ---------------------------------------------------
+
+@pytest.mark.parametrize("arch, kwargs, message", [
+    (42, {}, "unknown model 42"),
+    ("pola_deit_digits", {"embed_dim": -5}, "embed_dim must be positive, got -5"),
+    ("pola_deit_digits", {"depth": 10**9}, "for its weights"),
+    ("pola_pvt_tiny", {"img_size": 10**6}, "for its weights"),
+    ("pola_deit_digits", {"num_heads": 3}, "cannot build model"),  # 64 channels in 3 heads
+])
+def test_create_model_refuses_before_allocating(arch, kwargs, message):
+    with pytest.raises(ModelBuildError, match=message.replace("(", r"\(")):
+        create_model(arch, 10, **kwargs)
+
+
+def test_checkpoint_with_wrong_metadata_via_the_api(tmp_path):
+    from polaformer.engine import load_checkpoint
+
+    model = create_model("pola_deit_digits", 10)
+    good = {"model": model.state_dict(), "arch": "pola_deit_digits", "model_kwargs": {}, "num_classes": 10}
+    for change, message in [({"arch": 42}, "'arch' must be a model name"),
+                            ({"model_kwargs": "depth=2"}, "'model_kwargs' must be a dict"),
+                            ({"num_classes": -1}, "'num_classes' must be an integer >= 0")]:
+        path = tmp_path / "bad.pth"
+        torch.save({**good, **change}, path)
+        with pytest.raises(CorruptCheckpointError, match=message):
+            load_checkpoint(path)
+    complex_weights = {**good["model"], "head.weight": good["model"]["head.weight"].to(torch.complex64)}
+    with pytest.raises(CorruptCheckpointError, match="'head.weight' is complex64"):
+        create_model_from_checkpoint({**good, "model": complex_weights}, "x.pth")
+
+
+def test_non_finite_weights_are_refused_unless_allowed():
+    expected = {"w": torch.zeros(3), "index": torch.zeros(3, dtype=torch.long)}
+    found = {"w": torch.tensor([0.0, float("inf"), 1.0]), "index": torch.tensor([0, 1, 2])}  # int index: fine
+    with pytest.raises(CorruptCheckpointError, match="weight 'w' holds NaN or infinite values"):
+        check_weight_values(expected, found, "x.pth")
+    check_weight_values(expected, found, "x.pth", allow_nonfinite=True)

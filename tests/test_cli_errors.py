@@ -1,0 +1,286 @@
+"""Bad input and faults at the command line: exit status 2 (130 for Ctrl-C), one stderr line naming
+the problem, and no existing file changed. docs/errors.md lists the same cases with their messages.
+
+Most cases run in-process through ``polaformer.cli.main`` (the same code the entry point runs, with
+the same streams captured); a few run as real ``python -m polaformer`` processes: a signal, a lock
+held by another process, and the message-length cap.
+"""
+import errno
+import hashlib
+import io
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+import polaformer.checkpoint
+from polaformer.cli import MAX_MESSAGE, main
+from polaformer.engine.output import OutputLock
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
+        "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
+DEIT = "pola_deit_tiny_patch16_224"
+DEIT_KWARGS = dict(depth=1, img_size=32, patch_size=8, embed_dim=16, num_heads=2)
+ERROR = re.compile(r"^polaformer( \w+)?: (error|interrupted)")
+
+
+# --- fixtures --------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def work(tmp_path_factory):
+    """A finished digits run, an RGB image folder, folder checkpoints (sound and damaged) and configs."""
+    root = tmp_path_factory.mktemp("errors")
+    run = root / "run"
+    with _quiet():
+        assert main(["train", *TINY, "--epochs", "1", "--batch-size", "128", "--output", str(run)]) == 0
+
+    for split in ("train", "val"):
+        for c, name in enumerate(("ant", "bee")):
+            folder = root / "data" / split / name
+            folder.mkdir(parents=True)
+            for i in range(4):
+                pixels = np.full((32, 32, 3), 60 * c + 10 * i, dtype=np.uint8)
+                Image.fromarray(pixels).save(folder / f"{i}.png")
+
+    import timm
+
+    import polaformer.models  # noqa: F401
+
+    model = timm.create_model(DEIT, num_classes=2, **DEIT_KWARGS)
+    good = {"model": model.state_dict(), "arch": DEIT, "model_kwargs": DEIT_KWARGS, "num_classes": 2, "epoch": 1}
+    torch.save(good, root / "deit.pth")
+    nan = {**good, "model": {**good["model"], "head.weight": torch.full_like(good["model"]["head.weight"], float("nan"))}}
+    torch.save(nan, root / "nan.pth")
+    integer = {**good, "model": {**good["model"], "head.bias": torch.zeros(2, dtype=torch.int64)}}
+    torch.save(integer, root / "int64.pth")
+    torch.save({**good, "model_kwargs": {**DEIT_KWARGS, "depth": 10**9}}, root / "deep.pth")
+
+    digits = torch.load(run / "checkpoint.pth", weights_only=True)
+    torch.save({**digits, "arch": 42}, root / "arch42.pth")
+    torch.save({**digits, "model_kwargs": [1, 2]}, root / "kwargs_list.pth")
+    torch.save({**digits, "epoch": "three"}, root / "bad_epoch.pth")
+    torch.save({**digits, "optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, root / "bad_optimizer.pth")
+    torch.save({**digits, "rng": [{"python": 5, "numpy": {}, "torch": torch.zeros(3)}]}, root / "bad_rng.pth")
+
+    configs = root / "configs"
+    configs.mkdir()
+    (configs / "base5.yaml").write_text("BASE: 5\n")
+    (configs / "latin1.yaml").write_bytes("TAG: caf\xe9\n".encode("latin-1"))
+    lines = ["a: &a [x, x, x, x, x, x, x, x, x]"] + [
+        f"{chr(98 + i)}: &{chr(98 + i)} [*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, "
+        f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(8)
+    ]
+    (configs / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    (root / "a_file").write_text("not a folder\n")
+    return root
+
+
+class _quiet:
+    """Silence stdout/stderr of an in-process command that is expected to succeed."""
+
+    def __enter__(self):
+        import contextlib
+
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        self._stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_unchanged(before: dict, root: Path) -> None:
+    after = snapshot(root)
+    changed = [name for name, digest in before.items() if after.get(name) != digest]
+    assert not changed, f"existing files changed or removed: {changed}"
+
+
+def error_line(err: str, *, logs_allowed: bool = False) -> str:
+    """The single error line of ``err``. Commands that fail mid-run have logged progress lines
+    first (``logs_allowed``); the error is then the last line and the only one of its kind."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if ERROR.match(line)]
+    assert len(errors) == 1, err
+    assert lines[-1] == errors[0] if logs_allowed else lines == errors, err
+    assert len(errors[0]) <= MAX_MESSAGE
+    return errors[0]
+
+
+def run_main(argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+# --- the table -------------------------------------------------------------------------------
+
+R = "{root}"  # replaced by the fixture folder
+TRAIN_DIGITS = ["train", *TINY, "--epochs", "1", "--output", f"{R}/new"]
+TRAIN_FOLDER = ["train", "--data-path", f"{R}/data", "--output", f"{R}/new"]
+EVAL_FOLDER = ["eval", "--checkpoint", f"{R}/deit.pth", "--data-path", f"{R}/data", "--workers", "0"]
+RESUME = ["train", *TINY, "--output", f"{R}/new", "--epochs", "3", "--resume"]
+
+CASES = [
+    # settings
+    ("negative lr", [*TRAIN_DIGITS, "--lr", "-1"], "TRAIN.BASE_LR must be a finite number >= 0, got -1.0"),
+    ("NaN lr", [*TRAIN_DIGITS, "--lr", "nan"], "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
+    ("negative weight decay", [*TRAIN_DIGITS, "--weight-decay", "-0.1"], "TRAIN.WEIGHT_DECAY must be a finite"),
+    ("label smoothing 1.5", [*TRAIN_DIGITS, "--label-smoothing", "1.5"], "MODEL.LABEL_SMOOTHING must lie in [0, 1)"),
+    ("negative NUM_WORKERS", [*TRAIN_FOLDER, "--opts", "DATA.NUM_WORKERS", "-1"], "DATA.NUM_WORKERS must be an integer >= 0"),
+    ("negative TEST.BATCH_SIZE", [*TRAIN_FOLDER, "--opts", "TEST.BATCH_SIZE", "-4"], "TEST.BATCH_SIZE must be an integer >= 0"),
+    ("BASE: 5", [*TRAIN_FOLDER, "--config", f"{R}/configs/base5.yaml"], "BASE in"),
+    ("non-UTF-8 YAML", [*TRAIN_FOLDER, "--config", f"{R}/configs/latin1.yaml"], "is not UTF-8 text"),
+    ("YAML alias bomb", [*TRAIN_FOLDER, "--config", f"{R}/configs/bomb.yaml"], "YAML aliases (*name) are not allowed"),
+    ("alias in --model-kwarg", ["train", "--model-kwarg", "depth=[&a 1, *a]"], "cannot read the value"),
+    ("device meta", [*TRAIN_DIGITS, "--device", "meta"], "device 'meta' cannot run models"),
+    ("device mps", ["eval", "--checkpoint", f"{R}/run/checkpoint.pth", "--device", "mps"], "MPS is not available"),
+    ("embed_dim=-5", [*TRAIN_DIGITS, "--model-kwarg", "embed_dim=-5"], "embed_dim must be positive, got -5"),
+    ("a 100 kB value", [*TRAIN_DIGITS, "--model-kwarg", "mlp_ratio=" + "x" * 100_000],
+     "mlp_ratio must be positive, got 'xxx"),  # the line is cut to MAX_MESSAGE characters
+    ("1-channel model, RGB folder", [*TRAIN_FOLDER, "--model", DEIT, "--model-kwarg", "in_chans=1"],
+     "built for 1-channel images"),
+    # output folder
+    ("finished run, no --resume", ["train", *TINY, "--epochs", "1", "--output", f"{R}/run"],
+     "already holds a run (checkpoint.pth"),
+    ("output under a file", [*TRAIN_DIGITS[:-1], f"{R}/a_file/out"], "cannot create the output folder"),
+    ("resume, no epoch left", ["train", *TINY, "--output", f"{R}/new", "--epochs", "1", "--resume",
+                               f"{R}/run/checkpoint.pth"], "nothing to train: "),
+    # checkpoints
+    ("NaN weights", ["eval", "--checkpoint", f"{R}/nan.pth", "--data-path", f"{R}/data"],
+     "weight 'head.weight' holds NaN or infinite values"),
+    ("int64 weights", ["eval", "--checkpoint", f"{R}/int64.pth", "--data-path", f"{R}/data"],
+     "weight 'head.bias' is int64, the model's is float32; refusing to cast it"),
+    ("arch=42", ["eval", "--checkpoint", f"{R}/arch42.pth"], "'arch' must be a model name, found 42"),
+    ("model_kwargs a list", ["eval", "--checkpoint", f"{R}/kwargs_list.pth"], "'model_kwargs' must be a dict"),
+    ("tampered epoch", [*RESUME, f"{R}/bad_epoch.pth"], "training state cannot be restored: ValueError"),
+    ("tampered optimizer", [*RESUME, f"{R}/bad_optimizer.pth"], "training state cannot be restored"),
+    ("tampered rng", [*RESUME, f"{R}/bad_rng.pth"], "training state cannot be restored"),
+    # sizes and memory
+    ("depth=1e9 in a checkpoint", [*EVAL_FOLDER[:2], f"{R}/deep.pth", *EVAL_FOLDER[3:]], "for its weights"),
+    ("eval --img-size 100000", [*EVAL_FOLDER, "--img-size", "100000"], "more than the"),
+    ("eval --crop-pct 1e-9", [*EVAL_FOLDER, "--crop-pct", "1e-9"], "an image resized for crop_pct 1e-09"),
+    ("eval size the model cannot take", [*EVAL_FOLDER, "--img-size", "36"], "cannot take 36x36 images"),
+    ("throughput size not divisible", ["throughput", "--model", DEIT, "--img-size", "30", "--batch-size", "2"],
+     "cannot take 30x30 images"),
+    ("throughput --img-size 100000", ["throughput", "--model", DEIT, "--img-size", "100000"], "more than the"),
+]
+
+
+# Cases that fail after an info line was logged (the data folder's summary, "resumed from ...").
+AFTER_LOGS = {"1-channel model, RGB folder", "resume, no epoch left"}
+
+
+@pytest.mark.parametrize("name, argv, fragment", CASES, ids=[case[0] for case in CASES])
+def test_bad_input_is_one_line_with_status_2(work, name, argv, fragment, capsys):
+    before = snapshot(work)
+    code, out, err = run_main([a.replace(R, str(work)) for a in argv], capsys)
+    assert (code, out) == (2, ""), err
+    assert fragment in error_line(err, logs_allowed=name in AFTER_LOGS)
+    assert_unchanged(before, work)
+
+
+def test_non_finite_weights_load_when_allowed(work, capsys):
+    code, out, err = run_main(["eval", "--checkpoint", work / "nan.pth", "--data-path", work / "data",
+                               "--workers", "0", "--allow-nonfinite"], capsys)
+    assert code == 0, err
+    assert "loss: nan" in out
+
+
+def test_divergence_is_one_line(work, capsys):
+    code, _, err = run_main([*TRAIN_DIGITS[:-1], work / "diverged", "--lr", "1e6", "--no-augment"], capsys)
+    assert code == 2
+    assert re.search(r"training diverged at step \d+, loss (nan|inf)", error_line(err, logs_allowed=True))
+
+
+def test_full_disk_keeps_the_old_checkpoint(work, capsys, monkeypatch):
+    """The epoch's checkpoint cannot be written: the error names it; the previous one is intact."""
+    run = work / "run"
+    real_open = open
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_on_full_disk(path, mode="r", *args, **kwargs):
+        if "checkpoint.pth" in str(path) and "x" in mode:
+            return FullDisk(path, mode)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_full_disk, raising=False)
+    before = snapshot(work)
+    code, _, err = run_main(["train", *TINY, "--epochs", "2", "--batch-size", "128", "--output", run,
+                             "--resume", "auto"], capsys)
+    assert code == 2
+    line = error_line(err, logs_allowed=True)
+    assert f"cannot write {run / 'checkpoint.pth'}: no space left on device" in line
+    assert_unchanged(before, work)
+    assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_lock_names_the_holder_in_process(work, capsys):
+    lock = OutputLock(work / "locked")
+    try:
+        code, _, err = run_main([*TRAIN_DIGITS[:-1], work / "locked"], capsys)
+    finally:
+        lock.release()
+    assert code == 2
+    assert f"is in use by process {os.getpid()}" in error_line(err)
+    assert not (work / "locked" / ".polaformer.lock").exists()  # released and removed
+
+
+def _env():
+    return {**os.environ, "OMP_NUM_THREADS": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+
+
+def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
+    """A real training process: a second training into its folder is refused naming its pid; Ctrl-C
+    ends it with status 130 and a one-line note of the last checkpoint it saved."""
+    output = work / "interrupted"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "polaformer", "train", *TINY, "--epochs", "200", "--batch-size", "256",
+         "--output", str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        deadline = time.monotonic() + 90
+        while not (output / "checkpoint.pth").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.poll() else ""
+            time.sleep(0.2)
+        code, _, err = run_main([*TRAIN_DIGITS[:-1], output], capsys)
+        assert code == 2 and f"is in use by process {process.pid}" in error_line(err)
+        process.send_signal(signal.SIGINT)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 130, stderr
+    assert error_line(stderr, logs_allowed=True) == (
+        f"polaformer: interrupted; last saved checkpoint: {output / 'checkpoint.pth'}")
+    torch.load(output / "checkpoint.pth", weights_only=True)  # complete
+    assert not (output / ".polaformer.lock").exists()
+
+
+def test_subprocess_alias_bomb(work):
+    """The real entry point on the 335-byte alias bomb: status 2, one short line, nothing changed."""
+    before = snapshot(work)
+    result = subprocess.run(
+        [sys.executable, "-m", "polaformer", "train", "--config", str(work / "configs" / "bomb.yaml"),
+         "--output", str(work / "new")], capture_output=True, text=True, env=_env(), timeout=120)
+    assert (result.returncode, result.stdout) == (2, ""), result.stderr[-2000:]
+    assert "YAML aliases (*name) are not allowed" in error_line(result.stderr)
+    assert_unchanged(before, work)
