@@ -25,6 +25,7 @@ from .engine import (
     ConfigError,
     ModelBuildError,
     TrainingDivergedError,
+    TrainingInterrupted,
     evaluate_checkpoint,
     load_config,
     make_config,
@@ -531,8 +532,9 @@ def main(argv: list[str] | None = None) -> int:
             where = f": {e.filename}" if e.filename else ""
             return _usage_error(None, f"{(e.strerror or str(e)).lower()}{where}")
         except KeyboardInterrupt as e:
-            saved = getattr(e, "checkpoint", None)
-            note = f"; last saved checkpoint: {saved}" if saved else "; no checkpoint saved by this run"
+            note = ""
+            if isinstance(e, TrainingInterrupted):
+                note = f"; last saved checkpoint: {e.checkpoint}" if e.checkpoint else "; no checkpoint saved by this run"
             print(one_line(f"polaformer: interrupted{note}"), file=sys.stderr)
             return INTERRUPTED
 

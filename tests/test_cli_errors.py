@@ -234,6 +234,20 @@ def test_full_disk_keeps_the_old_checkpoint(work, capsys, monkeypatch):
     assert not [p for p in run.iterdir() if p.name.endswith(".tmp")]
 
 
+def test_overwrite_replaces_a_finished_run(work, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(work / "run", run)
+    (run / "best_ema.pth").write_bytes((run / "best.pth").read_bytes())  # as from an earlier run with EMA
+    code, out, err = run_main(["train", *TINY, "--epochs", "1", "--batch-size", "128", "--output", run,
+                               "--overwrite", "--seed", "1"], capsys)
+    assert code == 0, err
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 1
+    assert not (run / "best_ema.pth").exists()
+    assert torch.load(run / "checkpoint.pth", weights_only=True)["config"]["SEED"] == 1
+
+
 def test_lock_names_the_holder_in_process(work, capsys):
     lock = OutputLock(work / "locked")
     try:

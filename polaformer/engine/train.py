@@ -511,12 +511,24 @@ class Trainer:
             self._check_epochs_left()
         self.scheduler.step_update(num_updates=self.num_updates)
 
+    @property
+    def run_files(self) -> list[Path]:
+        """The files of a run (this one or an earlier one) present in the output folder."""
+        names = (self.cfg.LAST_CHECKPOINT, BEST_CHECKPOINT, BEST_EMA_CHECKPOINT, METRICS_JSONL, METRICS_JSON)
+        return [self.output / name for name in names if (self.output / name).exists()]
+
     def _check_no_finished_run(self) -> None:
-        """Starting afresh must not silently replace (and first empty the metrics of) an earlier run."""
+        """Starting afresh must not silently replace (and first empty the metrics of) an earlier run;
+        and files this run will replace must be replaceable (an immutable one would fail only at the
+        end of the first epoch)."""
+        for path in self.run_files if self.ctx.is_main else []:
+            try:
+                open(path, "ab").close()  # writes nothing
+            except OSError as e:
+                raise ConfigError(f"cannot write {path}: {(e.strerror or str(e)).lower()}") from None
         if self.resume_path is not None or self.cfg.OVERWRITE:
             return
-        names = (self.cfg.LAST_CHECKPOINT, BEST_CHECKPOINT, METRICS_JSONL, METRICS_JSON)
-        found = [name for name in names if (self.output / name).exists()]
+        found = [path.name for path in self.run_files]
         if found:
             raise ConfigError(
                 f"the output folder {self.output} already holds a run ({', '.join(found)}): --resume auto "
@@ -751,6 +763,9 @@ class Trainer:
         for path in self.output.iterdir():  # left by a run killed while writing
             if _TEMPORARY.match(path.name):
                 path.unlink(missing_ok=True)
+        if self.cfg.OVERWRITE and self.resume_path is None:  # --overwrite: no file of the old run stays
+            for path in self.run_files:
+                path.unlink()
         # metrics.jsonl holds exactly the epochs of the checkpoint we continue from.
         lines = "".join(json.dumps(record) + "\n" for record in self.history)
         atomic_write(self.output / METRICS_JSONL, lambda f: f.write(lines.encode()))
