@@ -534,7 +534,8 @@ def main(argv: list[str] | None = None) -> int:
         except KeyboardInterrupt as e:
             note = ""
             if isinstance(e, TrainingInterrupted):
-                note = f"; last saved checkpoint: {e.checkpoint}" if e.checkpoint else "; no checkpoint saved by this run"
+                saved = e.checkpoint
+                note = f"; last saved checkpoint: {saved}" if saved else "; no checkpoint saved by this run"
             print(one_line(f"polaformer: interrupted{note}"), file=sys.stderr)
             return INTERRUPTED
 

@@ -58,7 +58,8 @@ def work(tmp_path_factory):
     model = timm.create_model(DEIT, num_classes=2, **DEIT_KWARGS)
     good = {"model": model.state_dict(), "arch": DEIT, "model_kwargs": DEIT_KWARGS, "num_classes": 2, "epoch": 1}
     torch.save(good, root / "deit.pth")
-    nan = {**good, "model": {**good["model"], "head.weight": torch.full_like(good["model"]["head.weight"], float("nan"))}}
+    head = good["model"]["head.weight"]
+    nan = {**good, "model": {**good["model"], "head.weight": torch.full_like(head, float("nan"))}}
     torch.save(nan, root / "nan.pth")
     integer = {**good, "model": {**good["model"], "head.bias": torch.zeros(2, dtype=torch.int64)}}
     torch.save(integer, root / "int64.pth")
@@ -143,8 +144,10 @@ CASES = [
     ("NaN lr", [*TRAIN_DIGITS, "--lr", "nan"], "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
     ("negative weight decay", [*TRAIN_DIGITS, "--weight-decay", "-0.1"], "TRAIN.WEIGHT_DECAY must be a finite"),
     ("label smoothing 1.5", [*TRAIN_DIGITS, "--label-smoothing", "1.5"], "MODEL.LABEL_SMOOTHING must lie in [0, 1)"),
-    ("negative NUM_WORKERS", [*TRAIN_FOLDER, "--opts", "DATA.NUM_WORKERS", "-1"], "DATA.NUM_WORKERS must be an integer >= 0"),
-    ("negative TEST.BATCH_SIZE", [*TRAIN_FOLDER, "--opts", "TEST.BATCH_SIZE", "-4"], "TEST.BATCH_SIZE must be an integer >= 0"),
+    ("negative NUM_WORKERS", [*TRAIN_FOLDER, "--opts", "DATA.NUM_WORKERS", "-1"],
+     "DATA.NUM_WORKERS must be an integer >= 0"),
+    ("negative TEST.BATCH_SIZE", [*TRAIN_FOLDER, "--opts", "TEST.BATCH_SIZE", "-4"],
+     "TEST.BATCH_SIZE must be an integer >= 0"),
     ("BASE: 5", [*TRAIN_FOLDER, "--config", f"{R}/configs/base5.yaml"], "BASE in"),
     ("non-UTF-8 YAML", [*TRAIN_FOLDER, "--config", f"{R}/configs/latin1.yaml"], "is not UTF-8 text"),
     ("YAML alias bomb", [*TRAIN_FOLDER, "--config", f"{R}/configs/bomb.yaml"], "YAML aliases (*name) are not allowed"),
@@ -274,7 +277,8 @@ def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
     try:
         deadline = time.monotonic() + 90
         while not (output / "checkpoint.pth").exists():
-            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read() if process.poll() else ""
+            if process.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the training ended or saved nothing: {process.stderr.read()[-2000:]}")
             time.sleep(0.2)
         code, _, err = run_main([*TRAIN_DIGITS[:-1], output], capsys)
         assert code == 2 and f"is in use by process {process.pid}" in error_line(err)

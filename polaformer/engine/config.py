@@ -510,7 +510,8 @@ def check_config(cfg: Config) -> None:
     require(0.0 < train.EMA.DECAY < 1.0, f"TRAIN.EMA.DECAY must lie in (0, 1), got {train.EMA.DECAY!r}")
     require(cfg.AMP_DTYPE in ("float16", "bfloat16"), f"AMP_DTYPE must be 'float16' or 'bfloat16', got {cfg.AMP_DTYPE!r}")
     for key in ("BASE_LR", "WARMUP_LR", "MIN_LR", "WEIGHT_DECAY"):
-        require(is_number(train[key]) and train[key] >= 0, f"TRAIN.{key} must be a finite number >= 0, got {train[key]!r}")
+        require(is_number(train[key]) and train[key] >= 0,
+                f"TRAIN.{key} must be a finite number >= 0, got {train[key]!r}")
     require(is_int(cfg.DATA.NUM_WORKERS) and cfg.DATA.NUM_WORKERS >= 0,
             f"DATA.NUM_WORKERS must be an integer >= 0, got {cfg.DATA.NUM_WORKERS!r}")
     require(is_int(cfg.TEST.BATCH_SIZE) and cfg.TEST.BATCH_SIZE >= 0,
