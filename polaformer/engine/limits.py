@@ -46,7 +46,7 @@ def check_model_kwargs(arch: str, kwargs: Mapping, error: type[Exception] = Valu
     """Refuse non-positive sizes, and models whose blocks alone exceed the memory available.
 
     The estimate counts 12·dim² weights per transformer block (attention 4·dim², MLP 8·dim² at
-    the usual ratio 4) for the depths and widths given (32 where no width is given, less than any
+    the usual ratio 4) for the depths and widths given (32 where no width is given, no more than any
     of the zoo's), plus a position table of (img_size / patch_size)² tokens.
     """
     for key in SIZE_KWARGS:
