@@ -159,6 +159,7 @@ CASES = [
      "mlp_ratio must be positive, got 'xxx"),  # the line is cut to MAX_MESSAGE characters
     ("1-channel model, RGB folder", [*TRAIN_FOLDER, "--model", DEIT, "--model-kwarg", "in_chans=1"],
      "built for 1-channel images"),
+    ("digits model, RGB folder", [*TRAIN_FOLDER, "--model", "pola_deit_digits"], "built for 1-channel images"),
     # output folder
     ("finished run, no --resume", ["train", *TINY, "--epochs", "1", "--output", f"{R}/run"],
      "already holds a run (checkpoint.pth"),
@@ -187,7 +188,7 @@ CASES = [
 
 
 # Cases that fail after an info line was logged (the data folder's summary, "resumed from ...").
-AFTER_LOGS = {"1-channel model, RGB folder", "resume, no epoch left"}
+AFTER_LOGS = {"1-channel model, RGB folder", "digits model, RGB folder", "resume, no epoch left"}
 
 
 @pytest.mark.parametrize("name, argv, fragment", CASES, ids=[case[0] for case in CASES])

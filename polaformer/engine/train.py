@@ -333,10 +333,14 @@ def model_kwargs_from_config(cfg: Config, arch: str, data_kwargs: dict) -> dict:
 
 
 def _default_img_size(arch: str) -> int:
+    return _default_input_size(arch)[-1]
+
+
+def _default_input_size(arch: str) -> tuple[int, int, int]:
     from timm.models import get_pretrained_cfg
 
     pretrained_cfg = get_pretrained_cfg(arch)
-    return pretrained_cfg.input_size[-1] if pretrained_cfg is not None else 224
+    return tuple(pretrained_cfg.input_size) if pretrained_cfg is not None else (3, 224, 224)
 
 
 def build_criterion(cfg: Config, mixup_fn: Callable | None) -> nn.Module:
@@ -526,7 +530,9 @@ class Trainer:
                 open(path, "ab").close()  # writes nothing
             except OSError as e:
                 raise ConfigError(f"cannot write {path}: {(e.strerror or str(e)).lower()}") from None
-        if self.resume_path is not None or self.cfg.OVERWRITE:
+        cfg = self.cfg
+        auto = cfg.TRAIN.AUTO_RESUME or cfg.MODEL.RESUME == "auto"  # asked to start afresh if nothing was saved
+        if self.resume_path is not None or auto or cfg.OVERWRITE:
             return
         found = [path.name for path in self.run_files]
         if found:
@@ -538,7 +544,7 @@ class Trainer:
     def _check_channels(self) -> None:
         """A model for other than the data's channels would fail only at the first batch."""
         shape = getattr(self.data.train, "image_shape", None)
-        channels = self.model_kwargs.get("in_chans", 3)
+        channels = self.model_kwargs.get("in_chans", _default_input_size(self.arch)[0])
         if shape and channels != shape[0]:
             raise ConfigError(
                 f"model {self.arch!r} is built for {channels}-channel images (in_chans={channels}) but the "
