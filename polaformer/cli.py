@@ -2,8 +2,10 @@
 ``bench``, ``export`` to ONNX (in :mod:`polaformer.export`), and the Long Range Arena (``lra
 train|eval|generate|bench``, in :mod:`polaformer.lra.cli`).
 
-Every user error (a bad option, a missing or foreign checkpoint, an unknown model) ends the
-command with exit status 2 and a single ``polaformer...: error: ...`` line on stderr.
+Every user error (a bad option, a missing or foreign checkpoint, an unknown model) and every
+environmental fault (a full disk, a busy output folder, a diverged training) ends the command with
+exit status 2 and a single ``polaformer...: error: ...`` line on stderr of at most MAX_MESSAGE
+characters; Ctrl-C ends it with status 130 and one line. docs/errors.md lists the cases.
 """
 from __future__ import annotations
 
