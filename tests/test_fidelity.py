@@ -55,7 +55,7 @@ def outputs_and_grads(fn, module, x, seed=1):
     x = x.detach().clone().requires_grad_(True)
     out = fn(x)
     weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed), dtype=out.dtype)
-    params = [p for p in module.parameters()]
+    params = list(module.parameters())
     grads = torch.autograd.grad((out * weight).sum(), [x] + params, allow_unused=True)
     return out.detach(), [torch.zeros_like(p) if g is None else g for g, p in zip(grads, [x] + params)]
 
@@ -116,7 +116,8 @@ def reference_sr_attention(layer, x, height, width):
 def bilinear(table, old_grid, new_grid):
     """The official stage-table resampling, in the table's dtype."""
     grid = table.reshape(1, *old_grid, -1).permute(0, 3, 1, 2)
-    return F.interpolate(grid, size=new_grid, mode="bilinear").reshape(1, -1, new_grid[0] * new_grid[1]).permute(0, 2, 1)
+    grid = F.interpolate(grid, size=new_grid, mode="bilinear")
+    return grid.reshape(1, -1, new_grid[0] * new_grid[1]).permute(0, 2, 1)
 
 
 def reference_pvt(model, x):
@@ -151,8 +152,8 @@ def reference_pvt(model, x):
 def test_pvt_key_table_is_added_flat_when_it_has_one_row_per_key(grid, sr, rows):
     layer = randomize(PolaLinearAttention(8, 2, sr_ratio=sr, key_pos_tokens=rows)).double()
     x = torch.randn(2, grid[0] * grid[1], 8, dtype=F64)
-    assert_same(lambda t: layer(t, *grid), lambda t: reference_pola_attention(layer, t, *grid, layer.positional_encoding),
-                layer, x, LAYER_TOL)
+    reference = lambda t: reference_pola_attention(layer, t, *grid, layer.positional_encoding)  # noqa: E731
+    assert_same(lambda t: layer(t, *grid), reference, layer, x, LAYER_TOL)
 
 
 def test_key_table_of_another_length_is_resampled_in_float64():
@@ -206,8 +207,8 @@ def test_pvt_attention_odd_head_dim_and_flooring_reduction(dim, heads, sr, grid)
     keys = (grid[0] // sr) * (grid[1] // sr)
     layer = randomize(PolaLinearAttention(dim, heads, sr_ratio=sr, key_pos_tokens=keys, kernel_size=3)).double()
     x = torch.randn(2, grid[0] * grid[1], dim, dtype=F64)
-    assert_same(lambda t: layer(t, *grid), lambda t: reference_pola_attention(layer, t, *grid, layer.positional_encoding),
-                layer, x, LAYER_TOL)
+    reference = lambda t: reference_pola_attention(layer, t, *grid, layer.positional_encoding)  # noqa: E731
+    assert_same(lambda t: layer(t, *grid), reference, layer, x, LAYER_TOL)
 
 
 def test_swin_attention_odd_head_dim():

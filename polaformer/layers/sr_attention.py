@@ -37,7 +37,7 @@ class SpatialReductionAttention(nn.Module):
         heads = self.num_heads
         q = self.q(x).reshape(b, n, heads, -1).transpose(1, 2)
         if self.sr_ratio > 1:
-            if height < self.sr_ratio or width < self.sr_ratio:  # the strided conv floors otherwise, as the official
+            if height < self.sr_ratio or width < self.sr_ratio:  # else the strided conv floors, as the official one
                 raise ValueError(
                     f"token grid {height}x{width} is smaller than the spatial reduction ratio {self.sr_ratio}"
                 )

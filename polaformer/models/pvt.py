@@ -190,9 +190,9 @@ class PolaPVT(PyramidBase):
         lists = dict(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios, depths=depths,
                      sr_ratios=sr_ratios, attn_type=attn_type, la_sr_ratios=str(la_sr_ratios))
         short = [name for name, values in lists.items() if len(values) < num_stages]
-        if not 1 <= num_stages <= 4 or short:
-            raise ValueError(f"num_stages must be 1..4 with an entry per stage in each list, got {num_stages} "
-                             f"stages and {', '.join(short) or 'every list long enough'}")
+        if num_stages < 1 or short:
+            raise ValueError(f"num_stages={num_stages}: need at least one stage and an entry per stage in "
+                             f"{', '.join(short) or 'each list'}")
         if len(embed_dims) < 4 or embed_dims[num_stages - 1] != embed_dims[3]:
             # The official head and final norm take embed_dims[3] channels, whatever num_stages is.
             raise ValueError(f"embed_dims[{num_stages - 1}] must equal embed_dims[3] (the head's input), "
