@@ -49,6 +49,7 @@ from .checkpoint import (
     select_weights,
     strip_wrapper_prefixes,
 )
+from .ops import resample_grid_table
 
 __all__ = [
     "FinetuneLoadResult",
@@ -121,23 +122,20 @@ def resample_position_table(
     """Resample a ``(1, prefix + h·w, C)`` table of raster-ordered grid positions to ``new_grid``.
 
     The ``num_prefix_tokens`` leading rows (class token) are kept as they are. ``old_grid``
-    defaults to the square grid the row count implies. The grid is interpolated in float32 with
-    ``align_corners=False`` and returned in the table's dtype.
+    defaults to the square grid the row count implies. The grid is interpolated as the models do
+    at other sizes (:func:`~polaformer.ops.resample_grid_table`: ``align_corners=False``, in the
+    table's dtype, float32 for half precision).
     """
     if table.dim() != 3 or table.shape[0] != 1:
         raise ValueError(f"expected a position table of shape (1, N, C), got {tuple(table.shape)}")
-    prefix, grid = table[:, :num_prefix_tokens], table[:, num_prefix_tokens:]
+    grid = table[:, num_prefix_tokens:]
     if old_grid is None:
         side = _square_side(grid.shape[1], "the position table")
         old_grid = (side, side)
     if old_grid[0] * old_grid[1] != grid.shape[1]:
         raise ValueError(f"position table of {grid.shape[1]} positions is not a {old_grid[0]}x{old_grid[1]} grid")
-    channels = grid.shape[-1]
-    grid = grid.float().reshape(1, old_grid[0], old_grid[1], channels).permute(0, 3, 1, 2)
-    grid = F.interpolate(grid, size=tuple(new_grid), mode=mode, antialias=antialias,
-                         align_corners=False if mode in ("bilinear", "bicubic") else None)
-    grid = grid.permute(0, 2, 3, 1).reshape(1, new_grid[0] * new_grid[1], channels).to(table.dtype)
-    return torch.cat([prefix, grid], dim=1)
+    return resample_grid_table(table, tuple(new_grid), tuple(old_grid), num_prefix_tokens, mode=mode,
+                               antialias=antialias)
 
 
 def resample_relative_position_bias(table: torch.Tensor, new_window: tuple[int, int]) -> torch.Tensor:
@@ -152,7 +150,7 @@ def resample_relative_position_bias(table: torch.Tensor, new_window: tuple[int, 
     rows, heads = table.shape
     side = _square_side(rows, "the relative position bias table")
     size = (2 * new_window[0] - 1, 2 * new_window[1] - 1)
-    grid = table.float().t().reshape(1, heads, side, side)
+    grid = table.to(torch.promote_types(table.dtype, torch.float32)).t().reshape(1, heads, side, side)
     grid = F.interpolate(grid, size=size, mode="bicubic", align_corners=False)
     return grid.reshape(heads, size[0] * size[1]).t().contiguous().to(table.dtype)
 

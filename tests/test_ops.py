@@ -221,7 +221,7 @@ def test_pacs_large_inputs_float32_do_not_overflow():
 @pytest.mark.parametrize(
     "shapes,message",
     [
-        (((2, 2, 8, 4), (2, 2, 8, 4), (2, 2, 8, 3)), "even"),
+        (((2, 2, 8, 4), (2, 2, 8, 4), (2, 2, 8, 1)), "at least 2"),
         (((2, 2, 8, 4), (2, 2, 8, 5), (2, 2, 8, 4)), "head_dim differ"),
         (((2, 2, 8, 4), (2, 2, 7, 4), (2, 2, 8, 4)), "token counts differ"),
         (((2, 8, 4), (2, 8, 4), (2, 8, 4)), "4-D"),

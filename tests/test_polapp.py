@@ -122,10 +122,8 @@ def test_full_size_forward_at_non_square_size():
 
 def test_clear_errors():
     model = timm.create_model("POLA_b0", **TINY)
-    with pytest.raises(ValueError, match="image size 100x100 is not divisible by 32"):
-        model(torch.randn(1, 3, 100, 100))
-    with pytest.raises(ValueError, match="image size 64x48 is not divisible by 32"):
-        model.forward_intermediates(torch.randn(1, 3, 64, 48))
+    with pytest.raises(ValueError, match="image size 0x48 is smaller than one pixel"):
+        model.forward_intermediates(torch.randn(1, 3, 0, 48))
     with pytest.raises(ValueError, match=r"\(B, 3, H, W\)"):
         model(torch.randn(1, 1, 64, 64))
     with pytest.raises(ValueError, match="stage 1: 3 block types for depth 2"):

@@ -11,6 +11,12 @@ without renaming:
 - ``dwc``: depthwise conv on v, shared by all heads (``head_dim`` channels);
 - ``sr`` + ``norm``: strided conv and LayerNorm reducing the keys/values;
 - ``proj``: output projection. The output is ``proj((attn + dwc(v)) * g)``.
+
+Where the official layer returns an output, this one returns the same: an odd ``head_dim`` splits
+the values as ``torch.chunk`` does (the same-sign stream takes the larger half), a grid not
+divisible by ``sr_ratio`` is reduced by the flooring strided conv, and the key table is added
+flat whenever it has one row per key (or a single row, which broadcasts), whatever the grid.
+Only where the official layer fails (a table of another length) is the table resampled.
 """
 from __future__ import annotations
 
@@ -18,10 +24,9 @@ import math
 
 import torch
 import torch.nn.functional as F
-from timm.layers import resample_abs_pos_embed
 from torch import nn
 
-from ..ops import learnable_power, pola_linear_attention
+from ..ops import learnable_power, pola_linear_attention, resample_grid_table
 
 __all__ = ["PolaLinearAttention"]
 
@@ -31,7 +36,7 @@ class PolaLinearAttention(nn.Module):
 
     Args:
         dim: channels of the input tokens.
-        num_heads: attention heads; ``dim / num_heads`` must be even.
+        num_heads: attention heads; ``dim`` must be divisible by it.
         qkv_bias: bias in the q/k/v/gate projections.
         proj_drop: dropout after the output projection.
         sr_ratio: spatial reduction of keys/values (a strided conv); requires
@@ -39,9 +44,11 @@ class PolaLinearAttention(nn.Module):
         kernel_size: size of the depthwise conv on v.
         alpha: the power map's range, ``p ∈ (1, 1 + alpha)``.
         key_pos_tokens: length of the learnable key positional encoding, or
-            None for none. When its keys (after the prefix tokens) form a square
-            grid, the table is resampled bilinearly for other key grids, so the
-            layer runs at any input size.
+            None for none. It is added row by row when it has one row per key
+            (prefix tokens included), as the official code does; for another
+            number of keys, a table whose rows (after the prefix tokens) form a
+            square grid is resampled bilinearly to the key grid, so the layer
+            runs at any input size.
         fused_qkvg: one ``qkvg`` projection (Swin layout) instead of ``qg`` + ``kv``.
         num_prefix_tokens: leading tokens (class token) that take part in the
             attention but not in the depthwise conv branch.
@@ -65,10 +72,8 @@ class PolaLinearAttention(nn.Module):
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         head_dim = dim // num_heads
-        if head_dim % 2:
-            raise ValueError(
-                f"head_dim = dim / num_heads = {head_dim} must be even (values split into two polarity streams)"
-            )
+        if head_dim < 2:
+            raise ValueError(f"head_dim = dim / num_heads = {head_dim} must be at least 2 (two polarity streams)")
         if fused_qkvg and sr_ratio > 1:
             raise ValueError("spatial reduction (sr_ratio > 1) needs separate qg/kv projections (fused_qkvg=False)")
         if num_prefix_tokens and sr_ratio > 1:
@@ -102,20 +107,19 @@ class PolaLinearAttention(nn.Module):
             self.key_pos_grid = None
 
     def _key_positions(self, key_grid: tuple[int, int]) -> torch.Tensor:
-        """The key positional table for a key grid, resampled if the grid is not the trained one."""
+        """The key positional table for a key grid: added flat where the official code adds it
+        (one row per key, or one row), else resampled from the table's square grid."""
         table = self.positional_encoding
-        fits = table.shape[1] == self.num_prefix_tokens + key_grid[0] * key_grid[1]
-        if key_grid == self.key_pos_grid or (self.key_pos_grid is None and fits):
+        rows = table.shape[1]
+        if rows in (1, self.num_prefix_tokens + key_grid[0] * key_grid[1]):
             return table
         if self.key_pos_grid is None:
             raise ValueError(
-                f"key positional encoding holds {table.shape[1]} tokens (not a square grid), "
+                f"key positional encoding holds {rows} tokens (not a square grid), "
                 f"cannot resample it to a {key_grid[0]}x{key_grid[1]} key grid"
             )
-        return resample_abs_pos_embed(
-            table, list(key_grid), list(self.key_pos_grid), num_prefix_tokens=self.num_prefix_tokens,
-            interpolation="bilinear", antialias=False,
-        )
+        return resample_grid_table(table, key_grid, self.key_pos_grid, self.num_prefix_tokens,
+                                   mode="bilinear", antialias=False)
 
     def _project(self, x: torch.Tensor, height: int, width: int):
         b, n, c = x.shape
@@ -124,9 +128,9 @@ class PolaLinearAttention(nn.Module):
             return q, k, v, g
         q, g = self.qg(x).reshape(b, n, 2, c).unbind(2)
         if self.sr_ratio > 1:
-            if height % self.sr_ratio or width % self.sr_ratio:
+            if height < self.sr_ratio or width < self.sr_ratio:
                 raise ValueError(
-                    f"token grid {height}x{width} is not divisible by the spatial reduction ratio {self.sr_ratio}"
+                    f"token grid {height}x{width} is smaller than the spatial reduction ratio {self.sr_ratio}"
                 )
             grid = x.transpose(1, 2).reshape(b, c, height, width)
             x = self.norm(self.sr(grid).flatten(2).transpose(1, 2))

@@ -16,13 +16,20 @@ __all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
 
 
 class RoPE2d(nn.Module):
-    """Holds the RoPE frequency buffer ``angle`` and makes ``(sin, cos)`` for a grid."""
+    """Holds the RoPE frequency buffer ``angle`` and makes ``(sin, cos)`` for a grid.
+
+    As the official module, it is built for any per-head width (a stage holds a table for each
+    block type even if it has no block of that type); making tables needs a multiple of 4.
+    """
 
     def __init__(self, embed_dim: int, num_heads: int, base: float = 10000.0):
         super().__init__()
-        self.register_buffer("angle", rope_angles(embed_dim, num_heads, base))
+        self.head_width = embed_dim // num_heads
+        self.register_buffer("angle", rope_angles(embed_dim, num_heads, base, allow_partial=True))
 
     def forward(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.head_width % 4:
+            raise ValueError(f"RoPE needs a per-head width divisible by 4, got {self.head_width}")
         return rope_2d(self.angle, height, width)
 
 

@@ -37,9 +37,9 @@ class SpatialReductionAttention(nn.Module):
         heads = self.num_heads
         q = self.q(x).reshape(b, n, heads, -1).transpose(1, 2)
         if self.sr_ratio > 1:
-            if height % self.sr_ratio or width % self.sr_ratio:
+            if height < self.sr_ratio or width < self.sr_ratio:  # else the strided conv floors, as the official one
                 raise ValueError(
-                    f"token grid {height}x{width} is not divisible by the spatial reduction ratio {self.sr_ratio}"
+                    f"token grid {height}x{width} is smaller than the spatial reduction ratio {self.sr_ratio}"
                 )
             x = self.norm(self.sr(x.transpose(1, 2).reshape(b, c, height, width)).flatten(2).transpose(1, 2))
         k, v = self.kv(x).reshape(b, -1, 2, heads, c // heads).permute(2, 0, 3, 1, 4).unbind(0)

@@ -19,10 +19,10 @@ import contextlib
 import functools
 
 import torch
-from timm.layers import resample_abs_pos_embed
 from timm.models import register_notrace_function, register_notrace_module
 
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
+from ..ops import resample_grid_table
 from ..ops.feature_maps import legacy_onnx_tracing
 
 __all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid"]
@@ -89,12 +89,16 @@ def _first_rows(out, rows: int):
 
 
 @register_notrace_function  # reason: Python control flow on the input's shape
-def check_image(x: torch.Tensor, in_chans: int, stride: tuple[int, int], stride_text: str) -> torch.Tensor:
-    """``x`` itself if it is a (B, in_chans, H, W) batch with H, W multiples of ``stride``, else a ValueError."""
+def check_image(x: torch.Tensor, in_chans: int, stride: tuple[int, int], stride_text: str,
+                floor: bool = False) -> torch.Tensor:
+    """``x`` itself if it is a (B, in_chans, H, W) batch with H, W multiples of ``stride`` (with ``floor``:
+    at least ``stride``, for models whose strided convs floor), else a ValueError."""
     if x.dim() != 4 or x.shape[1] != in_chans:
         raise ValueError(f"expected images of shape (B, {in_chans}, H, W), got {tuple(x.shape)}")
     h, w = x.shape[-2:]
-    if h % stride[0] or w % stride[1]:
+    if floor and (h < stride[0] or w < stride[1]):
+        raise ValueError(f"image size {h}x{w} is smaller than {stride_text}")
+    if not floor and (h % stride[0] or w % stride[1]):
         raise ValueError(f"image size {h}x{w} is not divisible by {stride_text}")
     return x
 
@@ -102,10 +106,16 @@ def check_image(x: torch.Tensor, in_chans: int, stride: tuple[int, int], stride_
 @register_notrace_function  # reason: compares the input's grid with the table's
 def pos_table_for_grid(table: torch.Tensor, grid: tuple[int, int], table_grid: tuple[int, int],
                        num_prefix_tokens: int = 0, interpolation: str = "bicubic",
-                       antialias: bool = True) -> torch.Tensor:
+                       antialias: bool = True, flat_tokens: int | None = None) -> torch.Tensor:
     """A (1, prefix + h·w, C) position table for a ``grid`` token grid: the table itself on its own
-    grid, else resampled from ``table_grid`` with timm's ``resample_abs_pos_embed``."""
-    if tuple(grid) == tuple(table_grid):
+    grid, else resampled from ``table_grid`` (:func:`~polaformer.ops.resample_grid_table`, in the
+    table's dtype).
+
+    ``flat_tokens``: a token count at which the table is used as it is, whatever the grid, when it
+    has that many rows or a single one (which broadcasts): the official PVT rule.
+    """
+    tokens = num_prefix_tokens + grid[0] * grid[1]
+    if tuple(grid) == tuple(table_grid) or (tokens == flat_tokens and table.shape[1] in (1, tokens)):
         return table
     if antialias and legacy_onnx_tracing():  # it has no antialiased resize: refuse here, not with an IR dump
         raise RuntimeError(
@@ -114,8 +124,7 @@ def pos_table_for_grid(table: torch.Tensor, grid: tuple[int, int], table_grid: t
             f"torch.onnx.export(..., dynamo=True) or 'polaformer export', or the model's own input size "
             f"(a {table_grid[0]}x{table_grid[1]} grid)"
         )
-    return resample_abs_pos_embed(table, list(grid), list(table_grid), num_prefix_tokens=num_prefix_tokens,
-                                  interpolation=interpolation, antialias=antialias)
+    return resample_grid_table(table, grid, table_grid, num_prefix_tokens, mode=interpolation, antialias=antialias)
 
 
 def checkpoint_filter_fn(state_dict: dict, model: torch.nn.Module) -> dict:

@@ -15,8 +15,10 @@ their checkpoints load strictly. The layout, as in the official code:
 - Head: 1×1 conv to ``projection`` channels, BatchNorm, Swish, global average pool, 1×1 conv
   classifier.
 
-RoPE tables are computed from the actual grid, so any input divisible by 32 works (``img_size`` is
-accepted for timm's API and changes nothing).
+RoPE tables are computed from the actual grid and every strided conv pads, so any input size runs,
+as in the official code (a 64×48 image gives stage grids 16×12, 8×6, 4×3, 2×2; ``img_size`` is
+accepted for timm's API and changes nothing). A stage whose blocks are all of one type holds the
+other type's RoPE table unused, as the official code, whatever its head width.
 
 The lower-case names ``pola_b0``..``pola_b5`` are timm deprecation aliases of ``POLA_b0``..``POLA_b5``.
 """
@@ -191,7 +193,7 @@ class PolaFormerPP(nn.Module):
         layerscales, layer_init_values: per stage, whether blocks scale their branches and the
             initial scale.
         global_pool: pooling before the classifier (``'avg'`` as in the official model).
-        img_size: accepted for timm's API; no effect (RoPE tables follow the input, any multiple of 32 runs).
+        img_size: accepted for timm's API; no effect (RoPE tables follow the input, any size runs).
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
@@ -210,7 +212,6 @@ class PolaFormerPP(nn.Module):
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.grad_checkpointing = False
-        self.reduction = 4 * 2 ** (num_stages - 1)
         self.patch_embed = ConvStem(in_chans, embed_dims[0])
         dpr = [drop_path_rate * i / max(sum(depths) - 1, 1) for i in range(sum(depths))]
         self.layers = nn.ModuleList()
@@ -285,7 +286,7 @@ class PolaFormerPP(nn.Module):
         self.head.train(self.training)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
-        return check_image(x, self.in_chans, (self.reduction, self.reduction), f"{self.reduction}")
+        return check_image(x, self.in_chans, (1, 1), "one pixel", floor=True)
 
     @empty_batch
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",

@@ -11,9 +11,19 @@ load strictly. Quirks of the official model kept on purpose:
   while every parameter of the model gets a gradient (timm's test-suite checks that).
 - Patch embeddings use a LayerNorm with eps 1e-5; blocks use ``norm_layer`` (eps 1e-6).
 
-Any input divisible by 32 works: the per-stage position tables and the attention's key
-position tables are resampled bilinearly (as the official code does for ``pos_embed``) when
-the grid differs from the one the model was built for.
+Input sizes. Wherever the official model returns an output, this one returns the same:
+
+- Strided patch embeddings floor, so any image at least as large as the total stride runs
+  (official models built at 200 or 208 run at their own size: stage grids 50/25/12/6, 52/26/13/6).
+- ``pos_embed{i}`` follows the official rule: added as it is when the stage has as many tokens as
+  the *first* stage was built for (a one-row table broadcasts), else resampled bilinearly from
+  the stage's built grid (in the table's dtype; no change on that grid).
+- The attention's key table is added as it is when it has one row per key, whatever the grid
+  (so a table built for 8x8 keys runs row by row on 4x16 keys, as in the official code).
+
+Where the official model fails, this one goes further: a stage table that the official code
+would add flat to a different number of tokens, and a key table of another length than the
+keys (any other input size), are resampled bilinearly from their built grids.
 """
 from __future__ import annotations
 
@@ -179,8 +189,16 @@ class PolaPVT(PyramidBase):
                  sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", num_stages=4, alpha=4, kernel_size=5,
                  attn_type="LLLL", global_pool="avg"):
         super().__init__()
-        if num_stages != 4 or len(attn_type) != 4 or len(str(la_sr_ratios)) != 4:
-            raise ValueError("PolaPVT has 4 stages: attn_type and la_sr_ratios need one entry per stage")
+        lists = dict(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios, depths=depths,
+                     sr_ratios=sr_ratios, attn_type=attn_type, la_sr_ratios=str(la_sr_ratios))
+        short = [name for name, values in lists.items() if len(values) < num_stages]
+        if num_stages < 1 or short:
+            raise ValueError(f"num_stages={num_stages}: need at least one stage and an entry per stage in "
+                             f"{', '.join(short) or 'each list'}")
+        if len(embed_dims) < 4 or embed_dims[num_stages - 1] != embed_dims[3]:
+            # The official head and final norm take embed_dims[3] channels, whatever num_stages is.
+            raise ValueError(f"embed_dims[{num_stages - 1}] must equal embed_dims[3] (the head's input), "
+                             f"got {tuple(embed_dims)} with num_stages={num_stages}")
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         self.num_classes = num_classes
@@ -188,7 +206,7 @@ class PolaPVT(PyramidBase):
         self.global_pool = global_pool
         self.num_stages = num_stages
         self.depths = list(depths)
-        self.num_features = self.head_hidden_size = embed_dims[-1]
+        self.num_features = self.head_hidden_size = embed_dims[3]
         self.grad_checkpointing = False
         self.total_stride = patch_size * 2 ** (num_stages - 1)
         self.pos_drop = nn.Dropout(drop_rate)
@@ -211,21 +229,27 @@ class PolaPVT(PyramidBase):
             setattr(self, f"block{i + 1}", blocks)
             reduction = patch_size * 2**i
             self.feature_info.append(dict(num_chs=embed_dims[i], reduction=reduction, module=f"block{i + 1}"))
-        self.norm = HeldNorm(embed_dims[-1])  # held for checkpoint compatibility; never applied (official)
+        self.flat_pos_tokens = self.patch_embed1.num_patches  # official: tables are added flat at this count
+        self.norm = HeldNorm(embed_dims[3])  # held for checkpoint compatibility; never applied (official)
         self.head_drop = nn.Identity()  # the official drop_rate acts inside the blocks, not before the head
-        self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
+        self.head = nn.Linear(embed_dims[3], num_classes) if num_classes > 0 else nn.Identity()
         self._init_weights()
 
     def _stage_modules(self, i: int) -> tuple[str, ...]:
         return (f"patch_embed{i + 1}", f"pos_embed{i + 1}", f"block{i + 1}")
 
+    def _check_input(self, x: torch.Tensor) -> torch.Tensor:
+        stride = self.total_stride
+        return check_image(x, self.in_chans, (stride, stride), f"the total stride {stride}", floor=True)
+
     def _stage(self, i: int, x: torch.Tensor) -> torch.Tensor:
         """Stage ``i`` (0-based) on an NCHW map; returns the NCHW map it produces."""
         embed = getattr(self, f"patch_embed{i + 1}")
-        height, width = x.shape[-2] // embed.patch_size[0], x.shape[-1] // embed.patch_size[1]
-        x = embed(x)
+        ph, pw = embed.patch_size
+        height, width = x.shape[-2] // ph, x.shape[-1] // pw
+        x = embed(x[..., :height * ph, :width * pw])  # the official strided conv floors: drop the remainder
         pos = pos_table_for_grid(getattr(self, f"pos_embed{i + 1}"), (height, width), embed.grid_size,
-                                 interpolation="bilinear", antialias=False)
+                                 interpolation="bilinear", antialias=False, flat_tokens=self.flat_pos_tokens)
         x = self.pos_drop(x + pos)
         for blk in getattr(self, f"block{i + 1}"):
             if self.grad_checkpointing and torch.is_grad_enabled():

@@ -27,9 +27,10 @@ meaningful:
 
 - Linear blocks whose window covered the whole stage stay global: the window
   becomes the new stage grid. Other linear blocks keep their window, clipped per
-  side to a smaller stage. The key ``positional_encoding`` belongs to one window
-  grid, so the attention layer resamples it bilinearly as a 2-D grid (timm's
-  ``resample_abs_pos_embed``) whenever the window differs.
+  side to a smaller stage. The key ``positional_encoding`` is added row by row
+  when the window has as many tokens as the table has rows (the official
+  layer's rule, e.g. a 56x56 table on a 28x112 window); for another number of
+  tokens it is resampled bilinearly from its square grid, in its own dtype.
 - Softmax blocks keep the window they were built with, so the relative position
   bias table and index are used as trained (every offset in a window keeps its
   meaning; no table resampling). The grid is padded to whole windows and the

@@ -1,4 +1,4 @@
-"""Pure tensor math: feature maps, the fast polarity-aware attention, naive references, RoPE."""
+"""Pure tensor math: feature maps, the fast polarity-aware attention, naive references, RoPE, position tables."""
 from .feature_maps import (
     elu_feature,
     focused_feature,
@@ -19,6 +19,7 @@ from .naive import (
     softmax_attention_weights,
 )
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
+from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "polarity_split",
     "power_feature",
     "relu_feature",
+    "resample_grid_table",
     "rope_2d",
     "rope_angles",
     "softmax_attention_weights",

@@ -1,8 +1,10 @@
 """Fast polarity-aware linear attention, O(N·d²) in tokens.
 
-Shapes: ``q`` (B, H, N, d), ``k`` (B, H, M, d), ``v`` (B, H, M, dv) with ``dv``
-even; the output is (B, H, N, dv). ``M`` may differ from ``N`` (spatial
-reduction of keys, cross-attention).
+Shapes: ``q`` (B, H, N, d), ``k`` (B, H, M, d), ``v`` (B, H, M, dv); the output
+is (B, H, N, dv). ``v`` splits as ``torch.chunk(v, 2, -1)`` does in the official
+code: the same-sign stream takes the first ``ceil(dv/2)`` channels, the
+opposite-sign stream the rest. ``M`` may differ from ``N`` (spatial reduction of
+keys, cross-attention).
 
 Key padding. ``key_padding_mask`` (B, M) bool, True at padding (the convention
 of ``nn.MultiheadAttention``): padded keys are zeroed in feature space, so they
@@ -112,6 +114,11 @@ def _full_precision(device_type: str):
     return contextlib.nullcontext()
 
 
+def _same_sign_width(v: torch.Tensor) -> int:
+    """Value channels of the same-sign stream: the first chunk of ``torch.chunk(v, 2, -1)``."""
+    return (v.shape[-1] + 1) // 2
+
+
 def _swap_rows(x: torch.Tensor) -> torch.Tensor:
     """Swap the two halves of dim -2 (the 2d feature axis of S)."""
     d = x.shape[-2] // 2
@@ -173,7 +180,7 @@ def _capturing_graph() -> bool:
 def _pola_attention_graph(q, k, v, power, eps, keep, m):
     """The same math as :class:`_PolaPowerAttention`, written functionally (autograd derives the backward)."""
     d = q.shape[-1]
-    half = v.shape[-1] // 2
+    half = _same_sign_width(v)
 
     def features(x):
         magnitude = x.abs() ** power  # 0 at x = 0, where torch's pow gradients are 0 as well
@@ -195,7 +202,7 @@ class _PolaPowerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, power, eps, keep, m):
         # keep: (B, 1, M, 1) 0/1 key factor or None; m: valid keys, a number or (B, 1, 1, 1).
-        half = v.shape[-1] // 2
+        half = _same_sign_width(v)
         phi_q, log_q = _power_features(q, power)
         phi_k, log_k = _power_features(k, power)
         if keep is not None:
@@ -223,7 +230,7 @@ class _PolaPowerAttention(torch.autograd.Function):
         q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res, *count = ctx.saved_tensors
         m = count[0] if count else ctx.m
         dv_ = v.shape[-1]
-        half = dv_ // 2
+        half = _same_sign_width(v)
         out = res[..., :-2]
         denom = res[..., -2:]
 
@@ -285,8 +292,8 @@ def pola_linear_attention(
     Args:
         q: queries (B, H, N, d), already divided by the learnable scale.
         k: keys (B, H, M, d), same.
-        v: values (B, H, M, dv), dv even: the first half feeds the same-sign
-            stream, the second half the opposite-sign stream.
+        v: values (B, H, M, dv): the first ``ceil(dv/2)`` channels feed the
+            same-sign stream, the rest the opposite-sign stream (``torch.chunk``).
         power: exponents ``p ≥ 1`` broadcastable to (B, H, 1, d) (a tensor, or a
             number for all channels), e.g. from :func:`~polaformer.ops.learnable_power`.
         eps: added to each stream's normaliser.
@@ -299,7 +306,9 @@ def pola_linear_attention(
         overflow float16 long before the output does.
     """
     _check_float(q=q, k=k, v=v)
-    _check_qkv(q, k, v, even_head_dim=True)
+    _check_qkv(q, k, v)
+    if v.shape[-1] < 2:
+        raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
     power = _as_power(power, q)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)

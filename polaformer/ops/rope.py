@@ -12,10 +12,16 @@ import torch
 __all__ = ["rope_angles", "rope_2d", "apply_rope"]
 
 
-def rope_angles(embed_dim: int, num_heads: int, base: float = 10000.0, dtype=torch.float32) -> torch.Tensor:
-    """Per-channel angle table of length ``embed_dim // num_heads // 2`` (each frequency twice)."""
+def rope_angles(embed_dim: int, num_heads: int, base: float = 10000.0, dtype=torch.float32,
+                allow_partial: bool = False) -> torch.Tensor:
+    """Per-channel angle table of length ``embed_dim // num_heads // 2`` (each frequency twice).
+
+    A per-head width not divisible by 4 is an error, unless ``allow_partial``: then the table the
+    official ``RoPE`` module builds anyway (``2·(per_head // 4)`` angles, too short to rotate a
+    head) is returned, for modules that hold it without using it.
+    """
     per_head = embed_dim // num_heads
-    if per_head % 4:
+    if per_head % 4 and not allow_partial:
         raise ValueError(f"RoPE needs a per-head width divisible by 4, got {per_head} (= {embed_dim} / {num_heads})")
     freqs = 1.0 / (base ** torch.linspace(0, 1, per_head // 4, dtype=dtype))
     return freqs.repeat_interleave(2)
