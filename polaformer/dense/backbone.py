@@ -24,6 +24,7 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool, LastLevelP6P7
 
 from .. import models as _register  # noqa: F401  (registers the Pola families with timm)
+from ..engine.factory import ModelBuildError
 from ..finetune import load_for_finetune
 
 __all__ = ["BackboneError", "FeaturePyramidBackbone", "SimplePyramid", "build_backbone", "pyramid_indices"]
@@ -33,7 +34,7 @@ _logger = logging.getLogger(__name__)
 PYRAMID_STRIDES = (4, 8, 16, 32)
 
 
-class BackboneError(ValueError):
+class BackboneError(ModelBuildError):
     """A trunk that cannot feed a feature pyramid (one line)."""
 
 
@@ -85,9 +86,10 @@ class FeaturePyramidBackbone(nn.Module):
 
     def __init__(self, trunk: nn.Module, in_channels: list[int], out_channels: int = 256,
                  extra_blocks: ExtraFPNBlock | None = None, pyramid: SimplePyramid | None = None,
-                 size_divisible: int = 32):
+                 size_divisible: int = 32, levels: tuple[int, ...] = (0, 1, 2, 3)):
         super().__init__()
         self.trunk = trunk
+        self.levels = levels
         self.pyramid = pyramid
         self.fpn = FeaturePyramidNetwork(in_channels, out_channels, extra_blocks=extra_blocks)
         self.out_channels = out_channels
@@ -102,7 +104,7 @@ class FeaturePyramidBackbone(nn.Module):
         features = self.trunk(x)
         if self.pyramid is not None:
             features = self.pyramid(features[-1])
-        return self.fpn(OrderedDict((str(i), f) for i, f in enumerate(features)))
+        return self.fpn(OrderedDict((str(i), features[i]) for i in self.levels))
 
 
 def build_trunk(name: str, *, weights: str | None = None, model_kwargs: dict | None = None) -> nn.Module:
@@ -120,7 +122,7 @@ def build_trunk(name: str, *, weights: str | None = None, model_kwargs: dict | N
 
 
 def build_backbone(name: str, *, weights: str | None = None, model_kwargs: dict | None = None,
-                   out_channels: int = 256, extra: str = "pool") -> FeaturePyramidBackbone:
+                   out_channels: int = 256, extra: str = "pool", first_stride: int = 4) -> FeaturePyramidBackbone:
     """An FPN backbone on the timm model ``name``.
 
     Args:
@@ -129,6 +131,7 @@ def build_backbone(name: str, *, weights: str | None = None, model_kwargs: dict 
             tables are resampled to the detection grid once, at load time.
         extra: ``'pool'`` (a stride-64 max-pooled level, Faster/Mask R-CNN) or ``'p6p7'``
             (two strided convolutions on P5, RetinaNet and FCOS).
+        first_stride: the finest level fed to the FPN: 4, or 8 for RetinaNet/FCOS (P3-P7).
     """
     model = build_trunk(name, weights=weights, model_kwargs=model_kwargs)
     info = getattr(model, "feature_info", None)
@@ -142,10 +145,14 @@ def build_backbone(name: str, *, weights: str | None = None, model_kwargs: dict 
     else:
         pyramid = None
         in_channels = [info[i]["num_chs"] for i in indices]
+    if first_stride not in PYRAMID_STRIDES:
+        raise BackboneError(f"first_stride must be one of {PYRAMID_STRIDES}, got {first_stride}")
+    levels = tuple(i for i, s in enumerate(PYRAMID_STRIDES) if s >= first_stride)
+    in_channels = [in_channels[i] for i in levels]
     if extra == "pool":
         extra_block = LastLevelMaxPool()
     elif extra == "p6p7":
         extra_block = LastLevelP6P7(out_channels, out_channels)
     else:
         raise BackboneError(f"extra FPN levels must be 'pool' or 'p6p7', got {extra!r}")
-    return FeaturePyramidBackbone(trunk, in_channels, out_channels, extra_block, pyramid)
+    return FeaturePyramidBackbone(trunk, in_channels, out_channels, extra_block, pyramid, levels=levels)
