@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import io
-import logging
 
 import numpy as np
 import torch
@@ -22,7 +21,6 @@ from .backbone import BackboneError, build_backbone
 
 __all__ = ["DETECTORS", "build_detector", "evaluate_detector", "detection_loss", "draw_predictions"]
 
-_logger = logging.getLogger(__name__)
 
 DETECTORS = ("retinanet", "fcos", "fasterrcnn", "maskrcnn")
 

@@ -76,13 +76,11 @@ def load_dense_checkpoint(path: str | os.PathLike, task: str) -> dict:
     return checkpoint
 
 
-def _batches(loader: Iterable, start_epoch: int):
+def _batches(make_loader: Callable[[int], Iterable], start_epoch: int):
+    """Batches forever; epoch e's order depends on e only, so a resumed run sees the same batches."""
     epoch = start_epoch
     while True:
-        sampler = getattr(loader, "sampler", None)
-        if hasattr(sampler, "set_epoch"):
-            sampler.set_epoch(epoch)
-        yield from ((epoch, b) for b in loader)
+        yield from ((epoch, b) for b in make_loader(epoch))
         epoch += 1
 
 
@@ -125,10 +123,9 @@ def train_steps(
             _logger.info("resumed from %s at step %d", path, start)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor, last_epoch=start - 1) if start else \
         torch.optim.lr_scheduler.LambdaLR(optimizer, schedule.factor)
-    loader = make_loader(0)
-    steps_per_epoch = max(1, len(loader))
+    steps_per_epoch = max(1, len(make_loader(0)))
     epoch0, skip = divmod(start, steps_per_epoch)
-    batches = _batches(make_loader(epoch0), epoch0)
+    batches = _batches(make_loader, epoch0)
     for _ in range(skip):  # same data order as an uninterrupted run
         next(batches)
     metrics: dict = {}

@@ -8,7 +8,6 @@ encoder's trunk with position tables resampled, as for detection.
 """
 from __future__ import annotations
 
-import logging
 
 import numpy as np
 import torch
@@ -20,7 +19,6 @@ from .data import IGNORE_INDEX
 
 __all__ = ["DECODERS", "Segmenter", "build_segmenter", "segmentation_loss", "evaluate_segmenter", "ConfusionMatrix"]
 
-_logger = logging.getLogger(__name__)
 
 DECODERS = ("fpn", "upernet")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
