@@ -124,8 +124,9 @@ def coco_metrics(coco_gt, results: list, iou_type: str, image_ids: list[int]) ->
         evaluator.evaluate()
         evaluator.accumulate()
         evaluator.summarize()
-    # -1 means "no ground truth of that size"; report 0 rather than a negative score.
-    return {prefix + n: max(0.0, float(v)) for n, v in zip(names, evaluator.stats[:6])}
+    # pycocotools' -1 means "no ground truth of that kind" (e.g. no medium or large objects): left out,
+    # except AP itself, which the training loop ranks checkpoints by.
+    return {prefix + n: max(0.0, float(v)) for n, v in zip(names, evaluator.stats[:6]) if v >= 0 or n == "AP"}
 
 
 def evaluate_detector(model: nn.Module, loader, coco_gt, category_ids: list[int]) -> dict[str, float]:
