@@ -1,6 +1,7 @@
 """The ``polaformer`` command: ``train`` a model, ``eval`` a checkpoint, measure ``throughput``, ``analyze``,
 ``bench``, ``export`` to ONNX (in :mod:`polaformer.export`), and the Long Range Arena (``lra
-train|eval|generate|bench``, in :mod:`polaformer.lra.cli`).
+train|eval|generate|bench``, in :mod:`polaformer.lra.cli`), dense prediction (``detect train|eval|predict``,
+``segment train|eval``, in :mod:`polaformer.dense.cli`).
 
 Every user error (a bad option, a missing or foreign checkpoint, an unknown model) and every
 environmental fault (a full disk, a busy output folder, a diverged training) ends the command with
@@ -305,6 +306,9 @@ def build_parser() -> argparse.ArgumentParser:
     from .lra.cli import add_lra_parser
 
     add_lra_parser(commands)
+    from .dense.cli import add_dense_parsers
+
+    add_dense_parsers(commands)
     return parser
 
 

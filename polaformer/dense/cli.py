@@ -1,0 +1,154 @@
+"""``polaformer detect train|eval|predict`` and ``polaformer segment train|eval`` (see docs/dense.md)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..cli import parse_model_kwarg, positive_int
+
+__all__ = ["add_dense_parsers"]
+
+
+def _common_train(parser, task: str) -> None:
+    parser.add_argument("--config", metavar="FILE", help="YAML recipe (configs/dense/); default: the embedded digits recipe")
+    parser.add_argument("--backbone", metavar="NAME", help="timm model name of the backbone (model.backbone)")
+    parser.add_argument("--backbone-weights", metavar="FILE",
+                        help="ImageNet checkpoint for the backbone (ours or the authors'); position tables resampled")
+    parser.add_argument("--backbone-kwarg", dest="backbone_kwargs", action="append", type=parse_model_kwarg,
+                        metavar="KEY=VALUE", help="timm.create_model option of the backbone, e.g. img_size=512; repeatable")
+    for flag, kind, text in (
+        ("--steps", positive_int, "optimizer steps (train.steps; overrides train.epochs)"),
+        ("--epochs", float, "epochs (train.epochs)"),
+        ("--batch-size", positive_int, "images per step (data.batch_size)"),
+        ("--lr", float, "peak AdamW learning rate (train.lr)"),
+        ("--weight-decay", float, "AdamW weight decay (train.weight_decay)"),
+        ("--warmup-steps", int, "linear warm-up steps (train.warmup_steps)"),
+        ("--eval-every", positive_int, "evaluate every N steps (train.eval_every; default: at the end)"),
+        ("--save-every", positive_int, "write last.pth every N steps (train.save_every)"),
+        ("--seed", int, "seed of initialisation and data order (train.seed)"),
+        ("--workers", int, "data loading processes (data.workers)"),
+        ("--train-size", positive_int, "digits: number of training canvases (data.train_size)"),
+        ("--val-size", positive_int, "digits: number of validation canvases (data.val_size)"),
+    ):
+        parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--output", metavar="DIR", help=f"output folder (default: runs/{task}/BACKBONE)")
+    parser.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    parser.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _coco_options(parser, train: bool) -> None:
+    prefixes = ("train", "val") if train else ("val",)
+    for prefix in prefixes:
+        parser.add_argument(f"--{prefix}-images", metavar="DIR", help=f"COCO format: folder of the {prefix} images")
+        parser.add_argument(f"--{prefix}-annotations", metavar="FILE", help=f"COCO format: {prefix} instances JSON")
+
+
+def add_dense_parsers(commands) -> None:
+    detect = commands.add_parser(
+        "detect", help="detection / instance segmentation with torchvision detectors on Pola backbones",
+        description="RetinaNet, FCOS, Faster and Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
+                    "options: the embedded digit scenes.",
+    )
+    sub = detect.add_subparsers(dest="detect_command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a detector; writes last.pth/best.pth (atomically) and metrics.json")
+    _common_train(train, "detect")
+    train.add_argument("--detector", choices=("retinanet", "fcos", "fasterrcnn", "maskrcnn"), help="model.detector")
+    _coco_options(train, train=True)
+    train.set_defaults(handler=cmd_detect_train)
+
+    evaluate = sub.add_parser("eval", help="COCO box (and mask) mAP of a checkpoint on its or other validation data")
+    evaluate.add_argument("--checkpoint", required=True, metavar="FILE")
+    _coco_options(evaluate, train=False)
+    evaluate.add_argument("--val-size", type=positive_int, help="digits: number of validation canvases")
+    evaluate.add_argument("--device", default="auto")
+    evaluate.set_defaults(handler=cmd_detect_eval)
+
+    predict = sub.add_parser("predict", help="draw a checkpoint's boxes and masks on images (PNG)")
+    predict.add_argument("--checkpoint", required=True, metavar="FILE")
+    predict.add_argument("images", nargs="+", metavar="IMAGE")
+    predict.add_argument("--out", default="predictions", metavar="DIR", help="output folder (default: %(default)s)")
+    predict.add_argument("--score-threshold", type=float, default=0.5, help="draw detections at least this sure")
+    predict.add_argument("--device", default="auto")
+    predict.set_defaults(handler=cmd_detect_predict)
+
+    segment = commands.add_parser(
+        "segment", help="semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
+        description="Semantic FPN and UPerNet from segmentation_models_pytorch on a Pola encoder (docs/dense.md). "
+                    "Without --root: the embedded digit scenes.",
+    )
+    sub = segment.add_subparsers(dest="segment_command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="train a segmenter; writes last.pth/best.pth (atomically) and metrics.json")
+    _common_train(train, "segment")
+    train.add_argument("--decoder", choices=("fpn", "upernet"), help="model.decoder")
+    train.add_argument("--root", metavar="DIR", help="ADE20K-layout folder (images/ and annotations/, training and validation)")
+    train.add_argument("--num-classes", type=positive_int, help="ADE layout: number of classes (data.num_classes, 150)")
+    train.add_argument("--crop-size", type=positive_int, help="ADE layout: training crop (data.crop_size, 512)")
+    train.set_defaults(handler=cmd_segment_train)
+
+    evaluate = sub.add_parser("eval", help="mIoU of a checkpoint on its or another validation folder")
+    evaluate.add_argument("--checkpoint", required=True, metavar="FILE")
+    evaluate.add_argument("--root", metavar="DIR", help="ADE20K-layout folder to score instead of the recipe's")
+    evaluate.add_argument("--val-size", type=positive_int, help="digits: number of validation canvases")
+    evaluate.add_argument("--device", default="auto")
+    evaluate.set_defaults(handler=cmd_segment_eval)
+
+
+def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
+    from .config import load_recipe
+    from .runner import train_task
+
+    overrides = {
+        "model.backbone": args.backbone, "model.backbone_weights": args.backbone_weights,
+        "model.backbone_kwargs": dict(args.backbone_kwargs) if args.backbone_kwargs else None,
+        "train.steps": args.steps, "train.epochs": args.epochs, "data.batch_size": args.batch_size,
+        "train.lr": args.lr, "train.weight_decay": args.weight_decay, "train.warmup_steps": args.warmup_steps,
+        "train.eval_every": args.eval_every, "train.save_every": args.save_every, "train.seed": args.seed,
+        "data.workers": args.workers, "data.train_size": args.train_size, "data.val_size": args.val_size,
+        **{f"model.{k}": v for k, v in extra_model.items()}, **{f"data.{k}": v for k, v in extra_data.items()},
+    }
+    recipe = load_recipe(task, args.config, overrides)
+    output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
+    result = train_task(task, recipe, output, resume=args.resume, device=args.device, progress=not args.no_progress)
+    print(json.dumps({"step": result.step, "best": result.best, **result.metrics, "output": str(output)}))
+    return 0
+
+
+def cmd_detect_train(args) -> int:
+    coco = {k: getattr(args, k) for k in ("train_images", "train_annotations", "val_images", "val_annotations")}
+    data = dict(coco, format="coco") if any(coco.values()) else {}
+    return _train("detect", args, {"detector": args.detector}, data)
+
+
+def cmd_segment_train(args) -> int:
+    data = {"root": args.root, "format": "ade" if args.root else None, "num_classes": args.num_classes,
+            "crop_size": args.crop_size}
+    return _train("segment", args, {"decoder": args.decoder}, data)
+
+
+def cmd_detect_eval(args) -> int:
+    from .runner import evaluate_checkpoint
+
+    coco = {"val_images": args.val_images, "val_annotations": args.val_annotations}
+    data = {**coco, "val_size": args.val_size}
+    if any(coco.values()):
+        data["format"] = "coco"
+    print(json.dumps(evaluate_checkpoint("detect", args.checkpoint, data, args.device)))
+    return 0
+
+
+def cmd_segment_eval(args) -> int:
+    from .runner import evaluate_checkpoint
+
+    data = {"root": args.root, "format": "ade" if args.root else None, "val_size": args.val_size}
+    print(json.dumps(evaluate_checkpoint("segment", args.checkpoint, data, args.device)))
+    return 0
+
+
+def cmd_detect_predict(args) -> int:
+    from .runner import predict_images
+
+    for path in predict_images(args.checkpoint, args.images, Path(args.out), score_threshold=args.score_threshold,
+                               device=args.device):
+        print(path)
+    return 0

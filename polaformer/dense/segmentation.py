@@ -1,0 +1,113 @@
+"""Semantic segmentation: segmentation_models_pytorch decoders (FPN = Semantic FPN, UPerNet) on Pola encoders.
+
+The encoders go through smp's timm universal encoder (``tu-<timm name>``), which calls our
+registered models' ``features_only``; that works for every hierarchical family (Pola-PVT,
+Pola-PVTv2, Pola-Swin, PolaFormer++) and for CNNs such as ``resnet18``. A plain ViT (Pola-DeiT) has
+no pyramid for these decoders and is refused with one line. ImageNet weights are loaded into the
+encoder's trunk with position tables resampled, as for detection.
+"""
+from __future__ import annotations
+
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .backbone import BackboneError, build_trunk, pyramid_indices
+from .data import IGNORE_INDEX
+
+__all__ = ["DECODERS", "Segmenter", "build_segmenter", "segmentation_loss", "evaluate_segmenter", "ConfusionMatrix"]
+
+
+DECODERS = ("fpn", "upernet")
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+class Segmenter(nn.Module):
+    """Normalises [0, 1] images, pads them to the stride, runs the smp model, crops the logits back."""
+
+    def __init__(self, net: nn.Module, size_divisible: int = 32):
+        super().__init__()
+        self.net = net
+        self.size_divisible = size_divisible
+        self.register_buffer("mean", torch.tensor(IMAGENET_MEAN).view(1, 3, 1, 1), persistent=False)
+        self.register_buffer("std", torch.tensor(IMAGENET_STD).view(1, 3, 1, 1), persistent=False)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        h, w = images.shape[-2:]
+        d = self.size_divisible
+        x = F.pad((images - self.mean) / self.std, (0, -w % d, 0, -h % d))
+        return self.net(x)[..., :h, :w]
+
+
+def build_segmenter(decoder: str, backbone: str, num_classes: int, *, backbone_weights: str | None = None,
+                    backbone_kwargs: dict | None = None, decoder_channels: int = 256) -> Segmenter:
+    import segmentation_models_pytorch as smp
+
+    if decoder not in DECODERS:
+        raise BackboneError(f"unknown decoder {decoder!r}; choose one of {', '.join(DECODERS)}")
+    probe = build_trunk(backbone, model_kwargs=backbone_kwargs)  # validates the name; tells a ViT apart
+    _, simple = pyramid_indices(probe.feature_info)
+    if simple:
+        raise BackboneError(
+            f"{backbone!r} is a plain ViT with a single stride; the smp decoders need a pyramid "
+            "(use a hierarchical family, or 'polaformer detect' whose backbone adds a simple pyramid)"
+        )
+    kwargs = dict(encoder_name=f"tu-{backbone}", encoder_weights=None, classes=num_classes, **(backbone_kwargs or {}))
+    if decoder == "fpn":
+        net = smp.FPN(decoder_pyramid_channels=decoder_channels, decoder_segmentation_channels=decoder_channels // 2,
+                      **kwargs)
+    else:
+        net = smp.UPerNet(decoder_channels=decoder_channels, **kwargs)
+    if backbone_weights:
+        trunk = build_trunk(backbone, weights=backbone_weights, model_kwargs=backbone_kwargs)
+        features = net.encoder.model
+        target = getattr(features, "model", features)  # timm's getter wraps the model; the list net is it
+        missing, _ = target.load_state_dict(trunk.state_dict(), strict=False)
+        if missing:
+            raise BackboneError(f"{backbone_weights}: the encoder lacks {len(missing)} weights (e.g. {missing[0]})")
+    return Segmenter(net)
+
+
+def segmentation_loss(model: nn.Module, batch) -> dict[str, torch.Tensor]:
+    images, targets = batch
+    device = next(model.parameters()).device
+    images = torch.stack(images).to(device)
+    labels = torch.stack([t["semantic"] for t in targets]).to(device)
+    return {"loss_ce": F.cross_entropy(model(images), labels, ignore_index=IGNORE_INDEX)}
+
+
+class ConfusionMatrix:
+    def __init__(self, num_classes: int):
+        self.num_classes = num_classes
+        self.matrix = torch.zeros(num_classes, num_classes, dtype=torch.int64)
+
+    def update(self, pred: torch.Tensor, label: torch.Tensor) -> None:
+        valid = label != IGNORE_INDEX
+        index = label[valid] * self.num_classes + pred[valid]
+        self.matrix += torch.bincount(index, minlength=self.num_classes ** 2).view(self.num_classes, self.num_classes)
+
+    def metrics(self) -> dict[str, float]:
+        """mIoU over the classes present in the labels or predictions (mmseg's nan-mean), pixel accuracy."""
+        m = self.matrix.double()
+        tp = m.diag()
+        union = m.sum(0) + m.sum(1) - tp
+        iou = tp / union
+        return {
+            "mIoU": float(np.nanmean(iou.numpy())) if (union > 0).any() else 0.0,
+            "aAcc": float(tp.sum() / m.sum().clamp(min=1)),
+        }
+
+
+@torch.no_grad()
+def evaluate_segmenter(model: nn.Module, loader, num_classes: int) -> dict[str, float]:
+    model.eval()
+    device = next(model.parameters()).device
+    confusion = ConfusionMatrix(num_classes)
+    for images, targets in loader:
+        for image, target in zip(images, targets):  # one at a time: validation images differ in size
+            logits = model(image[None].to(device))
+            confusion.update(logits.argmax(1)[0].cpu(), target["semantic"])
+    return confusion.metrics()
