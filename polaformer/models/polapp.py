@@ -42,6 +42,14 @@ from ._helpers import check_image, checkpoint_filter_fn, factory_kwargs
 __all__ = ["PolaFormerPP"]
 
 
+def _pointwise(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A 1×1 conv as a matmul over channels (the same sums): oneDNN's convolution is several times slower
+    for these shapes (a 1×1 map after pooling, a 7×7 map), its backward especially. Output is channels-last."""
+    if not isinstance(conv, nn.Conv2d):
+        return conv(x)
+    return F.linear(x.permute(0, 2, 3, 1), conv.weight.flatten(1), conv.bias).permute(0, 3, 1, 2)
+
+
 class LayerNorm2d(nn.Module):
     """LayerNorm over the channels of a (B, C, H, W) map; the inner ``norm`` keeps the official key names."""
 
@@ -326,7 +334,7 @@ class PolaFormerPP(nn.Module):
         return take_indices
 
     def _final_conv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.swish(self.norm(self.proj(x)))
+        return self.swish(self.norm(_pointwise(self.proj, x)))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, projection, H/32, W/32): the map after projection, BatchNorm and Swish, before pooling."""
@@ -339,7 +347,7 @@ class PolaFormerPP(nn.Module):
         x = self.head_drop(self.global_pool(x))
         if pre_logits:
             return x.flatten(1)
-        x = self.head(x)
+        x = _pointwise(self.head, x)
         return x if self.global_pool.is_identity() else x.flatten(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

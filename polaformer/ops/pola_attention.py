@@ -181,25 +181,25 @@ class _PolaPowerAttention(torch.autograd.Function):
 
         res = torch.matmul(phi_q, rhs)  # (B, H, N, dv + 2)
         denom = res[..., -2:].add_(eps)
-        out = res[..., :-2]
-        out[..., :half].div_(denom[..., :1])
-        out[..., half:].div_(denom[..., 1:])
+        # Written token-major, (B, N, H, dv) in memory, so that merging the heads afterwards is a view.
+        out = v.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
+        torch.div(res[..., :half], denom[..., :1], out=out[..., :half])
+        torch.div(res[..., half:-2], denom[..., 1:], out=out[..., half:])
 
         ctx.m = m if keep is None else None
-        ctx.save_for_backward(q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res, *(() if keep is None else (m,)))
+        ctx.save_for_backward(q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out,
+                              *(() if keep is None else (m,)))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res, *count = ctx.saved_tensors
+        q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out, *count = ctx.saved_tensors
         m = count[0] if count else ctx.m
         dv_ = v.shape[-1]
         half = dv_ // 2
-        out = res[..., :-2]
-        denom = res[..., -2:]
 
         # d(numerator) = dO / z, d(z) = -Σ dO·O / z per stream.
-        g = torch.empty_like(res)
+        g = phi_q.new_empty(*out.shape[:-1], dv_ + 2)
         g_num = g[..., :-2]
         torch.div(grad_out[..., :half], denom[..., :1], out=g_num[..., :half])
         torch.div(grad_out[..., half:], denom[..., 1:], out=g_num[..., half:])
@@ -424,7 +424,7 @@ class _PacsAttention(torch.autograd.Function):
                 res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
                 num, denom = res[..., :half], res[..., half:].add_(eps_rows)
             torch.div(num, denom, out=out)
-            if scaled or bool(torch.isfinite(denom).all() and torch.isfinite(out).all()):
+            if scaled or q.is_meta or bool(torch.isfinite(denom).all() and torch.isfinite(out).all()):
                 break
 
         ctx.rope, ctx.eps_m = rope, (m if keep is None else None)
