@@ -22,6 +22,7 @@ backward pass is written out by hand so the power map costs one ``log`` and one
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -312,20 +313,29 @@ def linear_attention(
     return torch.matmul(num_q, kv) / denom
 
 
-def _pacs_order(d: int, rope: bool, device) -> torch.Tensor:
-    """Channel order of the fused PaCS features: ``[q⁺ ; q⁻]``, each half as [even | odd] channels with RoPE.
+@functools.lru_cache(maxsize=32)
+def _pacs_indices(d: int, rope: bool, device: torch.device):
+    """Channel bookkeeping of the fused PaCS kernel (cached: it depends only on the head size).
 
-    RoPE rotates channel pairs (2i, 2i+1); with evens and odds in two contiguous blocks it becomes a
-    planar complex multiply on whole blocks. The order is internal: every product contracts over it.
+    Features are ``[q⁺ ; q⁻]`` with, under RoPE, each half stored as [even | odd] channels: RoPE rotates
+    pairs (2i, 2i+1), which this turns into a planar complex multiply on whole blocks. The order is
+    internal, every product contracts over it. Returns ``both``: the order of the same-sign stream
+    followed by the (half-swapped) order of the opposite-sign one, 4d indices into 2d channels;
+    ``sign``: -1 at the even (E) positions of those 4d, where RoPE's cross term subtracts; and the
+    gather/scatter indices of the two temperature vectors concatenated (4d).
     """
-    half = torch.arange(d, device=device)
+    half = torch.arange(d)
     if rope:
         half = torch.cat([half[0::2], half[1::2]])
-    return torch.cat([half, half + d])
+    order = torch.cat([half, half + d])
+    both = torch.cat([order, (order + d) % (2 * d)])
+    sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)]).repeat(4) if rope else None
+    temps = torch.cat([order, 2 * d + (order + d) % (2 * d)])
+    return tuple(t if t is None else t.to(device) for t in (both, sign, temps, torch.argsort(temps)))
 
 
 def _relu_halves(x: torch.Tensor, rope: bool) -> torch.Tensor:
-    """``[relu(x) ; relu(-x)]`` (2d channels, in :func:`_pacs_order`), written into one new buffer."""
+    """``[relu(x) ; relu(-x)]`` (2d channels, in :func:`_pacs_indices` order), written into one new buffer."""
     d = x.shape[-1]
     out = x.new_empty(*x.shape[:-1], 2 * d)
     parts = ((x[..., 0::2], slice(0, d // 2)), (x[..., 1::2], slice(d // 2, d))) if rope else ((x, slice(0, d)),)
@@ -336,7 +346,7 @@ def _relu_halves(x: torch.Tensor, rope: bool) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, cross: torch.Tensor, transpose: bool = False) -> torch.Tensor:
-    """RoPE (or its transpose) on features in :func:`_pacs_order`: per half, (E, O) -> (E·c − O·s, O·c + E·s).
+    """RoPE (or its transpose) on features in :func:`_pacs_indices` order: per half, (E, O) -> (E·c − O·s, O·c + E·s).
 
     ``cross`` holds ``-sin`` at even and ``+sin`` at odd positions. Returns a new tensor.
     """
@@ -380,9 +390,9 @@ class _PacsAttention(torch.autograd.Function):
         d = q.shape[-1]
         two_d, half = 2 * d, v.shape[-1] // 2
         rope = sin is not None
-        order = _pacs_order(d, rope, q.device)
-        swapped = torch.cat([order[d:], order[:d]])
-        temps = torch.stack([_as_4d(temp_same)[..., order], _as_4d(temp_opposite)[..., swapped]], dim=2)
+        both, sign, temp_index, _ = _pacs_indices(d, rope, q.device)
+        ts, to = torch.broadcast_tensors(_as_4d(temp_same), _as_4d(temp_opposite))
+        temps = torch.cat([ts, to], -1).index_select(-1, temp_index).unflatten(-1, (2, two_d)).transpose(2, 3)
 
         p_q = _relu_halves(q, rope)  # (B, H, N, 2d)
         pre = p_q.unsqueeze(2) * temps  # (B, H, 2, N, 2d) exponents of both streams
@@ -393,11 +403,11 @@ class _PacsAttention(torch.autograd.Function):
         k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
         k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
         if rope:
-            cos, sin = cos[:, order], sin[:, order]
-            cross = sin.clone()
-            cross.unflatten(-1, (2, 2, d // 2))[..., 0, :].neg_()
-            tables = [torch.stack([t, torch.cat([t[:, d:], t[:, :d]], -1)]) for t in (cos, cross)]  # (2, N, 2d)
-            k_num = _rotate(phi_k, cos, cross)
+            # (2, N, 2d) tables, the opposite stream's with swapped halves; `cross` is ∓sin (see _rotate)
+            cos = cos.index_select(1, both).unflatten(1, (2, two_d)).transpose(0, 1)
+            cross = sin.index_select(1, both).mul_(sign).unflatten(1, (2, two_d)).transpose(0, 1)
+            tables = (cos, cross)
+            k_num = _rotate(phi_k, cos[0], cross[0])
         else:
             tables, k_num = None, phi_k
         kv = torch.matmul(k_num.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
@@ -433,7 +443,6 @@ class _PacsAttention(torch.autograd.Function):
                               *(tables or ()))
         ctx.has_scale, ctx.has_keep = row_scale is not None, keep is not None
         ctx.temp_shapes = (temp_same.shape, temp_opposite.shape)
-        ctx.order = order
         return out_tok.view(q.shape[0], q.shape[2], q.shape[1], 2 * half).transpose(1, 2)
 
     @staticmethod
@@ -486,11 +495,11 @@ class _PacsAttention(torch.autograd.Function):
             grad_q = _unrelu(q, grad_p_q, ctx.rope)
         grad_ts = grad_to = None
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape)
-            inverse = torch.argsort(ctx.order)
-            swapped_inverse = torch.cat([inverse[d:], inverse[:d]])
-            grad_ts = grad_temps[:, :, 0][..., inverse].reshape(ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
-            grad_to = grad_temps[:, :, 1][..., swapped_inverse].reshape(ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
+            grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape)  # (tb, th, 2, 1, 2d)
+            temp_inverse = _pacs_indices(d, ctx.rope, q.device)[3]
+            grad_ts, grad_to = grad_temps.transpose(2, 3).flatten(-2).index_select(-1, temp_inverse).chunk(2, -1)
+            grad_ts = _sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
+            grad_to = _sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
         return grad_q, grad_k, grad_v, grad_ts, grad_to, None, None, None, None, None
 
 
