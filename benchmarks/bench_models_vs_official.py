@@ -17,6 +17,7 @@ torch.utils.benchmark; the tables give medians and the ratio official/ours (> 1:
     python benchmarks/bench_models_vs_official.py --threads 2 --json out.json --markdown out.md
     python benchmarks/bench_models_vs_official.py --models pola_pvt_tiny --batches 8 --modes train
     python benchmarks/bench_models_vs_official.py --compile     # adds torch.compile'd ours
+    python benchmarks/bench_models_vs_official.py --floor       # adds ours without attention cores (the bound)
 """
 from __future__ import annotations
 
@@ -189,6 +190,32 @@ def check_same(official, ours, name) -> float:
 
 # --- timing -----------------------------------------------------------------------------------
 
+@contextlib.contextmanager
+def attention_cores_removed():
+    """Our models with every attention core (Pola, PaCS, SDPA) replaced by returning v: what is left is
+    the time no attention implementation can remove, so official/that is the largest reachable ratio."""
+    import polaformer.layers.pola_attention as pola_layer
+    import polaformer.layers.polapp_attention as polapp_layer
+
+    def passthrough(q, k, v, *args, **kwargs):
+        return v
+
+    saved = pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention
+    pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = passthrough
+    F.scaled_dot_product_attention = passthrough
+    try:
+        yield
+    finally:
+        pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention = saved
+
+
+def without_attention(step):
+    def run():
+        with attention_cores_removed():
+            step()
+    return run
+
+
 def make_step(model, mode, x, target):
     if mode == "infer":
         model.eval()
@@ -206,14 +233,18 @@ def make_step(model, mode, x, target):
 
 
 def measure(steps, rounds, min_time):
-    """Interleaved: each round times every step once; returns the per-step medians (seconds)."""
-    for fn in steps.values():  # warm-up (allocator, oneDNN primitive caches)
-        fn(), fn()
+    """Interleaved: every round times each step once (in turn), so load from other processes hits all
+    alike; a sample is ``number`` back-to-back steps, enough for ``min_time``. Returns per-step medians
+    (seconds) and all samples."""
+    timers, numbers = {}, {}
+    for key, fn in steps.items():
+        fn()  # warm-up (allocator, oneDNN primitive caches)
+        timers[key] = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
+        numbers[key] = max(1, round(min_time / timers[key].timeit(1).mean))
     samples = {key: [] for key in steps}
     for _ in range(rounds):
-        for key, fn in steps.items():
-            t = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-            samples[key].append(t.adaptive_autorange(min_run_time=min_time).median)
+        for key, timer in timers.items():
+            samples[key].append(timer.timeit(numbers[key]).mean)
     return {key: statistics.median(v) for key, v in samples.items()}, samples
 
 
@@ -224,10 +255,11 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--modes", nargs="+", choices=["infer", "train"], default=["infer", "train"])
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per timing sample")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timing sample (at least one step)")
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(ours)")
-    parser.add_argument("--channels-last", action="store_true", help="ours in channels_last memory format")
+    parser.add_argument("--floor", action="store_true",
+                        help="also time ours with the attention cores removed (bounds the reachable ratio)")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
@@ -242,8 +274,6 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     for name, official, ours, baseline in pairs:
         diff = check_same(official, ours, name)
-        if args.channels_last:
-            ours = ours.to(memory_format=torch.channels_last)
         compiled = torch.compile(ours) if args.compile else None
         for batch in args.batches:
             gen = torch.Generator().manual_seed(batch)
@@ -253,16 +283,23 @@ def main(argv=None) -> int:
                 steps = {"official": make_step(official, mode, x, target), "ours": make_step(ours, mode, x, target)}
                 if compiled is not None:
                     steps["compiled"] = make_step(compiled, mode, x, target)
+                if args.floor:
+                    steps["floor"] = without_attention(make_step(ours, mode, x, target))
                 medians, samples = measure(steps, args.rounds, args.min_time)
                 row = dict(model=name, baseline=baseline, batch=batch, mode=mode, max_abs_diff=diff,
                            official_ms=medians["official"] * 1e3, ours_ms=medians["ours"] * 1e3,
                            ratio=medians["official"] / medians["ours"],
                            samples_ms={k: [s * 1e3 for s in v] for k, v in samples.items()})
+                extra = ""
                 if compiled is not None:
                     row["compiled_ms"] = medians["compiled"] * 1e3
                     row["ratio_compiled"] = medians["official"] / medians["compiled"]
+                    extra += f"  compiled {row['compiled_ms']:.1f} ms ({row['ratio_compiled']:.2f}x)"
+                if args.floor:
+                    row["floor_ms"] = medians["floor"] * 1e3
+                    row["ratio_bound"] = medians["official"] / medians["floor"]
+                    extra += f"  no-attention floor {row['floor_ms']:.1f} ms (bound {row['ratio_bound']:.2f}x)"
                 rows.append(row)
-                extra = f"  compiled {row['compiled_ms']:.1f} ms ({row['ratio_compiled']:.2f}x)" if compiled else ""
                 print(f"{name:28s} b{batch} {mode:5s} official {row['official_ms']:8.1f} ms  "
                       f"ours {row['ours_ms']:8.1f} ms  ratio {row['ratio']:.2f}{extra}", flush=True)
     meta = dict(torch=torch.__version__, threads=args.threads, machine=platform.processor() or platform.machine(),
@@ -275,17 +312,19 @@ def main(argv=None) -> int:
 
 
 def markdown_table(rows, meta) -> str:
-    compiled = any("compiled_ms" in r for r in rows)
+    extras = [(key, head) for key, head in (("compiled_ms", "compiled ms | official/compiled"),
+                                             ("floor_ms", "no-attention floor ms | bound official/floor"))
+              if any(key in r for r in rows)]
     head = "| model | baseline | batch | mode | official ms | ours ms | official/ours |"
-    rule = "|---|---|---|---|---|---|---|"
-    if compiled:
-        head, rule = head + " compiled ms | official/compiled |", rule + "---|---|"
-    lines = [head, rule]
+    for _, h in extras:
+        head += f" {h} |"
+    lines = [head, "|" + "---|" * (7 + 2 * len(extras))]
     for r in rows:
         line = (f"| {r['model']} | {r['baseline']} | {r['batch']} | {r['mode']} | {r['official_ms']:.1f} "
                 f"| {r['ours_ms']:.1f} | {r['ratio']:.2f} |")
-        if compiled:
-            line += f" {r['compiled_ms']:.1f} | {r['ratio_compiled']:.2f} |"
+        for key, _ in extras:
+            ratio = "ratio_compiled" if key == "compiled_ms" else "ratio_bound"
+            line += f" {r[key]:.1f} | {r[ratio]:.2f} |" if key in r else " | |"
         lines.append(line)
     lines.append("")
     lines.append(f"torch {meta['torch']}, {meta['threads']} threads, medians of {meta['rounds']} interleaved "

@@ -305,7 +305,7 @@ class PolaFormerPP(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self.patch_embed(self._check_input(x))
+        x = self.patch_embed(self._channels_last(self._check_input(x)))
         stages = self.layers[:max_index + 1] if stop_early else self.layers
         intermediates = []
         for i, stage in enumerate(stages):
@@ -333,12 +333,18 @@ class PolaFormerPP(nn.Module):
             self.reset_classifier(0, "")
         return take_indices
 
+    @staticmethod
+    def _channels_last(x: torch.Tensor) -> torch.Tensor:
+        # The trunk then runs channels-last throughout: the LayerNorm/Linear permutes become views and
+        # oneDNN's depthwise convolutions (and their backward) take their faster NHWC kernels.
+        return x.contiguous(memory_format=torch.channels_last)
+
     def _final_conv(self, x: torch.Tensor) -> torch.Tensor:
         return self.swish(self.norm(_pointwise(self.proj, x)))
 
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, projection, H/32, W/32): the map after projection, BatchNorm and Swish, before pooling."""
-        x = self.patch_embed(self._check_input(x))
+        x = self.patch_embed(self._channels_last(self._check_input(x)))
         for stage in self.layers:
             x = stage(x)
         return self._final_conv(x)
