@@ -154,17 +154,27 @@ class PolaLinearAttention(nn.Module):
         heads = self.num_heads
         q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)
         k = (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2)
+        v_tokens = v
         v = v.reshape(b, n_kv, heads, -1).transpose(1, 2)
 
         out = pola_linear_attention(q, k, v, learnable_power(self.power, self.alpha))
-        out = out.transpose(1, 2).reshape(b, n, c)
+        out = out.transpose(1, 2).reshape(b, n, c)  # a view: the op writes token-major memory
 
+        p = self.num_prefix_tokens
         if n_kv != n:  # spatially reduced values are stretched back along the token axis
             v = F.interpolate(v.transpose(-2, -1).reshape(b * heads, -1, n_kv), size=n, mode="linear")
             v = v.reshape(b, heads, -1, n).transpose(-2, -1)
-        p = self.num_prefix_tokens
-        grid = v[:, :, p:].reshape(b * heads, height, width, -1).permute(0, 3, 1, 2)
-        local = self.dwc(grid).reshape(b, c, height * width).transpose(1, 2)
+            grid = v[:, :, p:].reshape(b * heads, height, width, -1).permute(0, 3, 1, 2)
+            local = self.dwc(grid).reshape(b, c, height * width).transpose(1, 2)
+        else:
+            # The conv shared by the heads is a depthwise conv over all channels with its kernel repeated
+            # per head, on v as a dense channels-last map (oneDNN's fast kernel; a strided view takes a
+            # path several times slower); its channels-last output is already in token order.
+            grid = v_tokens[:, p:].transpose(1, 2).reshape(b, c, height, width)
+            grid = grid.contiguous(memory_format=torch.channels_last)
+            local = F.conv2d(grid, self.dwc.weight.repeat(heads, 1, 1, 1), self.dwc.bias.repeat(heads),
+                             padding=self.dwc.padding, groups=c)
+            local = local.flatten(2).transpose(1, 2)
         if p:
             out = torch.cat([out[:, :p], out[:, p:] + local], dim=1)
         else:

@@ -40,6 +40,13 @@ def _check_map(x: torch.Tensor, dim: int, sin: torch.Tensor) -> None:
         raise ValueError(f"RoPE tables cover {sin.shape[0]} positions, the map has {x.shape[2]}x{x.shape[3]}")
 
 
+def _dense_map(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """Tokens (B, H·W, C), here a strided slice of a projection, as a dense channels-last (B, C, H, W)
+    map: oneDNN's depthwise conv runs several times slower on the strided view."""
+    b, _, c = t.shape
+    return t.transpose(1, 2).reshape(b, c, height, width).contiguous(memory_format=torch.channels_last)
+
+
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     b, n, c = t.shape
     return t.reshape(b, n, heads, c // heads).transpose(1, 2)
@@ -74,7 +81,7 @@ class PacsLinearAttention(nn.Module):
         b, c, h, w = x.shape
         tokens = x.flatten(2).transpose(1, 2)
         q, k, v, g = self.qkvg(tokens).reshape(b, h * w, 4, c).unbind(2)
-        lepe = self.lepe(v.transpose(1, 2).reshape(b, c, h, w))
+        lepe = self.lepe(_dense_map(v, h, w))
         heads = self.num_heads
         out = pacs_linear_attention(
             _split_heads(q, heads),
@@ -108,7 +115,7 @@ class RopeSoftmaxAttention(nn.Module):
         b, c, h, w = x.shape
         tokens = x.flatten(2).transpose(1, 2)
         q, k, v, o = self.qkvo(tokens).reshape(b, h * w, 4, c).unbind(2)
-        lepe = self.lepe(v.transpose(1, 2).reshape(b, c, h, w))
+        lepe = self.lepe(_dense_map(v, h, w))
         heads = self.num_heads
         q = apply_rope(_split_heads(q, heads), sin, cos)
         k = apply_rope(_split_heads(k, heads), sin, cos)

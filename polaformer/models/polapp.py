@@ -44,6 +44,14 @@ from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kw
 __all__ = ["PolaFormerPP"]
 
 
+def _pointwise(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A 1×1 conv as a matmul over channels (the same sums): oneDNN's convolution is several times slower
+    for these shapes (a 1×1 map after pooling, a 7×7 map), its backward especially. Output is channels-last."""
+    if not isinstance(conv, nn.Conv2d):
+        return conv(x)
+    return F.linear(x.permute(0, 2, 3, 1), conv.weight.flatten(1), conv.bias).permute(0, 3, 1, 2)
+
+
 class LayerNorm2d(nn.Module):
     """LayerNorm over the channels of a (B, C, H, W) map; the inner ``norm`` keeps the official key names."""
 
@@ -299,7 +307,7 @@ class PolaFormerPP(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self.patch_embed(self._check_input(x))
+        x = self.patch_embed(self._channels_last(self._check_input(x)))
         stages = self.layers[:max_index + 1] if stop_early else self.layers
         intermediates = []
         for i, stage in enumerate(stages):
@@ -327,13 +335,19 @@ class PolaFormerPP(nn.Module):
             self.reset_classifier(0, "")
         return take_indices
 
+    @staticmethod
+    def _channels_last(x: torch.Tensor) -> torch.Tensor:
+        # The trunk then runs channels-last throughout: the LayerNorm/Linear permutes become views and
+        # oneDNN's depthwise convolutions (and their backward) take their faster NHWC kernels.
+        return x.contiguous(memory_format=torch.channels_last)
+
     def _final_conv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.swish(self.norm(self.proj(x)))
+        return self.swish(self.norm(_pointwise(self.proj, x)))
 
     @empty_batch
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, projection, H/32, W/32): the map after projection, BatchNorm and Swish, before pooling."""
-        x = self.patch_embed(self._check_input(x))
+        x = self.patch_embed(self._channels_last(self._check_input(x)))
         for stage in self.layers:
             x = stage(x)
         return self._final_conv(x)
@@ -342,7 +356,7 @@ class PolaFormerPP(nn.Module):
         x = self.head_drop(self.global_pool(x))
         if pre_logits:
             return x.flatten(1)
-        x = self.head(x)
+        x = _pointwise(self.head, x)
         return x if self.global_pool.is_identity() else x.flatten(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

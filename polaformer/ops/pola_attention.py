@@ -24,6 +24,7 @@ backward pass is written out by hand so the power map costs one ``log`` and one
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 
@@ -217,25 +218,25 @@ class _PolaPowerAttention(torch.autograd.Function):
 
         res = torch.matmul(phi_q, rhs)  # (B, H, N, dv + 2)
         denom = res[..., -2:].add_(eps)
-        out = res[..., :-2]
-        out[..., :half].div_(denom[..., :1])
-        out[..., half:].div_(denom[..., 1:])
+        # Written token-major, (B, N, H, dv) in memory, so that merging the heads afterwards is a view.
+        out = v.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
+        torch.div(res[..., :half], denom[..., :1], out=out[..., :half])
+        torch.div(res[..., half:-2], denom[..., 1:], out=out[..., half:])
 
         ctx.m = m if keep is None else None
-        ctx.save_for_backward(q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res, *(() if keep is None else (m,)))
+        ctx.save_for_backward(q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out,
+                              *(() if keep is None else (m,)))
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, res, *count = ctx.saved_tensors
+        q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out, *count = ctx.saved_tensors
         m = count[0] if count else ctx.m
         dv_ = v.shape[-1]
         half = _same_sign_width(v)
-        out = res[..., :-2]
-        denom = res[..., -2:]
 
         # d(numerator) = dO / z, d(z) = -Σ dO·O / z per stream.
-        g = torch.empty_like(res)
+        g = phi_q.new_empty(*out.shape[:-1], dv_ + 2)
         g_num = g[..., :-2]
         torch.div(grad_out[..., :half], denom[..., :1], out=g_num[..., :half])
         torch.div(grad_out[..., half:], denom[..., 1:], out=g_num[..., half:])
@@ -273,10 +274,16 @@ class _PolaPowerAttention(torch.autograd.Function):
 
 
 def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Reduce a broadcast gradient back to ``shape``."""
+    """Reduce a broadcast gradient back to ``shape``.
+
+    One dimension at a time, innermost first: a single multi-dimension ``sum`` over outer and
+    middle dimensions of a large tensor runs an order of magnitude slower on CPU.
+    """
     lead = x.dim() - len(shape)
-    dims = tuple(range(lead)) + tuple(i + lead for i, s in enumerate(shape) if s == 1 and x.shape[i + lead] != 1)
-    return x.sum(dim=dims, keepdim=True).reshape(shape) if dims else x.reshape(shape)
+    for i in reversed(range(x.dim())):
+        if i < lead or (shape[i - lead] == 1 and x.shape[i] != 1):
+            x = x.sum(dim=i, keepdim=True)
+    return x.reshape(shape)
 
 
 def pola_linear_attention(
@@ -345,6 +352,223 @@ def linear_attention(
     return torch.matmul(num_q, kv) / denom
 
 
+@functools.lru_cache(maxsize=32)
+def _pacs_indices(d: int, rope: bool, device: torch.device):
+    """Channel bookkeeping of the fused PaCS kernel (cached: it depends only on the head size).
+
+    Features are ``[q⁺ ; q⁻]`` with, under RoPE, each half stored as [even | odd] channels: RoPE rotates
+    pairs (2i, 2i+1), which this turns into a planar complex multiply on whole blocks. The order is
+    internal, every product contracts over it. Returns ``both``: the order of the same-sign stream
+    followed by the (half-swapped) order of the opposite-sign one, 4d indices into 2d channels;
+    ``sign``: -1 at the even (E) positions of those 4d, where RoPE's cross term subtracts; and the
+    gather/scatter indices of the two temperature vectors concatenated (4d).
+    """
+    half = torch.arange(d)
+    if rope:
+        half = torch.cat([half[0::2], half[1::2]])
+    order = torch.cat([half, half + d])
+    both = torch.cat([order, (order + d) % (2 * d)])
+    sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)]).repeat(4) if rope else None
+    temps = torch.cat([order, 2 * d + (order + d) % (2 * d)])
+    return tuple(t if t is None else t.to(device) for t in (both, sign, temps, torch.argsort(temps)))
+
+
+def _relu_halves(x: torch.Tensor, rope: bool) -> torch.Tensor:
+    """``[relu(x) ; relu(-x)]`` (2d channels, in :func:`_pacs_indices` order), written into one new buffer."""
+    d = x.shape[-1]
+    out = x.new_empty(*x.shape[:-1], 2 * d)
+    parts = ((x[..., 0::2], slice(0, d // 2)), (x[..., 1::2], slice(d // 2, d))) if rope else ((x, slice(0, d)),)
+    for src, cols in parts:
+        torch.clamp(src, min=0, out=out[..., cols])
+        torch.clamp(src, max=0, out=out[..., d:][..., cols]).neg_()
+    return out
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, cross: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """RoPE (or its transpose) on features in :func:`_pacs_indices` order: per half, (E, O) -> (E·c − O·s, O·c + E·s).
+
+    ``cross`` holds ``-sin`` at even and ``+sin`` at odd positions. Returns a new tensor.
+    """
+    p = x.shape[-1] // 4
+    out = x * cos
+    x4, o4, s4 = x.unflatten(-1, (2, 2, p)), out.unflatten(-1, (2, 2, p)), cross.unflatten(-1, (2, 2, p))
+    # forward: E += O·cross_E, O += E·cross_O; transpose: E += O·cross_O, O += E·cross_E
+    o4[..., 0, :].addcmul_(x4[..., 1, :], s4[..., 1 if transpose else 0, :])
+    o4[..., 1, :].addcmul_(x4[..., 0, :], s4[..., 0 if transpose else 1, :])
+    return out
+
+
+def _unrelu(x: torch.Tensor, grad_halves: torch.Tensor, rope: bool) -> torch.Tensor:
+    """Gradient through :func:`_relu_halves`: ``sgn(x)·(grad⁺ where x > 0 else grad⁻)``, in x's channel order."""
+    d = x.shape[-1]
+    grad = torch.empty(x.shape, dtype=grad_halves.dtype, device=x.device)
+    pos, neg = grad_halves[..., :d], grad_halves[..., d:]
+    if rope:
+        p = d // 2
+        for src, dst, cols in ((x[..., 0::2], grad[..., 0::2], slice(0, p)), (x[..., 1::2], grad[..., 1::2], slice(p, d))):
+            torch.where(src > 0, pos[..., cols], neg[..., cols], out=dst)
+    else:
+        torch.where(x > 0, pos, neg, out=grad)
+    return grad.mul_(x.sign())
+
+
+def _as_4d(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
+
+
+class _PacsAttention(torch.autograd.Function):
+    """PaCS attention, both streams in one (B, H, 2, N, 2d) feature tensor.
+
+    The opposite-sign stream is kept in the same channel order as the same-sign one (its temperatures,
+    RoPE tables, ``φkᵀv`` rows and key mean are swapped instead of its features), so the features are
+    ``exp([q⁺ ; q⁻] ⊙ T) − 1`` for a stacked temperature ``T``: one multiply and one ``exp`` for both.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
+        d = q.shape[-1]
+        two_d, half = 2 * d, v.shape[-1] // 2
+        rope = sin is not None
+        both, sign, temp_index, _ = _pacs_indices(d, rope, q.device)
+        ts, to = torch.broadcast_tensors(_as_4d(temp_same), _as_4d(temp_opposite))
+        temps = torch.cat([ts, to], -1).index_select(-1, temp_index).unflatten(-1, (2, two_d)).transpose(2, 3)
+
+        p_q = _relu_halves(q, rope)  # (B, H, N, 2d)
+        pre = p_q.unsqueeze(2) * temps  # (B, H, 2, N, 2d) exponents of both streams
+        # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not (4x slower).
+        phi_k = _relu_halves(k, rope).exp_().sub_(1.0)
+        if keep is not None:
+            phi_k.mul_(keep)
+        k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
+        k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
+        if rope:
+            # (2, N, 2d) tables, the opposite stream's with swapped halves; `cross` is ∓sin (see _rotate)
+            cos = cos.index_select(1, both).unflatten(1, (2, two_d)).transpose(0, 1)
+            cross = sin.index_select(1, both).mul_(sign).unflatten(1, (2, two_d)).transpose(0, 1)
+            tables = (cos, cross)
+            k_num = _rotate(phi_k, cos[0], cross[0])
+        else:
+            tables, k_num = None, phi_k
+        kv = torch.matmul(k_num.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
+        kvs = torch.stack([kv[..., :half], torch.cat([kv[..., d:, half:], kv[..., :d, half:]], -2)], dim=2)
+
+        # Features without rescaling first; only if a product overflows, the row rescaling runs (exact in
+        # floating point, so both give the same bits whenever the first one is finite).
+        out_tok = v.new_empty(q.shape[0], q.shape[2], q.shape[1], 2, half)  # token-major: (B, N, H, 2, dv/2)
+        out = out_tok.permute(0, 2, 3, 1, 4)  # (B, H, 2, N, dv/2) view
+        for scaled in (False, True):
+            phi_q = (pre if not scaled else p_q.unsqueeze(2) * temps).exp_().sub_(1.0)
+            row_scale = None
+            if scaled:
+                exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
+                row_scale = torch.exp2(exponent.neg_())
+                phi_q.mul_(row_scale)
+            eps_rows = eps if row_scale is None else row_scale * eps
+            if rope:
+                q_num = _rotate(phi_q, *tables)
+                num = torch.matmul(q_num, kvs)
+                denom = torch.matmul(phi_q, k_means).add_(eps_rows)
+            else:
+                q_num = phi_q
+                res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
+                num, denom = res[..., :half], res[..., half:].add_(eps_rows)
+            torch.div(num, denom, out=out)
+            if scaled or q.is_meta or bool(torch.isfinite(denom).all() and torch.isfinite(out).all()):
+                break
+
+        ctx.rope, ctx.eps_m = rope, (m if keep is None else None)
+        ctx.save_for_backward(q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out,
+                              *(t for t in (row_scale, keep, None if keep is None else m) if t is not None),
+                              *(tables or ()))
+        ctx.has_scale, ctx.has_keep = row_scale is not None, keep is not None
+        ctx.temp_shapes = (temp_same.shape, temp_opposite.shape)
+        return out_tok.view(q.shape[0], q.shape[2], q.shape[1], 2 * half).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out, *rest = ctx.saved_tensors
+        row_scale = rest.pop(0) if ctx.has_scale else None
+        keep, m = (rest.pop(0), rest.pop(0)) if ctx.has_keep else (None, ctx.eps_m)
+        tables = rest if ctx.rope else None
+        d = q.shape[-1]
+        half = v.shape[-1] // 2
+        b, h, n = q.shape[:3]
+
+        g_out = grad_out.unflatten(-1, (2, half)).transpose(2, 3)  # (B, H, 2, N, dv/2) view
+        g_num = g_out / denom
+        g_den = (g_num * out).sum(-1, keepdim=True).neg_()  # (B, H, 2, N, 1)
+        if ctx.rope:
+            grad_q_num = torch.matmul(g_num, kvs.transpose(-2, -1))
+            grad_kvs = torch.matmul(q_num.transpose(-2, -1), g_num)
+            grad_phi_q = _rotate(grad_q_num, *tables, transpose=True).addcmul_(g_den, k_means.transpose(-2, -1))
+            grad_k_means = torch.matmul(phi_q.transpose(-2, -1), g_den)
+        else:
+            g = torch.cat([g_num, g_den], -1)
+            grad_phi_q = torch.matmul(g, torch.cat([kvs, k_means], -1).transpose(-2, -1))
+            grad_rhs = torch.matmul(phi_q.transpose(-2, -1), g)
+            grad_kvs, grad_k_means = grad_rhs[..., :half], grad_rhs[..., half:]
+        # Back to the key layout: the opposite stream's rows are swapped.
+        swap = lambda t: torch.cat([t[..., d:, :], t[..., :d, :]], -2)
+        grad_kv = torch.cat([grad_kvs[:, :, 0], swap(grad_kvs[:, :, 1])], -1).div_(m)  # (B, H, 2d, dv)
+        grad_k_mean = (grad_k_means[:, :, 0] + swap(grad_k_means[:, :, 1])).div_(m).transpose(-2, -1)
+
+        grad_v = torch.matmul(k_num, grad_kv) if ctx.needs_input_grad[2] else None
+        grad_k = None
+        if ctx.needs_input_grad[1]:
+            grad_k_num = torch.matmul(v, grad_kv.transpose(-2, -1))
+            grad_phi_k = _rotate(grad_k_num, *(t[0] for t in tables), transpose=True) if ctx.rope else grad_k_num
+            grad_phi_k.add_(grad_k_mean)
+            if keep is not None:
+                grad_phi_k.mul_(keep)
+            # d(exp(x) - 1) = phi + 1; padded rows are already zero
+            grad_k = _unrelu(k, grad_phi_k.addcmul_(grad_phi_k, phi_k), ctx.rope)
+
+        # d/d(pre) of (exp(pre) - 1)·c is (phi_q + c)·dphi_q
+        if row_scale is None:
+            grad_pre = grad_phi_q.addcmul_(grad_phi_q, phi_q)
+        else:
+            grad_pre = grad_phi_q.mul_(phi_q + row_scale)
+        grad_q = None
+        if ctx.needs_input_grad[0]:
+            grad_p_q = torch.mul(grad_pre[:, :, 0], temps[:, :, 0]).addcmul_(grad_pre[:, :, 1], temps[:, :, 1])
+            grad_q = _unrelu(q, grad_p_q, ctx.rope)
+        grad_ts = grad_to = None
+        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
+            grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape)  # (tb, th, 2, 1, 2d)
+            temp_inverse = _pacs_indices(d, ctx.rope, q.device)[3]
+            grad_ts, grad_to = grad_temps.transpose(2, 3).flatten(-2).index_select(-1, temp_inverse).chunk(2, -1)
+            grad_ts = _sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
+            grad_to = _sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
+        return grad_q, grad_k, grad_v, grad_ts, grad_to, None, None, None, None, None
+
+
+def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
+    """The same math as :class:`_PacsAttention`, written functionally for graph capture."""
+    half = v.shape[-1] // 2
+    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
+    phi_k = pacs_key_features(k)
+    if keep is not None:
+        phi_k = phi_k * keep
+    k_mean = (phi_k.sum(dim=-2) / (m if keep is None else m[..., 0])).unsqueeze(-1)  # (B, H, 2d, 1)
+    phi_q = torch.stack([q_same, q_opposite], dim=2)  # (B, H, 2, N, 2d)
+    # Power-of-two row scale: exact, and bounds every product by 2d·max|S|.
+    row_max = phi_q.amax(dim=-1, keepdim=True).detach()
+    exponent = torch.floor(torch.log2(row_max.clamp_min(1.0)))
+    # The TorchScript-based ONNX exporter has no exp2; Pow(2, n) is what the dynamo exporter writes.
+    scale = torch.pow(2.0, exponent) if legacy_onnx_tracing() else torch.exp2(exponent)
+    phi_q = phi_q / scale
+    denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps / scale  # (B, H, 2, N, 1)
+    if sin is not None:
+        phi_k_num = apply_rope(phi_k, sin, cos)
+        phi_q_num = apply_rope(phi_q, sin, cos)
+    else:
+        phi_k_num, phi_q_num = phi_k, phi_q
+    kv = torch.matmul(phi_k_num.transpose(-2, -1), v) / m  # (B, H, 2d, dv)
+    kv = torch.stack([kv[..., :half], kv[..., half:]], dim=2)  # (B, H, 2, 2d, dv/2)
+    out = torch.matmul(phi_q_num, kv) / denom  # (B, H, 2, N, dv/2)
+    return torch.cat([out[:, :, 0], out[:, :, 1]], dim=-1)
+
+
 def pacs_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -387,30 +611,12 @@ def pacs_linear_attention(
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
     out_dtype = v.dtype
     keep, m = _key_keep(key_padding_mask, k, dtype)
+    # The fused kernel's RoPE works on whole channel pairs; tables for an odd head_dim take the plain path.
+    fused = not _capturing_graph() and (sin is None or q.shape[-1] % 2 == 0)
+    attention = _PacsAttention.apply if fused else _pacs_attention_graph
+    if sin is not None:
+        sin, cos = sin.to(dtype), cos.to(dtype)
     with _full_precision(q.device.type):
-        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
-        q_same, q_opposite = pacs_query_features(q, temp_same.to(dtype), temp_opposite.to(dtype))
-        phi_k = pacs_key_features(k)
-        if keep is not None:
-            phi_k = phi_k * keep
-        half = v.shape[-1] // 2
-        k_mean = (phi_k.sum(dim=-2) / (m if keep is None else m[..., 0])).unsqueeze(-1)  # (B, H, 2d, 1)
-        phi_q = torch.stack([q_same, q_opposite], dim=2)  # (B, H, 2, N, 2d)
-        # Power-of-two row scale: exact, and bounds every product by 2d·max|S|.
-        row_max = phi_q.amax(dim=-1, keepdim=True).detach()
-        exponent = torch.floor(torch.log2(row_max.clamp_min(1.0)))
-        # The TorchScript-based ONNX exporter has no exp2; Pow(2, n) is what the dynamo exporter writes.
-        scale = torch.pow(2.0, exponent) if legacy_onnx_tracing() else torch.exp2(exponent)
-        phi_q = phi_q / scale
-        denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps / scale  # (B, H, 2, N, 1)
-        if sin is not None:
-            sin, cos = sin.to(dtype), cos.to(dtype)
-            phi_k_num = apply_rope(phi_k, sin, cos)
-            phi_q_num = apply_rope(phi_q, sin, cos)
-        else:
-            phi_k_num, phi_q_num = phi_k, phi_q
-        kv = torch.matmul(phi_k_num.transpose(-2, -1), v) / m  # (B, H, 2d, dv)
-        kv = torch.stack([kv[..., :half], kv[..., half:]], dim=2)  # (B, H, 2, 2d, dv/2)
-        out = torch.matmul(phi_q_num, kv) / denom  # (B, H, 2, N, dv/2)
-        out = torch.cat([out[:, :, 0], out[:, :, 1]], dim=-1)
+        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), temp_same.to(dtype), temp_opposite.to(dtype),
+                        sin, cos, eps, keep, m)
     return out.to(out_dtype)
