@@ -24,6 +24,7 @@ from timm.models import register_notrace_function, register_notrace_module
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
 from ..ops import resample_grid_table
 from ..ops.feature_maps import legacy_onnx_tracing
+from ..ops.pola_attention import _capturing_graph
 
 __all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid"]
 
@@ -61,7 +62,7 @@ def empty_batch(method):
 
     @functools.wraps(method)
     def wrapper(self, x, *args, **kwargs):
-        if _capturing() or not isinstance(x, torch.Tensor) or x.shape[0] != 0:
+        if _capturing_graph() or not isinstance(x, torch.Tensor) or x.shape[0] != 0:
             return method(self, x, *args, **kwargs)
         training = self.training
         try:
@@ -73,11 +74,6 @@ def empty_batch(method):
         return _first_rows(out, 0)
 
     return wrapper
-
-
-def _capturing() -> bool:
-    return (torch.compiler.is_compiling() or torch.compiler.is_exporting() or torch.jit.is_tracing()
-            or torch.jit.is_scripting() or legacy_onnx_tracing())
 
 
 def _first_rows(out, rows: int):

@@ -64,7 +64,7 @@ def _check_float(**tensors) -> None:
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _as_power(power, q: torch.Tensor) -> torch.Tensor:
+def _as_power(power, q: torch.Tensor, capturing: bool) -> torch.Tensor:
     """``power`` as a tensor that broadcasts to (B, H, 1, d), checked to be >= 1 where that is cheap.
 
     A Python number is taken as one exponent for every channel. The values are checked only in
@@ -78,7 +78,7 @@ def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     target = (q.shape[0], q.shape[1], 1, q.shape[-1])
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
         raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
-    if power.device.type == "cpu" and not _capturing_graph() and power.numel() and bool(power.detach().amin() < 1):
+    if power.device.type == "cpu" and not capturing and power.numel() and bool(power.detach().amin() < 1):
         raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
                          f"{power.detach().amin().item():g}")
     return power
@@ -316,10 +316,11 @@ def pola_linear_attention(
     _check_qkv(q, k, v)
     if v.shape[-1] < 2:
         raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
-    power = _as_power(power, q)
+    capturing = _capturing_graph()
+    power = _as_power(power, q, capturing)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
-    attention = _pola_attention_graph if _capturing_graph() else _PolaPowerAttention.apply
+    attention = _pola_attention_graph if capturing else _PolaPowerAttention.apply
     with _full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
     return out.to(v.dtype)
