@@ -41,6 +41,7 @@ from torch.utils import benchmark
 import polaformer.models  # noqa: F401  (registers our architectures)
 import timm
 from polaformer.layers import PolaLinearAttention
+from polaformer.models.pvt_v2 import DepthwiseConvMlp
 from polaformer.ops import learnable_power
 from polaformer.runtime import tune_cpu_allocator
 
@@ -144,11 +145,23 @@ class OfficialWayPola(PolaLinearAttention):
         return self.proj_drop(self.proj(out * g))
 
 
+class OfficialWayConvMlp(DepthwiseConvMlp):
+    """PVTv2's MLP as FLatten Transformer (and timm) write it: the hidden tokens transposed and viewed."""
+
+    def forward(self, x, height, width):
+        hidden = self.fc1(x)
+        b, n, c = hidden.shape
+        hidden = self.dwconv(hidden.transpose(1, 2).view(b, c, height, width))
+        return self.fc2(F.gelu(hidden.flatten(2).transpose(1, 2)))
+
+
 def official_way(model: torch.nn.Module) -> torch.nn.Module:
     baseline = copy.deepcopy(model)
     for module in baseline.modules():
         if type(module) is PolaLinearAttention:
             module.__class__ = OfficialWayPola
+        elif type(module) is DepthwiseConvMlp:
+            module.__class__ = OfficialWayConvMlp
     return baseline
 
 

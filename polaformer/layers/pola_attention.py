@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pola_linear_attention, resample_grid_table
+from ..ops import learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
 
 __all__ = ["PolaLinearAttention"]
 
@@ -132,7 +132,7 @@ class PolaLinearAttention(nn.Module):
                 raise ValueError(
                     f"token grid {height}x{width} is smaller than the spatial reduction ratio {self.sr_ratio}"
                 )
-            grid = x.transpose(1, 2).reshape(b, c, height, width)
+            grid = tokens_to_map(x, height, width)
             x = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
         k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
         return q, k, v, g
@@ -170,8 +170,7 @@ class PolaLinearAttention(nn.Module):
             # The conv shared by the heads is a depthwise conv over all channels with its kernel repeated
             # per head, on v as a dense channels-last map (oneDNN's fast kernel; a strided view takes a
             # path several times slower); its channels-last output is already in token order.
-            grid = v_tokens[:, p:].transpose(1, 2).reshape(b, c, height, width)
-            grid = grid.contiguous(memory_format=torch.channels_last)
+            grid = tokens_to_map(v_tokens[:, p:], height, width).contiguous(memory_format=torch.channels_last)
             local = F.conv2d(grid, self.dwc.weight.repeat(heads, 1, 1, 1), self.dwc.bias.repeat(heads),
                              padding=self.dwc.padding, groups=c)
             local = local.flatten(2).transpose(1, 2)

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles
+from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles, tokens_to_map
 
 __all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
 
@@ -20,17 +20,31 @@ class RoPE2d(nn.Module):
 
     As the official module, it is built for any per-head width (a stage holds a table for each
     block type even if it has no block of that type); making tables needs a multiple of 4.
+
+    Tables are kept per grid size while ``angle`` is unchanged (its version counter is checked), and
+    returned as the same tensors each time: the PaCS kernel then rearranges them once, not per call.
+    They never require grad and are made outside inference mode, so one set serves both modes.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, base: float = 10000.0):
         super().__init__()
         self.head_width = embed_dim // num_heads
         self.register_buffer("angle", rope_angles(embed_dim, num_heads, base, allow_partial=True))
+        self._tables: dict = {}
 
     def forward(self, height: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         if self.head_width % 4:
             raise ValueError(f"RoPE needs a per-head width divisible by 4, got {self.head_width}")
-        return rope_2d(self.angle, height, width)
+        angle = self.angle
+        if torch.compiler.is_compiling() or angle.is_inference() or angle.requires_grad:
+            return rope_2d(angle, height, width)
+        key = (height, width, angle.device, angle.dtype)
+        version, tables = self._tables.get(key, (None, None))
+        if version != angle._version:
+            with torch.inference_mode(False):
+                tables = rope_2d(angle, height, width)
+            self._tables = {key: (angle._version, tables)}  # one grid kept: a model sees one size at a time
+        return tables
 
 
 def _check_map(x: torch.Tensor, dim: int, sin: torch.Tensor) -> None:
@@ -43,8 +57,7 @@ def _check_map(x: torch.Tensor, dim: int, sin: torch.Tensor) -> None:
 def _dense_map(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
     """Tokens (B, H·W, C), here a strided slice of a projection, as a dense channels-last (B, C, H, W)
     map: oneDNN's depthwise conv runs several times slower on the strided view."""
-    b, _, c = t.shape
-    return t.transpose(1, 2).reshape(b, c, height, width).contiguous(memory_format=torch.channels_last)
+    return tokens_to_map(t, height, width).contiguous(memory_format=torch.channels_last)
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -93,7 +106,7 @@ class PacsLinearAttention(nn.Module):
             cos,
         )
         out = out.transpose(1, 2).reshape(b, h * w, c) + lepe.flatten(2).transpose(1, 2)
-        return self.proj(out * g).transpose(1, 2).reshape(b, c, h, w)
+        return tokens_to_map(self.proj(out * g), h, w)
 
 
 class RopeSoftmaxAttention(nn.Module):
@@ -121,4 +134,4 @@ class RopeSoftmaxAttention(nn.Module):
         k = apply_rope(_split_heads(k, heads), sin, cos)
         out = F.scaled_dot_product_attention(q, k, _split_heads(v, heads))
         out = out.transpose(1, 2).reshape(b, h * w, c) + lepe.flatten(2).transpose(1, 2)
-        return self.proj(out * o).transpose(1, 2).reshape(b, c, h, w)
+        return tokens_to_map(self.proj(out * o), h, w)

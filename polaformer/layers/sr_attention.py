@@ -9,6 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..ops import tokens_to_map
+
 __all__ = ["SpatialReductionAttention"]
 
 
@@ -41,7 +43,7 @@ class SpatialReductionAttention(nn.Module):
                 raise ValueError(
                     f"token grid {height}x{width} is smaller than the spatial reduction ratio {self.sr_ratio}"
                 )
-            x = self.norm(self.sr(x.transpose(1, 2).reshape(b, c, height, width)).flatten(2).transpose(1, 2))
+            x = self.norm(self.sr(tokens_to_map(x, height, width)).flatten(2).transpose(1, 2))
         k, v = self.kv(x).reshape(b, -1, 2, heads, c // heads).permute(2, 0, 3, 1, 4).unbind(0)
         out = F.scaled_dot_product_attention(q, k, v, scale=self.scale)
         return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, c)))

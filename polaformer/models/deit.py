@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
+from ..ops import tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaDeiT"]
@@ -173,7 +174,7 @@ class PolaDeiT(nn.Module):
             if i in take:
                 y = self.norm(x) if norm else x
                 if output_fmt == "NCHW":
-                    y = y[:, 1:].transpose(1, 2).reshape(y.shape[0], -1, height, width)
+                    y = tokens_to_map(y[:, 1:], height, width)
                 intermediates.append(y)
         if intermediates_only:
             return intermediates

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+from ..ops import tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
@@ -75,9 +76,9 @@ class ConvFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         hidden = F.gelu(self.fc1(x.flatten(2).transpose(1, 2)))
-        hidden = hidden.transpose(1, 2).reshape(b, -1, h, w)
+        hidden = tokens_to_map(hidden, h, w)
         hidden = hidden + self.dwconv(hidden)
-        return self.fc2(hidden.flatten(2).transpose(1, 2)).transpose(1, 2).reshape(b, c, h, w)
+        return tokens_to_map(self.fc2(hidden.flatten(2).transpose(1, 2)), h, w)
 
 
 class PolaPPBlock(nn.Module):

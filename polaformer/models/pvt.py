@@ -40,6 +40,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
+from ..ops import tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
@@ -256,7 +257,7 @@ class PolaPVT(PyramidBase):
                 x = checkpoint(blk, x, height, width, use_reentrant=False)
             else:
                 x = blk(x, height, width)
-        return x.transpose(1, 2).reshape(x.shape[0], -1, height, width)
+        return tokens_to_map(x, height, width)
 
     def _init_weights(self):
         for i in range(self.num_stages):

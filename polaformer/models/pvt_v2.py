@@ -14,19 +14,37 @@ from __future__ import annotations
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
-from timm.models.pvt_v2 import MlpWithDepthwiseConv, OverlapPatchEmbed
+from timm.models.pvt_v2 import OverlapPatchEmbed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
+from ..ops import tokens_to_map
 from ._helpers import checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
 __all__ = ["PolaPVTv2"]
+
+
+class DepthwiseConvMlp(nn.Module):
+    """fc1 -> 3×3 depthwise conv -> GELU -> fc2 on tokens (B, H·W, C); timm's ``MlpWithDepthwiseConv``
+    parameters and math, with the conv run on a channels-last view of fc1's output (no copy, and
+    oneDNN's fast depthwise kernel at every batch size)."""
+
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, dim)
+
+    def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        hidden = self.dwconv(tokens_to_map(self.fc1(x), height, width))
+        return self.fc2(F.gelu(hidden.flatten(2).transpose(1, 2)))
 
 
 class PolaPVTv2Block(nn.Module):
@@ -37,11 +55,11 @@ class PolaPVTv2Block(nn.Module):
                                         key_pos_tokens=num_tokens)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
-        self.mlp = MlpWithDepthwiseConv(dim, int(dim * mlp_ratio))
+        self.mlp = DepthwiseConvMlp(dim, int(dim * mlp_ratio))
 
     def forward(self, x, height: int, width: int):
         x = x + self.drop_path(self.attn(self.norm1(x), height, width))
-        return x + self.drop_path(self.mlp(self.norm2(x), [height, width]))
+        return x + self.drop_path(self.mlp(self.norm2(x), height, width))
 
 
 class PolaPVTv2(PyramidBase):
@@ -106,7 +124,7 @@ class PolaPVTv2(PyramidBase):
             else:
                 x = blk(x, height, width)
         x = getattr(self, f"norm{i + 1}")(x)
-        return x.transpose(1, 2).reshape(b, c, height, width)
+        return tokens_to_map(x, height, width)
 
 
 def _cfg(**kwargs):

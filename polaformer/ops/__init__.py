@@ -1,4 +1,4 @@
-"""Pure tensor math: feature maps, the fast polarity-aware attention, naive references, RoPE, position tables."""
+"""Pure tensor math: feature maps, the fast polarity-aware attention, naive references, RoPE, position tables, token/map layout."""
 from .feature_maps import (
     elu_feature,
     focused_feature,
@@ -18,6 +18,7 @@ from .naive import (
     pola_attention_weights,
     softmax_attention_weights,
 )
+from .layout import tokens_to_map
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles
@@ -45,4 +46,5 @@ __all__ = [
     "rope_2d",
     "rope_angles",
     "softmax_attention_weights",
+    "tokens_to_map",
 ]

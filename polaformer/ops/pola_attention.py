@@ -23,8 +23,10 @@ backward pass is written out by hand so the power map costs one ``log`` and one
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
+import weakref
 
 import torch
 
@@ -359,19 +361,64 @@ def _pacs_indices(d: int, rope: bool, device: torch.device):
 
     Features are ``[q⁺ ; q⁻]`` with, under RoPE, each half stored as [even | odd] channels: RoPE rotates
     pairs (2i, 2i+1), which this turns into a planar complex multiply on whole blocks. The order is
-    internal, every product contracts over it. Returns ``both``: the order of the same-sign stream
-    followed by the (half-swapped) order of the opposite-sign one, 4d indices into 2d channels;
-    ``sign``: -1 at the even (E) positions of those 4d, where RoPE's cross term subtracts; and the
-    gather/scatter indices of the two temperature vectors concatenated (4d).
+    internal, every product contracts over it. Returns the gather and scatter indices of the two
+    temperature vectors concatenated (4d): the same-sign stream in that order, then the opposite-sign
+    one with its halves swapped.
     """
     half = torch.arange(d)
     if rope:
         half = torch.cat([half[0::2], half[1::2]])
     order = torch.cat([half, half + d])
-    both = torch.cat([order, (order + d) % (2 * d)])
-    sign = torch.cat([-torch.ones(d // 2), torch.ones(d // 2)]).repeat(4) if rope else None
     temps = torch.cat([order, 2 * d + (order + d) % (2 * d)])
-    return tuple(t if t is None else t.to(device) for t in (both, sign, temps, torch.argsort(temps)))
+    return temps.to(device), torch.argsort(temps).to(device)
+
+
+# Tables rearranged for the fused kernel, by the identity of the (sin, cos) pair they came from: every
+# block of a stage passes the same tables, and rearranging them costs as much as the rest of a small
+# attention call. An entry holds weak references and the version counters of both tables, so a table
+# that was freed or modified in place is never matched.
+_ROPE_TABLE_CACHE: collections.OrderedDict = collections.OrderedDict()
+_ROPE_TABLE_CACHE_SIZE = 16
+
+
+def _pacs_rope_tables(sin: torch.Tensor, cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_arrange_rope_tables`, reused while the same two tables are passed unchanged.
+
+    Inference tensors have no version counter, so their tables are rearranged on every call.
+    """
+    if sin.is_inference() or cos.is_inference() or sin.requires_grad or cos.requires_grad:
+        return _arrange_rope_tables(sin, cos)
+    key = (id(sin), id(cos), torch.is_inference_mode_enabled())
+    entry = _ROPE_TABLE_CACHE.get(key)
+    if entry is not None:
+        sin_ref, cos_ref, versions, tables = entry
+        if sin_ref() is sin and cos_ref() is cos and versions == (sin._version, cos._version):
+            _ROPE_TABLE_CACHE.move_to_end(key)
+            return tables
+    tables = _arrange_rope_tables(sin, cos)
+    _ROPE_TABLE_CACHE[key] = (weakref.ref(sin), weakref.ref(cos), (sin._version, cos._version), tables)
+    while len(_ROPE_TABLE_CACHE) > _ROPE_TABLE_CACHE_SIZE:
+        _ROPE_TABLE_CACHE.popitem(last=False)
+    return tables
+
+
+def _arrange_rope_tables(sin: torch.Tensor, cos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(N, 2d) RoPE tables in the fused kernel's order for both streams: ``(cos, cross)``, (2, N, 2d) each.
+
+    Per half, pairs (2i, 2i+1) become [even | odd] blocks (:func:`_pacs_indices`); the opposite-sign
+    stream's halves are swapped; ``cross`` is sin negated at the even positions (see :func:`_rotate`).
+    """
+    n, two_d = cos.shape
+    p = two_d // 4
+    out = cos.new_empty(2, 2, n, 2, 2, p)  # (cos|sin, stream, N, half, even|odd, pair)
+    for dst, table in zip(out, (cos, sin)):
+        planar = table.reshape(n, 2, p, 2).transpose(-2, -1)  # (N, half, even|odd, pair)
+        dst[0].copy_(planar)
+        dst[1, :, 0].copy_(planar[:, 1])
+        dst[1, :, 1].copy_(planar[:, 0])
+    out[1, :, :, :, 0].neg_()
+    cos, cross = out.flatten(-3).unbind(0)
+    return cos, cross
 
 
 def _relu_halves(x: torch.Tensor, rope: bool) -> torch.Tensor:
@@ -430,7 +477,7 @@ class _PacsAttention(torch.autograd.Function):
         d = q.shape[-1]
         two_d, half = 2 * d, v.shape[-1] // 2
         rope = sin is not None
-        both, sign, temp_index, _ = _pacs_indices(d, rope, q.device)
+        temp_index = _pacs_indices(d, rope, q.device)[0]
         ts, to = torch.broadcast_tensors(_as_4d(temp_same), _as_4d(temp_opposite))
         temps = torch.cat([ts, to], -1).index_select(-1, temp_index).unflatten(-1, (2, two_d)).transpose(2, 3)
 
@@ -443,10 +490,8 @@ class _PacsAttention(torch.autograd.Function):
         k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
         k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
         if rope:
-            # (2, N, 2d) tables, the opposite stream's with swapped halves; `cross` is ∓sin (see _rotate)
-            cos = cos.index_select(1, both).unflatten(1, (2, two_d)).transpose(0, 1)
-            cross = sin.index_select(1, both).mul_(sign).unflatten(1, (2, two_d)).transpose(0, 1)
-            tables = (cos, cross)
+            tables = _pacs_rope_tables(sin, cos)
+            cos, cross = tables
             k_num = _rotate(phi_k, cos[0], cross[0])
         else:
             tables, k_num = None, phi_k
@@ -536,7 +581,7 @@ class _PacsAttention(torch.autograd.Function):
         grad_ts = grad_to = None
         if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
             grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape)  # (tb, th, 2, 1, 2d)
-            temp_inverse = _pacs_indices(d, ctx.rope, q.device)[3]
+            temp_inverse = _pacs_indices(d, ctx.rope, q.device)[1]
             grad_ts, grad_to = grad_temps.transpose(2, 3).flatten(-2).index_select(-1, temp_inverse).chunk(2, -1)
             grad_ts = _sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
             grad_to = _sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None

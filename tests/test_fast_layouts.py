@@ -1,0 +1,90 @@
+"""Layout and caching shortcuts of the fast paths: same values as the plain forms, never stale."""
+import pytest
+import torch
+from timm.models.pvt_v2 import MlpWithDepthwiseConv
+
+from polaformer.layers import RoPE2d
+from polaformer.models.pvt_v2 import DepthwiseConvMlp
+from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention, rope_2d, rope_angles, tokens_to_map
+from polaformer.ops.pola_attention import _ROPE_TABLE_CACHE
+
+F64 = torch.float64
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+def test_tokens_to_map_is_a_canonical_channels_last_view(batch):
+    tokens = torch.randn(batch, 4 * 5, 6)
+    grid = tokens_to_map(tokens, 4, 5)
+    torch.testing.assert_close(grid, tokens.transpose(1, 2).reshape(batch, 6, 4, 5), rtol=0, atol=0)
+    assert grid.data_ptr() == tokens.data_ptr()
+    # the batch stride is H·W·C even for a batch of one: oneDNN reads anything else as channels-first
+    assert grid.stride() == (4 * 5 * 6, 1, 5 * 6, 6)
+
+
+def test_tokens_to_map_names_a_grid_mismatch():
+    with pytest.raises(ValueError, match="20 tokens do not form a 4x6 grid"):
+        tokens_to_map(torch.randn(1, 20, 3), 4, 6)
+
+
+def test_depthwise_conv_mlp_equals_timms():
+    torch.manual_seed(0)
+    theirs = MlpWithDepthwiseConv(8, 24).double()
+    ours = DepthwiseConvMlp(8, 24).double()
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    for batch in (1, 2):
+        x = torch.randn(batch, 5 * 7, 8, dtype=F64, requires_grad=True)
+        a, b = ours(x, 5, 7), theirs(x, [5, 7])
+        torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
+        ga, gb = torch.autograd.grad(a.square().sum(), x), torch.autograd.grad(b.square().sum(), x)
+        torch.testing.assert_close(ga, gb, rtol=1e-13, atol=1e-14)
+
+
+def _pacs_inputs(seed):
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(1, 2, 12, 4, generator=gen, dtype=F64) for _ in range(3))
+    temps = torch.rand(2, 1, 2, 1, 8, generator=gen, dtype=F64).unbind(0)
+    return q, k, v, temps
+
+
+def test_rope_tables_modified_in_place_are_not_served_from_the_cache():
+    q, k, v, (t_same, t_opp) = _pacs_inputs(0)
+    sin, cos = rope_2d(rope_angles(16, 2, dtype=F64), 3, 4)
+    first = pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos)
+    assert any(ref() is sin for ref, _, _, _ in _ROPE_TABLE_CACHE.values())
+    torch.testing.assert_close(first, naive_pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos))
+    with torch.no_grad():
+        sin.mul_(-0.5)
+        cos.add_(0.25)
+    second = pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos)
+    torch.testing.assert_close(second, naive_pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos))
+    assert not torch.allclose(first, second)
+
+
+def test_rope_tables_made_in_inference_mode_serve_training_too():
+    q, k, v, (t_same, t_opp) = _pacs_inputs(1)
+    rope = RoPE2d(16, 2).double()
+    with torch.inference_mode():
+        sin, cos = rope(3, 4)
+        pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos)
+    assert not sin.is_inference()
+    q.requires_grad_()
+    sin_again, cos_again = rope(3, 4)
+    assert sin_again is sin  # kept per grid
+    out = pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos)
+    ref = naive_pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos)
+    torch.testing.assert_close(out, ref)
+    grad = torch.randn_like(out)
+    torch.testing.assert_close(torch.autograd.grad(out, q, grad)[0], torch.autograd.grad(ref, q, grad)[0])
+
+
+def test_rope_module_tables_follow_the_angle_buffer_and_the_grid():
+    rope = RoPE2d(16, 2)
+    sin, cos = rope(3, 4)
+    assert rope(3, 4)[0] is sin
+    assert rope(4, 3)[0].shape == (12, 8) and rope(4, 3)[0] is not sin
+    state = {"angle": rope.angle * 2}
+    rope.load_state_dict(state)  # an in-place copy into the buffer: new version, new tables
+    new_sin, new_cos = rope(3, 4)
+    expected_sin, expected_cos = rope_2d(state["angle"], 3, 4)
+    torch.testing.assert_close(new_sin, expected_sin, rtol=0, atol=0)
+    torch.testing.assert_close(new_cos, expected_cos, rtol=0, atol=0)
