@@ -121,3 +121,30 @@ def test_blocked_forward_without_gradients_equals_the_reference(monkeypatch, mas
     q.requires_grad_()
     torch.testing.assert_close(pola_linear_attention(q, k, v, power, key_padding_mask=mask), blocked,
                                rtol=1e-12, atol=1e-13)
+
+
+@pytest.mark.parametrize("masked", [False, True])
+def test_blocked_pacs_forward_without_gradients_rescales_only_the_blocks_that_overflow(monkeypatch, masked):
+    import polaformer.ops.pola_attention as op
+
+    monkeypatch.setattr(op, "_BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(op, "_MIN_BLOCK_TOKENS", 5)  # 20 tokens: blocks of 5
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(2, 2, 20, 8, generator=gen)
+    # features up to e^87 in one token of one block: float32 sums of products overflow unless rescaled
+    q[:, :, 11] = q[:, :, 11].sign() * (80 + 7 * torch.rand(2, 2, 8, generator=gen))
+    k, v = torch.randn(2, 2, 20, 8, generator=gen), torch.randn(2, 2, 20, 8, generator=gen)
+    t_same = t_opp = torch.ones(1, 2, 1, 16)
+    sin, cos = rope_2d(rope_angles(32, 2), 4, 5)
+    mask = None
+    if masked:
+        mask = torch.zeros(2, 20, dtype=torch.bool)
+        mask[1, 13:] = True
+    with torch.no_grad():
+        blocked = pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos, key_padding_mask=mask)
+    ref = naive_pacs_linear_attention(*(t.double() for t in (q, k, v, t_same, t_opp, sin, cos)),
+                                      key_padding_mask=mask)
+    assert torch.isfinite(blocked).all()
+    torch.testing.assert_close(blocked.double(), ref, rtol=1e-4, atol=1e-5)
+    grad_path = pacs_linear_attention(q.requires_grad_(), k, v, t_same, t_opp, sin, cos, key_padding_mask=mask)
+    torch.testing.assert_close(grad_path.detach(), blocked, rtol=1e-5, atol=1e-6)

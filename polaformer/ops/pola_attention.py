@@ -517,6 +517,82 @@ def _as_4d(t: torch.Tensor) -> torch.Tensor:
     return t.reshape((1,) * (4 - t.dim()) + tuple(t.shape)) if t.dim() < 4 else t
 
 
+def _pacs_stacked_temperatures(temp_same, temp_opposite, d, rope, device):
+    """Both streams' temperatures in the kernel's channel order, (…, 2, 1, 2d), the opposite one half-swapped."""
+    ts, to = torch.broadcast_tensors(_as_4d(temp_same), _as_4d(temp_opposite))
+    temps = torch.cat([ts, to], -1).index_select(-1, _pacs_indices(d, rope, device)[0])
+    return temps.unflatten(-1, (2, 2 * d)).transpose(2, 3)
+
+
+def _pacs_key_side(k, v, keep, m, tables):
+    """Key features and what the queries multiply: ``(φk, rotated φk, [S_same ; swapped S_opp], key means)``."""
+    d, half = k.shape[-1], v.shape[-1] // 2
+    # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not (4x slower).
+    phi_k = _relu_halves(k, tables is not None).exp_().sub_(1.0)
+    if keep is not None:
+        phi_k.mul_(keep)
+    k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
+    k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
+    k_num = phi_k if tables is None else _rotate(phi_k, tables[0][0], tables[1][0])
+    kv = torch.matmul(k_num.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
+    kvs = torch.stack([kv[..., :half], torch.cat([kv[..., d:, half:], kv[..., :d, half:]], -2)], dim=2)
+    return phi_k, k_num, kvs, k_means
+
+
+def _pacs_output(q, v):
+    """Token-major output memory (B, N, H, 2, dv/2) and its (B, H, 2, N, dv/2) view."""
+    out_tok = v.new_empty(q.shape[0], q.shape[2], q.shape[1], 2, v.shape[-1] // 2)
+    return out_tok, out_tok.permute(0, 2, 3, 1, 4)
+
+
+def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
+    """Query features of both streams and the normalised products, written into ``out``.
+
+    Returns ``(φq, rotated φq, normalisers, row scale or None)``. Features are made without rescaling
+    first; only if a product overflows does the row rescaling run (exact in floating point, so both
+    give the same bits whenever the first one is finite).
+    """
+    half = out.shape[-1]
+    for scaled in (False, True):
+        phi_q = (p_q.unsqueeze(2) * temps).exp_().sub_(1.0)  # (B, H, 2, N, 2d)
+        row_scale = None
+        if scaled:
+            exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
+            row_scale = torch.exp2(exponent.neg_())
+            phi_q.mul_(row_scale)
+        eps_rows = eps if row_scale is None else row_scale * eps
+        if tables is not None:
+            q_num = _rotate(phi_q, *tables)
+            num = torch.matmul(q_num, kvs)
+            denom = torch.matmul(phi_q, k_means).add_(eps_rows)
+        else:
+            q_num = phi_q
+            res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
+            num, denom = res[..., :half], res[..., half:].add_(eps_rows)
+        torch.div(num, denom, out=out)
+        # one sum is finite exactly when every term is (or else rescaling runs, which is always right)
+        if scaled or p_q.is_meta or bool(torch.isfinite(denom.sum() + out.sum())):
+            return phi_q, q_num, denom, row_scale
+
+
+def _pacs_attention_no_grad(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
+    """:class:`_PacsAttention`'s forward for a call that needs no gradient, the queries by blocks of tokens
+    (see :func:`_pola_attention_no_grad`); each block decides its own rescaling, as rows do."""
+    rope = sin is not None
+    temps = _pacs_stacked_temperatures(temp_same, temp_opposite, q.shape[-1], rope, q.device)
+    tables = _pacs_rope_tables(sin, cos) if rope else None
+    _, _, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
+    out_tok, out = _pacs_output(q, v)
+    b, h, n, d = q.shape
+    step = max(_MIN_BLOCK_TOKENS, _BLOCK_ELEMENTS // max(1, 4 * b * h * d))  # features are 4d wide
+    for i in range(0, n, step):
+        rows = slice(i, i + step)
+        _pacs_query_side(_relu_halves(q[:, :, rows], rope), temps,
+                         None if tables is None else tuple(t[:, rows] for t in tables), kvs, k_means, eps,
+                         out[:, :, :, rows])
+    return out_tok.flatten(-2).transpose(1, 2)
+
+
 class _PacsAttention(torch.autograd.Function):
     """PaCS attention, both streams in one (B, H, 2, N, 2d) feature tensor.
 
@@ -527,53 +603,13 @@ class _PacsAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
-        d = q.shape[-1]
-        two_d, half = 2 * d, v.shape[-1] // 2
         rope = sin is not None
-        temp_index = _pacs_indices(d, rope, q.device)[0]
-        ts, to = torch.broadcast_tensors(_as_4d(temp_same), _as_4d(temp_opposite))
-        temps = torch.cat([ts, to], -1).index_select(-1, temp_index).unflatten(-1, (2, two_d)).transpose(2, 3)
-
+        temps = _pacs_stacked_temperatures(temp_same, temp_opposite, q.shape[-1], rope, q.device)
+        tables = _pacs_rope_tables(sin, cos) if rope else None
+        phi_k, k_num, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
         p_q = _relu_halves(q, rope)  # (B, H, N, 2d)
-        pre = p_q.unsqueeze(2) * temps  # (B, H, 2, N, 2d) exponents of both streams
-        # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not (4x slower).
-        phi_k = _relu_halves(k, rope).exp_().sub_(1.0)
-        if keep is not None:
-            phi_k.mul_(keep)
-        k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
-        k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
-        if rope:
-            tables = _pacs_rope_tables(sin, cos)
-            cos, cross = tables
-            k_num = _rotate(phi_k, cos[0], cross[0])
-        else:
-            tables, k_num = None, phi_k
-        kv = torch.matmul(k_num.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
-        kvs = torch.stack([kv[..., :half], torch.cat([kv[..., d:, half:], kv[..., :d, half:]], -2)], dim=2)
-
-        # Features without rescaling first; only if a product overflows, the row rescaling runs (exact in
-        # floating point, so both give the same bits whenever the first one is finite).
-        out_tok = v.new_empty(q.shape[0], q.shape[2], q.shape[1], 2, half)  # token-major: (B, N, H, 2, dv/2)
-        out = out_tok.permute(0, 2, 3, 1, 4)  # (B, H, 2, N, dv/2) view
-        for scaled in (False, True):
-            phi_q = (pre if not scaled else p_q.unsqueeze(2) * temps).exp_().sub_(1.0)
-            row_scale = None
-            if scaled:
-                exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
-                row_scale = torch.exp2(exponent.neg_())
-                phi_q.mul_(row_scale)
-            eps_rows = eps if row_scale is None else row_scale * eps
-            if rope:
-                q_num = _rotate(phi_q, *tables)
-                num = torch.matmul(q_num, kvs)
-                denom = torch.matmul(phi_q, k_means).add_(eps_rows)
-            else:
-                q_num = phi_q
-                res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
-                num, denom = res[..., :half], res[..., half:].add_(eps_rows)
-            torch.div(num, denom, out=out)
-            if scaled or q.is_meta or bool(torch.isfinite(denom).all() and torch.isfinite(out).all()):
-                break
+        out_tok, out = _pacs_output(q, v)
+        phi_q, q_num, denom, row_scale = _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out)
 
         ctx.rope, ctx.eps_m = rope, (m if keep is None else None)
         ctx.save_for_backward(q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out,
@@ -581,7 +617,7 @@ class _PacsAttention(torch.autograd.Function):
                               *(tables or ()))
         ctx.has_scale, ctx.has_keep = row_scale is not None, keep is not None
         ctx.temp_shapes = (temp_same.shape, temp_opposite.shape)
-        return out_tok.view(q.shape[0], q.shape[2], q.shape[1], 2 * half).transpose(1, 2)
+        return out_tok.flatten(-2).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -712,7 +748,12 @@ def pacs_linear_attention(
     keep, m = _key_keep(key_padding_mask, k, dtype)
     # The fused kernel's RoPE works on whole channel pairs; tables for an odd head_dim take the plain path.
     fused = not _capturing_graph() and (sin is None or q.shape[-1] % 2 == 0)
-    attention = _PacsAttention.apply if fused else _pacs_attention_graph
+    if not fused:
+        attention = _pacs_attention_graph
+    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, temp_same, temp_opposite)):
+        attention = _PacsAttention.apply
+    else:
+        attention = _pacs_attention_no_grad
     if sin is not None:
         sin, cos = sin.to(dtype), cos.to(dtype)
     with _full_precision(q.device.type):
