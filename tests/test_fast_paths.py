@@ -143,3 +143,33 @@ def test_blocked_pacs_forward_without_gradients_rescales_only_the_blocks_that_ov
     torch.testing.assert_close(blocked.double(), ref, rtol=1e-4, atol=1e-5)
     grad_path = pacs_linear_attention(q.requires_grad_(), k, v, t_same, t_opp, sin, cos, key_padding_mask=mask)
     torch.testing.assert_close(grad_path.detach(), blocked, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("prefix, fused", [(0, False), (1, True)])
+def test_pola_layer_gates_in_place_only_without_autograd(prefix, fused):
+    from polaformer.layers import PolaLinearAttention
+
+    torch.manual_seed(0)
+    layer = PolaLinearAttention(8, 2, fused_qkvg=fused, num_prefix_tokens=prefix).double()
+    x = torch.randn(2, prefix + 4 * 5, 8, dtype=F64)
+    with torch.no_grad():
+        fast = layer(x, 4, 5)
+    plain = layer(x.requires_grad_(), 4, 5)  # autograd: out-of-place
+    torch.testing.assert_close(fast, plain.detach(), rtol=0, atol=0)
+    plain.square().sum().backward()  # the tensors autograd saved were not overwritten
+    assert torch.isfinite(x.grad).all()
+
+
+def test_pacs_layer_gates_in_place_only_without_autograd():
+    from polaformer.layers import PacsLinearAttention
+
+    torch.manual_seed(1)
+    layer = PacsLinearAttention(8, 2).double()
+    sin, cos = RoPE2d(16, 2).double()(3, 4)
+    x = torch.randn(2, 8, 3, 4, dtype=F64)
+    with torch.no_grad():
+        fast = layer(x, sin, cos)
+    plain = layer(x.requires_grad_(), sin, cos)
+    torch.testing.assert_close(fast, plain.detach(), rtol=1e-15, atol=1e-15)
+    plain.square().sum().backward()
+    assert torch.isfinite(x.grad).all()

@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
+from ..ops.pola_attention import _capturing_graph
 
 __all__ = ["PolaLinearAttention"]
 
@@ -174,6 +175,10 @@ class PolaLinearAttention(nn.Module):
             local = F.conv2d(grid, self.dwc.weight.repeat(heads, 1, 1, 1), self.dwc.bias.repeat(heads),
                              padding=self.dwc.padding, groups=c)
             local = local.flatten(2).transpose(1, 2)
+        if not (out.requires_grad or local.requires_grad or g.requires_grad or _capturing_graph()):
+            # No autograd: the op's output is a fresh buffer of ours, so add and gate in place.
+            (out[:, p:] if p else out).add_(local)
+            return self.proj_drop(self.proj(out.mul_(g)))
         if p:
             out = torch.cat([out[:, :p], out[:, p:] + local], dim=1)
         else:

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles, tokens_to_map
+from ..ops.pola_attention import _capturing_graph
 
 __all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
 
@@ -105,8 +106,13 @@ class PacsLinearAttention(nn.Module):
             sin,
             cos,
         )
-        out = out.transpose(1, 2).reshape(b, h * w, c) + lepe.flatten(2).transpose(1, 2)
-        return tokens_to_map(self.proj(out * g), h, w)
+        out = out.transpose(1, 2).reshape(b, h * w, c)  # a view: the op writes token-major memory
+        lepe = lepe.flatten(2).transpose(1, 2)
+        if not (out.requires_grad or lepe.requires_grad or g.requires_grad or _capturing_graph()):
+            out = out.add_(lepe).mul_(g)  # no autograd: the op's output is a fresh buffer of ours
+        else:
+            out = (out + lepe) * g
+        return tokens_to_map(self.proj(out), h, w)
 
 
 class RopeSoftmaxAttention(nn.Module):

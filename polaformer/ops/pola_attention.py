@@ -221,8 +221,18 @@ def _normalise(res: torch.Tensor, eps: float, half: int, out: torch.Tensor) -> t
 
 # The forward without gradients goes through the tokens a block at a time, about this many elements of
 # q (or k) per block, so that each block's features, products and division stay in the core's cache.
+# Inputs of up to four blocks run as one: there the extra calls cost more than the cache saves.
 _BLOCK_ELEMENTS = 1 << 17
 _MIN_BLOCK_TOKENS = 64
+
+
+def _block_tokens(x: torch.Tensor, width: int) -> int:
+    """Tokens per block for ``x`` (B, H, N, d) whose per-token work is ``width`` channels wide."""
+    b, h, n, _ = x.shape
+    per_token = max(1, b * h * width)
+    if n * per_token <= 4 * _BLOCK_ELEMENTS:
+        return max(n, 1)
+    return max(_MIN_BLOCK_TOKENS, _BLOCK_ELEMENTS // per_token)
 
 
 def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
@@ -232,9 +242,9 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     each block's elementwise passes run in cache: 1.3-2× faster from a few thousand tokens up. The key
     sums are accumulated block by block, equal to the one-block sums up to rounding.
     """
-    b, h, n, d = q.shape
+    n, d = q.shape[-2:]
     half = _same_sign_width(v)
-    step = max(_MIN_BLOCK_TOKENS, _BLOCK_ELEMENTS // max(1, b * h * d))
+    step = _block_tokens(k, d)
     kv = k_sum = None
     for i in range(0, k.shape[-2], step):
         phi_k, _ = _power_features(k[:, :, i:i + step], power)
@@ -248,6 +258,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
             k_sum.add_(part_sum)
     rhs = _stream_rhs(kv.div_(m), k_sum.unsqueeze(-1).div_(m), half)
     out = _token_major_output(q, v)
+    step = _block_tokens(q, d)
     for i in range(0, n, step):
         phi_q, _ = _power_features(q[:, :, i:i + step], power)
         _normalise(torch.matmul(phi_q, rhs), eps, half, out[:, :, i:i + step])
@@ -583,8 +594,8 @@ def _pacs_attention_no_grad(q, k, v, temp_same, temp_opposite, sin, cos, eps, ke
     tables = _pacs_rope_tables(sin, cos) if rope else None
     _, _, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
     out_tok, out = _pacs_output(q, v)
-    b, h, n, d = q.shape
-    step = max(_MIN_BLOCK_TOKENS, _BLOCK_ELEMENTS // max(1, 4 * b * h * d))  # features are 4d wide
+    n, d = q.shape[-2:]
+    step = _block_tokens(q, 4 * d)  # both streams' features are 2·2d wide
     for i in range(0, n, step):
         rows = slice(i, i + step)
         _pacs_query_side(_relu_halves(q[:, :, rows], rope), temps,
