@@ -32,6 +32,22 @@ from ..ops.pola_attention import _capturing_graph
 __all__ = ["PolaLinearAttention"]
 
 
+def add_branch_and_gate(out: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, prefix: int = 0) -> torch.Tensor:
+    """``(out + branch) · gate``, the branch added to the tokens after ``prefix`` (B, N, C) ones.
+
+    ``out`` must be the attention op's fresh output: when no autograd is involved and no graph is being
+    captured, it is updated in place (the op saved nothing that this would overwrite).
+    """
+    if not (out.requires_grad or branch.requires_grad or gate.requires_grad or _capturing_graph()):
+        (out[:, prefix:] if prefix else out).add_(branch)
+        return out.mul_(gate)
+    if prefix:
+        out = torch.cat([out[:, :prefix], out[:, prefix:] + branch], dim=1)
+    else:
+        out = out + branch
+    return out * gate
+
+
 class PolaLinearAttention(nn.Module):
     """Polarity-aware linear attention with learnable power map, gate and depthwise conv.
 
@@ -175,12 +191,4 @@ class PolaLinearAttention(nn.Module):
             local = F.conv2d(grid, self.dwc.weight.repeat(heads, 1, 1, 1), self.dwc.bias.repeat(heads),
                              padding=self.dwc.padding, groups=c)
             local = local.flatten(2).transpose(1, 2)
-        if not (out.requires_grad or local.requires_grad or g.requires_grad or _capturing_graph()):
-            # No autograd: the op's output is a fresh buffer of ours, so add and gate in place.
-            (out[:, p:] if p else out).add_(local)
-            return self.proj_drop(self.proj(out.mul_(g)))
-        if p:
-            out = torch.cat([out[:, :p], out[:, p:] + local], dim=1)
-        else:
-            out = out + local
-        return self.proj_drop(self.proj(out * g))
+        return self.proj_drop(self.proj(add_branch_and_gate(out, local, g, p)))

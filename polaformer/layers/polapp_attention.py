@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles, tokens_to_map
-from ..ops.pola_attention import _capturing_graph
+from .pola_attention import add_branch_and_gate
 
 __all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
 
@@ -40,6 +40,7 @@ class RoPE2d(nn.Module):
         if torch.compiler.is_compiling() or angle.is_inference() or angle.requires_grad:
             return rope_2d(angle, height, width)
         key = (height, width, angle.device, angle.dtype)
+        # a dict lookup, not a comparison: under FX tracing the sizes are proxies, which hash but cannot compare
         version, tables = self._tables.get(key, (None, None))
         if version != angle._version:
             with torch.inference_mode(False):
@@ -107,12 +108,7 @@ class PacsLinearAttention(nn.Module):
             cos,
         )
         out = out.transpose(1, 2).reshape(b, h * w, c)  # a view: the op writes token-major memory
-        lepe = lepe.flatten(2).transpose(1, 2)
-        if not (out.requires_grad or lepe.requires_grad or g.requires_grad or _capturing_graph()):
-            out = out.add_(lepe).mul_(g)  # no autograd: the op's output is a fresh buffer of ours
-        else:
-            out = (out + lepe) * g
-        return tokens_to_map(self.proj(out), h, w)
+        return tokens_to_map(self.proj(add_branch_and_gate(out, lepe.flatten(2).transpose(1, 2), g)), h, w)
 
 
 class RopeSoftmaxAttention(nn.Module):
