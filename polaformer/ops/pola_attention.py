@@ -131,18 +131,17 @@ def _swap_rows(x: torch.Tensor) -> torch.Tensor:
 def _power_features(x: torch.Tensor, power: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``[x⁺ᵖ ; x⁻ᵖ]`` with one log and one exp per element.
 
-    ``s = sign(x)·|x|ᵖ`` carries both halves: ``x⁺ᵖ = relu(s)``, ``x⁻ᵖ = relu(s) − s``.
-    ``s`` is built in the second half of the output, so no other full-size
-    buffer is allocated (fresh allocations dominate elementwise cost on CPU).
+    ``s = sign(x)·|x|ᵖ`` carries both halves: ``x⁺ᵖ = relu(s)``, ``x⁻ᵖ = relu(s) − s``. The
+    transcendental passes run on dense d-wide buffers and only the last two write the strided halves
+    of the features: a pass over a half-row view is 1.3-4× slower (d = 64 to 32), worst for ``exp``.
     Returns the 2d-wide features and ``log|x|`` (kept for the exponent's gradient).
     """
     d = x.shape[-1]
     log_abs = x.abs().log_()
+    s = torch.mul(log_abs, power).exp_().copysign_(x)
     feat = x.new_empty(*x.shape[:-1], 2 * d)
-    pos, neg = feat[..., :d], feat[..., d:]
-    torch.mul(log_abs, power, out=neg).exp_().copysign_(x)
-    torch.clamp(neg, min=0, out=pos)
-    torch.sub(pos, neg, out=neg)
+    pos = torch.clamp(s, min=0, out=feat[..., :d])
+    torch.sub(pos, s, out=feat[..., d:])
     return feat, log_abs
 
 
@@ -150,17 +149,17 @@ def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
     """Chain rule through ``feat = [x⁺ᵖ ; x⁻ᵖ]``: returns (grad_x, grad_power-per-element).
 
     With ``s = sign(x)|x|ᵖ``: ``dL/ds · s = Σ_halves grad_feat ⊙ feat``, and
-    ``ds/dx = p·s/x``, ``ds/dp = s·log|x|``; no transcendental function is needed.
-    ``grad_feat`` is a temporary of ours and is overwritten.
+    ``ds/dx = p·s/x``, ``ds/dp = s·log|x|``; no transcendental function is needed. The first
+    product reads the strided halves once; everything after it runs on dense d-wide buffers.
     """
     d = x.shape[-1]
-    grad_s_times_s = grad_feat[..., :d].mul_(feat[..., :d]).addcmul_(grad_feat[..., d:], feat[..., d:])
+    grad_s_times_s = torch.mul(grad_feat[..., :d], feat[..., :d]).addcmul_(grad_feat[..., d:], feat[..., d:])
     grad_p = None
     if need_power_grad:
         # At x = 0 the product is 0·(-inf); the true derivative there is 0.
-        grad_p = torch.mul(grad_s_times_s, log_abs, out=grad_feat[..., d:]).nan_to_num_(nan=0.0)
+        grad_p = torch.mul(grad_s_times_s, log_abs).nan_to_num_(nan=0.0)
     # p·s/x is 0/0 at x = 0, where the derivative is 0 because p > 1.
-    grad_x = torch.mul(grad_s_times_s, power).div_(x).nan_to_num_(nan=0.0)
+    grad_x = grad_s_times_s.mul_(power).div_(x).nan_to_num_(nan=0.0)
     return grad_x, grad_p
 
 
