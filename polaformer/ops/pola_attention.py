@@ -149,17 +149,17 @@ def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
     """Chain rule through ``feat = [x⁺ᵖ ; x⁻ᵖ]``: returns (grad_x, grad_power-per-element).
 
     With ``s = sign(x)|x|ᵖ``: ``dL/ds · s = Σ_halves grad_feat ⊙ feat``, and
-    ``ds/dx = p·s/x``, ``ds/dp = s·log|x|``; no transcendental function is needed. The first
-    product reads the strided halves once; everything after it runs on dense d-wide buffers.
+    ``ds/dx = p·s/x``, ``ds/dp = s·log|x|``; no transcendental function is needed.
+    ``grad_feat`` is a temporary of ours and is overwritten.
     """
     d = x.shape[-1]
-    grad_s_times_s = torch.mul(grad_feat[..., :d], feat[..., :d]).addcmul_(grad_feat[..., d:], feat[..., d:])
+    grad_s_times_s = grad_feat[..., :d].mul_(feat[..., :d]).addcmul_(grad_feat[..., d:], feat[..., d:])
     grad_p = None
     if need_power_grad:
         # At x = 0 the product is 0·(-inf); the true derivative there is 0.
-        grad_p = torch.mul(grad_s_times_s, log_abs).nan_to_num_(nan=0.0)
+        grad_p = torch.mul(grad_s_times_s, log_abs, out=grad_feat[..., d:]).nan_to_num_(nan=0.0)
     # p·s/x is 0/0 at x = 0, where the derivative is 0 because p > 1.
-    grad_x = grad_s_times_s.mul_(power).div_(x).nan_to_num_(nan=0.0)
+    grad_x = torch.mul(grad_s_times_s, power).div_(x).nan_to_num_(nan=0.0)
     return grad_x, grad_p
 
 
