@@ -287,7 +287,8 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     for name, official, ours, baseline in pairs:
         diff = check_same(official, ours, name)
-        compiled = torch.compile(ours) if args.compile else None
+        # static shapes: one graph per batch size, as a training run with a fixed batch gets
+        compiled = torch.compile(ours, dynamic=False) if args.compile else None
         for batch in args.batches:
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, 3, 224, 224, generator=gen)

@@ -145,6 +145,26 @@ def test_padded_softmax_window_equals_attention_over_real_tokens():
         torch.testing.assert_close(blk._attention(x).reshape(2, 30, 8), ref.detach())
 
 
+def test_hard_mask_equals_official_additive_mask_forward_and_backward():
+    """Separated pairs get weight 0 instead of exp(-100) (a float32 denormal, slow on x86): in float64 the
+    block's output and every gradient agree with the official additive -100 mask to rounding."""
+    torch.manual_seed(0)
+    blk = PolaSwinBlock(16, (14, 14), 2, window_size=7, shift_size=3, attn_type="S").double()
+    mask = blk._mask((14, 14), (7, 7), (3, 3), False, "cpu")
+    assert torch.isneginf(mask).any() and not (mask.isfinite() & (mask != 0)).any()
+    assert not torch.isneginf(mask).all(dim=-1).any()  # every token keeps itself
+    x = torch.randn(2, 14, 14, 16, dtype=torch.float64, requires_grad=True)
+    out = blk(x)
+    grads = torch.autograd.grad(out.square().sum(), [x, *blk.parameters()])
+    official = blk.attn_mask.clone()
+    blk._mask = lambda *args: official  # the official additive form
+    ref = blk(x)
+    ref_grads = torch.autograd.grad(ref.square().sum(), [x, *blk.parameters()])
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("grid,window,shift", [((14, 14), (7, 7), (3, 3)), ((10, 12), (7, 7), (3, 3)),
                                                ((5, 9), (4, 4), (0, 2)), ((6, 6), (4, 4), (0, 0))])
 def test_shifted_window_mask_by_brute_force(grid, window, shift):
