@@ -18,6 +18,7 @@ torch.utils.benchmark; the tables give medians and the ratio official/ours (> 1:
     python benchmarks/bench_models_vs_official.py --models pola_pvt_tiny --batches 8 --modes train
     python benchmarks/bench_models_vs_official.py --compile     # adds torch.compile'd ours
     python benchmarks/bench_models_vs_official.py --floor       # adds ours without attention cores (the bound)
+    python benchmarks/bench_models_vs_official.py --matmul-floor  # adds ours with linear attention = its products
 """
 from __future__ import annotations
 
@@ -222,6 +223,38 @@ def attention_cores_removed():
         pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention = saved
 
 
+def _products_only(q, k, v, *args, **kwargs):
+    """The matrix products of a linear-attention core and nothing else: ``[q | q] · ([k | k]ᵀ · v)``.
+
+    Same shapes and FLOPs as the Pola/PaCS products (2d-wide features, one ``φkᵀv`` product, one query
+    product), features that are a plain copy, no normalisation. An ideal fused kernel still has to run
+    these products and write the features once."""
+    return torch.matmul(torch.cat([q, q], -1), torch.matmul(torch.cat([k, k], -1).transpose(-2, -1), v))
+
+
+@contextlib.contextmanager
+def linear_attention_as_products():
+    """Our models with the Pola and PaCS cores reduced to their matrix products (softmax attention kept):
+    official/that is the largest ratio an implementation with a perfectly fused feature map and
+    normalisation could reach with torch's matrix products on this machine."""
+    import polaformer.layers.pola_attention as pola_layer
+    import polaformer.layers.polapp_attention as polapp_layer
+
+    saved = pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention
+    pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = _products_only
+    try:
+        yield
+    finally:
+        pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention = saved
+
+
+def with_products_only(step):
+    def run():
+        with linear_attention_as_products():
+            step()
+    return run
+
+
 def without_attention(step):
     def run():
         with attention_cores_removed():
@@ -273,6 +306,8 @@ def main(argv=None) -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile(ours)")
     parser.add_argument("--floor", action="store_true",
                         help="also time ours with the attention cores removed (bounds the reachable ratio)")
+    parser.add_argument("--matmul-floor", action="store_true",
+                        help="also time ours with the linear-attention cores reduced to their matrix products")
     parser.add_argument("--json")
     parser.add_argument("--markdown")
     args = parser.parse_args(argv)
@@ -299,6 +334,8 @@ def main(argv=None) -> int:
                     steps["compiled"] = make_step(compiled, mode, x, target)
                 if args.floor:
                     steps["floor"] = without_attention(make_step(ours, mode, x, target))
+                if args.matmul_floor:
+                    steps["products"] = with_products_only(make_step(ours, mode, x, target))
                 medians, samples = measure(steps, args.rounds, args.min_time)
                 row = dict(model=name, baseline=baseline, batch=batch, mode=mode, max_abs_diff=diff,
                            official_ms=medians["official"] * 1e3, ours_ms=medians["ours"] * 1e3,
@@ -313,6 +350,10 @@ def main(argv=None) -> int:
                     row["floor_ms"] = medians["floor"] * 1e3
                     row["ratio_bound"] = medians["official"] / medians["floor"]
                     extra += f"  no-attention floor {row['floor_ms']:.1f} ms (bound {row['ratio_bound']:.2f}x)"
+                if args.matmul_floor:
+                    row["products_ms"] = medians["products"] * 1e3
+                    row["ratio_products"] = medians["official"] / medians["products"]
+                    extra += f"  products only {row['products_ms']:.1f} ms (bound {row['ratio_products']:.2f}x)"
                 rows.append(row)
                 print(f"{name:28s} b{batch} {mode:5s} official {row['official_ms']:8.1f} ms  "
                       f"ours {row['ours_ms']:8.1f} ms  ratio {row['ratio']:.2f}{extra}", flush=True)
@@ -327,7 +368,8 @@ def main(argv=None) -> int:
 
 def markdown_table(rows, meta) -> str:
     extras = [(key, head) for key, head in (("compiled_ms", "compiled ms | official/compiled"),
-                                             ("floor_ms", "no-attention floor ms | bound official/floor"))
+                                             ("floor_ms", "no-attention floor ms | bound official/floor"),
+                                             ("products_ms", "products-only ms | bound official/products"))
               if any(key in r for r in rows)]
     head = "| model | baseline | batch | mode | official ms | ours ms | official/ours |"
     for _, h in extras:
@@ -337,7 +379,7 @@ def markdown_table(rows, meta) -> str:
         line = (f"| {r['model']} | {r['baseline']} | {r['batch']} | {r['mode']} | {r['official_ms']:.1f} "
                 f"| {r['ours_ms']:.1f} | {r['ratio']:.2f} |")
         for key, _ in extras:
-            ratio = "ratio_compiled" if key == "compiled_ms" else "ratio_bound"
+            ratio = {"compiled_ms": "ratio_compiled", "floor_ms": "ratio_bound", "products_ms": "ratio_products"}[key]
             line += f" {r[key]:.1f} | {r[ratio]:.2f} |" if key in r else " | |"
         lines.append(line)
     lines.append("")
