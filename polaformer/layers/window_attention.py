@@ -67,7 +67,9 @@ class WindowAttention(nn.Module):
         """``x``: (windows·B, N, dim) with windows in batch-major order (all windows of image 0 first).
 
         ``mask``: optional (windows, N, N) additive logits (0 or a large negative value), the same
-        for every image; it separates tokens that a cyclic shift or padding put in one window.
+        for every image; it separates tokens that a cyclic shift or padding put in one window. Prefer
+        -inf to a finite value such as the official -100 (rows must keep one finite entry): exp(-100) is a
+        float32 denormal, which makes the products that read it many times slower on x86.
         """
         b_, n, c = x.shape
         if c != self.dim or n != self.window_size[0] * self.window_size[1]:
