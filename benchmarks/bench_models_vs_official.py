@@ -204,23 +204,9 @@ def check_same(official, ours, name) -> float:
 
 # --- timing -----------------------------------------------------------------------------------
 
-@contextlib.contextmanager
-def attention_cores_removed():
-    """Our models with every attention core (Pola, PaCS, SDPA) replaced by returning v: what is left is
-    the time no attention implementation can remove, so official/that is the largest reachable ratio."""
-    import polaformer.layers.pola_attention as pola_layer
-    import polaformer.layers.polapp_attention as polapp_layer
-
-    def passthrough(q, k, v, *args, **kwargs):
-        return v
-
-    saved = pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention
-    pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = passthrough
-    F.scaled_dot_product_attention = passthrough
-    try:
-        yield
-    finally:
-        pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention = saved
+def _passthrough(q, k, v, *args, **kwargs):
+    """An attention core that costs nothing: returns ``v``."""
+    return v
 
 
 def _products_only(q, k, v, *args, **kwargs):
@@ -233,31 +219,32 @@ def _products_only(q, k, v, *args, **kwargs):
 
 
 @contextlib.contextmanager
-def linear_attention_as_products():
-    """Our models with the Pola and PaCS cores reduced to their matrix products (softmax attention kept):
-    official/that is the largest ratio an implementation with a perfectly fused feature map and
-    normalisation could reach with torch's matrix products on this machine."""
+def cores_replaced(linear, softmax=None):
+    """Our models with the Pola and PaCS cores replaced by ``linear`` and, if given, SDPA by ``softmax``."""
     import polaformer.layers.pola_attention as pola_layer
     import polaformer.layers.polapp_attention as polapp_layer
 
-    saved = pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention
-    pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = _products_only
+    saved = pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention
+    pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = linear
+    if softmax is not None:
+        F.scaled_dot_product_attention = softmax
     try:
         yield
     finally:
-        pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention = saved
+        pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention = saved
 
 
-def with_products_only(step):
+def with_cores(step, linear, softmax=None):
+    """``step`` run under :func:`cores_replaced`. Two uses:
+
+    - every core (Pola, PaCS, SDPA) a passthrough: what is left is the time no attention implementation can
+      remove, so official/that is the largest reachable ratio;
+    - the linear cores reduced to their products (softmax attention kept): official/that is the largest ratio
+      an implementation with a perfectly fused feature map and normalisation could reach with torch's matrix
+      products on this machine.
+    """
     def run():
-        with linear_attention_as_products():
-            step()
-    return run
-
-
-def without_attention(step):
-    def run():
-        with attention_cores_removed():
+        with cores_replaced(linear, softmax):
             step()
     return run
 
@@ -333,9 +320,9 @@ def main(argv=None) -> int:
                 if compiled is not None:
                     steps["compiled"] = make_step(compiled, mode, x, target)
                 if args.floor:
-                    steps["floor"] = without_attention(make_step(ours, mode, x, target))
+                    steps["floor"] = with_cores(make_step(ours, mode, x, target), _passthrough, _passthrough)
                 if args.matmul_floor:
-                    steps["products"] = with_products_only(make_step(ours, mode, x, target))
+                    steps["products"] = with_cores(make_step(ours, mode, x, target), _products_only)
                 medians, samples = measure(steps, args.rounds, args.min_time)
                 row = dict(model=name, baseline=baseline, batch=batch, mode=mode, max_abs_diff=diff,
                            official_ms=medians["official"] * 1e3, ours_ms=medians["ours"] * 1e3,
