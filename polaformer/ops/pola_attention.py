@@ -20,6 +20,9 @@ single product ``φq·[S_same | swap_rows(S_opp) | km | swap(km)]`` give both
 numerators and both normalisers; the swapped query copy never exists. The
 backward pass is written out by hand so the power map costs one ``log`` and one
 ``exp`` per element (forward) and no transcendental work at all (backward).
+
+On the CPU the elementwise stages (feature maps, their backward, the normalisation) call the fused
+kernels of :mod:`.native` when they are built, and the torch-op versions here otherwise.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import weakref
 import torch
 
 from .feature_maps import legacy_onnx_tracing, pacs_key_features, pacs_query_features
+from .native import native_kernels
 from .rope import apply_rope
 
 __all__ = ["pola_linear_attention", "pacs_linear_attention", "linear_attention"]
@@ -128,30 +132,47 @@ def _swap_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x[..., d:, :], x[..., :d, :]], dim=-2)
 
 
-def _power_features(x: torch.Tensor, power: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _native_for(x: torch.Tensor):
+    """The fused CPU kernels (:mod:`.native`) when they apply to ``x``, else None."""
+    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
+        return None
+    return native_kernels()
+
+
+def _power_features(x: torch.Tensor, power: torch.Tensor, keep_log: bool = True):
     """``[x⁺ᵖ ; x⁻ᵖ]`` with one log and one exp per element.
 
     ``s = sign(x)·|x|ᵖ`` carries both halves: ``x⁺ᵖ = relu(s)``, ``x⁻ᵖ = relu(s) − s``. The
     transcendental passes run on dense d-wide buffers and only the last two write the strided halves
     of the features: a pass over a half-row view is 1.3-4× slower (d = 64 to 32), worst for ``exp``.
-    Returns the 2d-wide features and ``log|x|`` (kept for the exponent's gradient).
+    Returns the 2d-wide features and ``log|x|`` (kept for the exponent's gradient; None unless
+    ``keep_log``). On the CPU the fused kernel does all of it in one pass.
     """
+    native = _native_for(x)
+    if native is not None and x.stride(-1) == 1:
+        feat, log_abs = native.power_features(x, power, keep_log)
+        return feat, (log_abs if keep_log else None)
     d = x.shape[-1]
     log_abs = x.abs().log_()
     s = torch.mul(log_abs, power).exp_().copysign_(x)
     feat = x.new_empty(*x.shape[:-1], 2 * d)
     pos = torch.clamp(s, min=0, out=feat[..., :d])
     torch.sub(pos, s, out=feat[..., d:])
-    return feat, log_abs
+    return feat, (log_abs if keep_log else None)
 
 
 def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
-    """Chain rule through ``feat = [x⁺ᵖ ; x⁻ᵖ]``: returns (grad_x, grad_power-per-element).
+    """Chain rule through ``feat = [x⁺ᵖ ; x⁻ᵖ]``: returns (grad_x, grad_power).
 
     With ``s = sign(x)|x|ᵖ``: ``dL/ds · s = Σ_halves grad_feat ⊙ feat``, and
     ``ds/dx = p·s/x``, ``ds/dp = s·log|x|``; no transcendental function is needed.
-    ``grad_feat`` is a temporary of ours and is overwritten.
+    ``grad_power`` broadcasts to ``power``'s shape (per element here, summed over the tokens by the
+    fused kernel). ``grad_feat`` is a temporary of ours and is overwritten.
     """
+    native = _native_for(x)
+    if native is not None and x.stride(-1) == 1 and grad_feat.stride(-1) == 1:
+        grad_x, grad_p = native.power_backward(x, feat, log_abs, grad_feat, power, need_power_grad)
+        return grad_x, (grad_p if need_power_grad else None)
     d = x.shape[-1]
     grad_s_times_s = grad_feat[..., :d].mul_(feat[..., :d]).addcmul_(grad_feat[..., d:], feat[..., d:])
     grad_p = None
@@ -212,10 +233,30 @@ def _token_major_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def _normalise(res: torch.Tensor, eps: float, half: int, out: torch.Tensor) -> torch.Tensor:
     """Both streams' numerators (``res[..., :-2]``) over their normalisers into ``out``; returns the normalisers."""
+    native = _native_for(res)
+    if native is not None and out.stride(-1) == 1 and res.is_contiguous():
+        return native.normalise(res, eps, half, out)
     denom = res[..., -2:].add_(eps)
     torch.div(res[..., :half], denom[..., :1], out=out[..., :half])
     torch.div(res[..., half:-2], denom[..., 1:], out=out[..., half:])
     return denom
+
+
+def _output_grad(grad_out: torch.Tensor, denom: torch.Tensor, out: torch.Tensor, half: int) -> torch.Tensor:
+    """Gradient at the products' output ``[numerators | normalisers]``: ``dO / z`` and ``-Σ (dO / z)·O`` per stream."""
+    native = _native_for(out)
+    if native is not None and out.stride(-1) == 1 and denom.stride(-1) == 1:
+        return native.output_grad(grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), denom, out, half)
+    dv_ = out.shape[-1]
+    g = out.new_empty(*out.shape[:-1], dv_ + 2)
+    g_num = g[..., :-2]
+    torch.div(grad_out[..., :half], denom[..., :1], out=g_num[..., :half])
+    torch.div(grad_out[..., half:], denom[..., 1:], out=g_num[..., half:])
+    prod = g_num * out
+    torch.sum(prod[..., :half], dim=-1, keepdim=True, out=g[..., -2:-1])
+    torch.sum(prod[..., half:], dim=-1, keepdim=True, out=g[..., -1:])
+    g[..., -2:].neg_()
+    return g
 
 
 # The forward without gradients goes through the tokens a block at a time, about this many elements of
@@ -246,7 +287,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     step = _block_tokens(k, d)
     kv = k_sum = None
     for i in range(0, k.shape[-2], step):
-        phi_k, _ = _power_features(k[:, :, i:i + step], power)
+        phi_k, _ = _power_features(k[:, :, i:i + step], power, keep_log=False)
         if keep is not None:
             phi_k.mul_(keep[:, :, i:i + step])
         part_kv, part_sum = torch.matmul(phi_k.transpose(-2, -1), v[:, :, i:i + step]), phi_k.sum(dim=-2)
@@ -259,7 +300,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     out = _token_major_output(q, v)
     step = _block_tokens(q, d)
     for i in range(0, n, step):
-        phi_q, _ = _power_features(q[:, :, i:i + step], power)
+        phi_q, _ = _power_features(q[:, :, i:i + step], power, keep_log=False)
         _normalise(torch.matmul(phi_q, rhs), eps, half, out[:, :, i:i + step])
     return out
 
@@ -296,15 +337,7 @@ class _PolaPowerAttention(torch.autograd.Function):
         half = _same_sign_width(v)
 
         # d(numerator) = dO / z, d(z) = -Σ dO·O / z per stream.
-        g = phi_q.new_empty(*out.shape[:-1], dv_ + 2)
-        g_num = g[..., :-2]
-        torch.div(grad_out[..., :half], denom[..., :1], out=g_num[..., :half])
-        torch.div(grad_out[..., half:], denom[..., 1:], out=g_num[..., half:])
-        prod = g_num * out
-        torch.sum(prod[..., :half], dim=-1, keepdim=True, out=g[..., -2:-1])
-        torch.sum(prod[..., half:], dim=-1, keepdim=True, out=g[..., -1:])
-        g[..., -2:].neg_()
-        del prod
+        g = _output_grad(grad_out, denom, out, half)
 
         grad_phi_q = torch.matmul(g, rhs.transpose(-2, -1))  # (B, H, N, 2d)
         grad_rhs = torch.matmul(phi_q.transpose(-2, -1), g)  # (B, H, 2d, dv + 2)
@@ -484,15 +517,30 @@ def _arrange_rope_tables(sin: torch.Tensor, cos: torch.Tensor) -> tuple[torch.Te
     return cos, cross
 
 
-def _relu_halves(x: torch.Tensor, rope: bool) -> torch.Tensor:
-    """``[relu(x) ; relu(-x)]`` (2d channels, in :func:`_pacs_indices` order), written into one new buffer."""
+def _relu_halves(x: torch.Tensor, rope: bool, exp_minus_one: bool = False) -> torch.Tensor:
+    """``[relu(x) ; relu(-x)]`` (2d channels, in :func:`_pacs_indices` order), written into one new buffer.
+
+    With ``exp_minus_one``, ``exp`` of that minus 1: the key features (one fused pass on the CPU).
+    """
+    native = _native_for(x)
+    if native is not None and x.stride(-1) == 1:
+        return native.pacs_halves(x, rope, exp_minus_one)
     d = x.shape[-1]
     out = x.new_empty(*x.shape[:-1], 2 * d)
     parts = ((x[..., 0::2], slice(0, d // 2)), (x[..., 1::2], slice(d // 2, d))) if rope else ((x, slice(0, d)),)
     for src, cols in parts:
         torch.clamp(src, min=0, out=out[..., cols])
         torch.clamp(src, max=0, out=out[..., d:][..., cols]).neg_()
-    return out
+    # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not (4x slower).
+    return out.exp_().sub_(1.0) if exp_minus_one else out
+
+
+def _pacs_exp_features(p_q: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
+    """Both streams' query features ``exp(p_q ⊙ T_s) − 1``, (B, H, 2, N, 2d)."""
+    native = _native_for(p_q)
+    if native is not None and p_q.is_contiguous():
+        return native.pacs_exp_features(p_q, temps)
+    return (p_q.unsqueeze(2) * temps).exp_().sub_(1.0)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, cross: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -537,8 +585,7 @@ def _pacs_stacked_temperatures(temp_same, temp_opposite, d, rope, device):
 def _pacs_key_side(k, v, keep, m, tables):
     """Key features and what the queries multiply: ``(φk, rotated φk, [S_same ; swapped S_opp], key means)``."""
     d, half = k.shape[-1], v.shape[-1] // 2
-    # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not (4x slower).
-    phi_k = _relu_halves(k, tables is not None).exp_().sub_(1.0)
+    phi_k = _relu_halves(k, tables is not None, exp_minus_one=True)
     if keep is not None:
         phi_k.mul_(keep)
     k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
@@ -564,7 +611,7 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
     """
     half = out.shape[-1]
     for scaled in (False, True):
-        phi_q = (p_q.unsqueeze(2) * temps).exp_().sub_(1.0)  # (B, H, 2, N, 2d)
+        phi_q = _pacs_exp_features(p_q, temps)  # (B, H, 2, N, 2d)
         row_scale = None
         if scaled:
             exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
@@ -668,7 +715,21 @@ class _PacsAttention(torch.autograd.Function):
             if keep is not None:
                 grad_phi_k.mul_(keep)
             # d(exp(x) - 1) = phi + 1; padded rows are already zero
-            grad_k = _unrelu(k, grad_phi_k.addcmul_(grad_phi_k, phi_k), ctx.rope)
+            native = _native_for(k)
+            if native is not None and k.stride(-1) == 1 and grad_phi_k.stride(-1) == 1:
+                grad_k = native.pacs_key_backward(k, phi_k, grad_phi_k, ctx.rope)
+            else:
+                grad_k = _unrelu(k, grad_phi_k.addcmul_(grad_phi_k, phi_k), ctx.rope)
+
+        need_temps = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
+        native = _native_for(q)
+        if native is not None and row_scale is None and q.stride(-1) == 1 and grad_phi_q.is_contiguous():
+            # one pass: grad_q, and the temperatures' gradient summed over the tokens
+            grad_q, grad_temps = native.pacs_query_backward(q, p_q, phi_q, grad_phi_q, temps, ctx.rope, need_temps)
+            grad_q = grad_q if ctx.needs_input_grad[0] else None
+            grad_temps = _sum_to(grad_temps, temps.shape) if need_temps else None
+            return (grad_q, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
+                    None, None, None, None, None)
 
         # d/d(pre) of (exp(pre) - 1)·c is (phi_q + c)·dphi_q
         if row_scale is None:
@@ -679,14 +740,20 @@ class _PacsAttention(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_p_q = torch.mul(grad_pre[:, :, 0], temps[:, :, 0]).addcmul_(grad_pre[:, :, 1], temps[:, :, 1])
             grad_q = _unrelu(q, grad_p_q, ctx.rope)
-        grad_ts = grad_to = None
-        if ctx.needs_input_grad[3] or ctx.needs_input_grad[4]:
-            grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape)  # (tb, th, 2, 1, 2d)
-            temp_inverse = _pacs_indices(d, ctx.rope, q.device)[1]
-            grad_ts, grad_to = grad_temps.transpose(2, 3).flatten(-2).index_select(-1, temp_inverse).chunk(2, -1)
-            grad_ts = _sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
-            grad_to = _sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
-        return grad_q, grad_k, grad_v, grad_ts, grad_to, None, None, None, None, None
+        grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape) if need_temps else None  # (tb, th, 2, 1, 2d)
+        return (grad_q, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
+                None, None, None, None, None)
+
+
+def _pacs_temperature_grads(ctx, grad_temps, d, device):
+    """(grad_same, grad_opposite) from the stacked temperatures' gradient, in the inputs' order and shapes."""
+    if grad_temps is None:
+        return None, None
+    temp_inverse = _pacs_indices(d, ctx.rope, device)[1]
+    grad_ts, grad_to = grad_temps.transpose(2, 3).flatten(-2).index_select(-1, temp_inverse).chunk(2, -1)
+    grad_ts = _sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
+    grad_to = _sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
+    return grad_ts, grad_to
 
 
 def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):

@@ -1,0 +1,477 @@
+// Fused CPU kernels of the polarity-aware attentions' elementwise stages (PolaFormer's power map, PaCS).
+//
+// Each function replaces a chain of 4-8 torch ops (one pass over memory each) by one pass that keeps a
+// row in registers; the matrix products stay with torch. Built on first use by polaformer/ops/native.py
+// with the vector width of the machine (ATen's Vectorized, whose log/exp are SLEEF's 1-ulp routines).
+// Every kernel is checked against the torch-op version in float64 by tests/test_native.py.
+//
+// Tensors are (B, H, N, C) with unit stride along C and any strides elsewhere.
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+using at::vec::Vectorized;
+
+// Rows of (B, H, N, ·) addressed through their strides.
+struct Rows {
+  int64_t heads, tokens, sb, sh, sn;
+  Rows(const at::Tensor& t) : heads(t.size(1)), tokens(t.size(2)), sb(t.stride(0)), sh(t.stride(1)), sn(t.stride(2)) {}
+  int64_t offset(int64_t row) const {
+    const int64_t n = row % tokens, bh = row / tokens;
+    return (bh / heads) * sb + (bh % heads) * sh + n * sn;
+  }
+};
+
+void check_rows(const at::Tensor& t, const char* name) {
+  TORCH_CHECK(t.dim() == 4, name, " must be 4-D (B, H, N, C), got ", t.dim(), "-D");
+  TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor");
+  TORCH_CHECK(t.size(3) <= 1 || t.stride(3) == 1, name, " must have unit stride along its last dimension");
+}
+
+// Rows per parallel task: about 16k elements, so that small calls stay on one thread.
+int64_t grain(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(width, 1)); }
+
+// [x⁺ᵖ ; x⁻ᵖ] with s = |x|ᵖ = exp(p·log|x|); log|x| is kept for the exponent's gradient when asked.
+// NaN propagates to both halves, as in the torch-op version; x = 0 gives 0 in both.
+template <typename T>
+void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Tensor& feat, at::Tensor* log_abs) {
+  using V = Vectorized<T>;
+  const Rows rows(x);
+  const int64_t d = x.size(3), total = x.size(0) * x.size(1) * x.size(2);
+  const T* xp = x.data_ptr<T>();
+  const T* pp = power.data_ptr<T>();  // (B, H, 1, d) contiguous
+  T* fp = feat.data_ptr<T>();
+  T* lp = log_abs ? log_abs->data_ptr<T>() : nullptr;
+  at::parallel_for(0, total, grain(3 * d), [&](int64_t begin, int64_t end) {
+    const V zero(T(0));
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + rows.offset(r);
+      const T* pr = pp + (r / rows.tokens) * d;
+      T* pos = fp + r * 2 * d;
+      T* neg = pos + d;
+      T* lr = lp ? lp + r * d : nullptr;
+      int64_t c = 0;
+      for (; c + V::size() <= d; c += V::size()) {
+        const V xv = V::loadu(xr + c);
+        const V lg = xv.abs().log();
+        if (lr) lg.store(lr + c);
+        const V s = (lg * V::loadu(pr + c)).exp();
+        V::blendv(s, zero, xv <= zero).store(pos + c);
+        V::blendv(s, zero, xv >= zero).store(neg + c);
+      }
+      for (; c < d; ++c) {
+        const T xv = xr[c];
+        const T lg = std::log(std::abs(xv));
+        if (lr) lr[c] = lg;
+        const T s = std::exp(lg * pr[c]);
+        pos[c] = xv <= T(0) ? T(0) : s;
+        neg[c] = xv >= T(0) ? T(0) : s;
+      }
+    }
+  });
+}
+
+// Chain rule through the power features. With gs = Σ_halves grad_feat ⊙ feat (= dL/ds · s):
+// dL/dx = p·gs/x, dL/dp = gs·log|x|; both are 0 at x = 0, where gs is 0 (p > 1). dL/dp is summed over
+// the tokens of each (b, h) in fixed chunks, then over the chunks, so the result does not depend on
+// the number of threads.
+template <typename T>
+void power_backward_kernel(const at::Tensor& x, const at::Tensor& feat, const at::Tensor& log_abs,
+                           const at::Tensor& grad_feat, const at::Tensor& power, at::Tensor& grad_x,
+                           at::Tensor* grad_p_chunks, int64_t chunk) {
+  using V = Vectorized<T>;
+  const Rows xrows(x), grows(grad_feat);
+  const int64_t d = x.size(3), n = x.size(2), bh_count = x.size(0) * x.size(1);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const T* xp = x.data_ptr<T>();
+  const T* fp = feat.data_ptr<T>();  // contiguous (B, H, N, 2d)
+  const T* lp = log_abs.data_ptr<T>();  // contiguous (B, H, N, d)
+  const T* gp = grad_feat.data_ptr<T>();
+  const T* pp = power.data_ptr<T>();
+  T* gx = grad_x.data_ptr<T>();  // contiguous (B, H, N, d)
+  T* gpc = grad_p_chunks ? grad_p_chunks->data_ptr<T>() : nullptr;  // (B·H, chunks, d)
+  at::parallel_for(0, bh_count * chunks, std::max<int64_t>(1, grain(5 * d) / chunk), [&](int64_t begin, int64_t end) {
+    const V zero(T(0));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / chunks, first = (task % chunks) * chunk, last = std::min(n, first + chunk);
+      const T* pr = pp + bh * d;
+      T* acc = gpc ? gpc + task * d : nullptr;
+      if (acc) std::fill(acc, acc + d, T(0));
+      for (int64_t t = first; t < last; ++t) {
+        const int64_t r = bh * n + t;
+        const T* xr = xp + xrows.offset(r);
+        const T* fr = fp + r * 2 * d;
+        const T* gr = gp + grows.offset(r);
+        const T* lr = lp + r * d;
+        T* out = gx + r * d;
+        int64_t c = 0;
+        for (; c + V::size() <= d; c += V::size()) {
+          const V xv = V::loadu(xr + c);
+          const V gs = V::loadu(gr + c) * V::loadu(fr + c) + V::loadu(gr + d + c) * V::loadu(fr + d + c);
+          V::blendv(gs * V::loadu(pr + c) / xv, zero, xv == zero).store(out + c);
+          if (acc) (V::loadu(acc + c) + V::blendv(gs * V::loadu(lr + c), zero, xv == zero)).store(acc + c);
+        }
+        for (; c < d; ++c) {
+          const T xv = xr[c];
+          const T gs = gr[c] * fr[c] + gr[d + c] * fr[d + c];
+          out[c] = xv == T(0) ? T(0) : gs * pr[c] / xv;
+          if (acc && xv != T(0)) acc[c] += gs * lr[c];
+        }
+      }
+    }
+  });
+}
+
+// out[..., :half] = res[..., :half] / (res[..., -2] + eps), out[..., half:] = res[..., half:-2] / (res[..., -1] + eps);
+// the two normalisers (with eps) are written back into res[..., -2:].
+template <typename T>
+void normalise_kernel(at::Tensor& res, double eps, int64_t half, at::Tensor& out) {
+  using V = Vectorized<T>;
+  const Rows orows(out);
+  const int64_t dv = out.size(3), width = dv + 2, total = res.size(0) * res.size(1) * res.size(2);
+  T* rp = res.data_ptr<T>();  // contiguous (B, H, N, dv + 2)
+  T* op = out.data_ptr<T>();
+  const T e = static_cast<T>(eps);
+  at::parallel_for(0, total, grain(width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T* rr = rp + r * width;
+      T* o = op + orows.offset(r);
+      const T z[2] = {rr[dv] + e, rr[dv + 1] + e};
+      rr[dv] = z[0];
+      rr[dv + 1] = z[1];
+      for (int s = 0; s < 2; ++s) {
+        const int64_t lo = s ? half : 0, hi = s ? dv : half;
+        // division, not a reciprocal multiply: the same rounding as the torch-op version
+        const V zv(z[s]);
+        int64_t c = lo;
+        for (; c + V::size() <= hi; c += V::size()) (V::loadu(rr + c) / zv).store(o + c);
+        for (; c < hi; ++c) o[c] = rr[c] / z[s];
+      }
+    }
+  });
+}
+
+// Gradient at the products' output: g[..., :dv] = dO / z per stream, g[..., dv + s] = -Σ_stream (dO / z)·O.
+template <typename T>
+void output_grad_kernel(const at::Tensor& grad_out, const at::Tensor& denom, const at::Tensor& out, int64_t half,
+                        at::Tensor& g) {
+  using V = Vectorized<T>;
+  const Rows grows(grad_out), zrows(denom), orows(out);
+  const int64_t dv = out.size(3), width = dv + 2, total = out.size(0) * out.size(1) * out.size(2);
+  const T* gop = grad_out.data_ptr<T>();
+  const T* zp = denom.data_ptr<T>();
+  const T* op = out.data_ptr<T>();
+  T* gp = g.data_ptr<T>();  // contiguous (B, H, N, dv + 2)
+  const int64_t z_step = denom.stride(3);
+  at::parallel_for(0, total, grain(2 * width), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* go = gop + grows.offset(r);
+      const T* zr = zp + zrows.offset(r);
+      const T* o = op + orows.offset(r);
+      T* gr = gp + r * width;
+      for (int s = 0; s < 2; ++s) {
+        const int64_t lo = s ? half : 0, hi = s ? dv : half;
+        const T z = zr[s * z_step];
+        const V zv(z);
+        V dot_v(T(0));
+        int64_t c = lo;
+        for (; c + V::size() <= hi; c += V::size()) {
+          const V gn = V::loadu(go + c) / zv;
+          gn.store(gr + c);
+          dot_v = dot_v + gn * V::loadu(o + c);
+        }
+        T lanes[V::size()];
+        dot_v.store(lanes);
+        T dot = T(0);
+        for (int64_t i = 0; i < V::size(); ++i) dot += lanes[i];
+        for (; c < hi; ++c) {
+          const T gn = go[c] / z;
+          gr[c] = gn;
+          dot += gn * o[c];
+        }
+        gr[dv + s] = -dot;
+      }
+    }
+  });
+}
+
+// ---- PaCS (PolaFormer++) -------------------------------------------------------------------------------
+// Features are [relu(x) ; relu(-x)], each half in "kernel order": with RoPE, channels [even | odd] so that
+// the rotation works on whole blocks (see _pacs_indices in pola_attention.py).
+
+// Source channel of kernel-order index i within a half of width d.
+inline int64_t pacs_source(int64_t i, int64_t d, bool rope) {
+  return rope ? (i < d / 2 ? 2 * i : 2 * (i - d / 2) + 1) : i;
+}
+
+// out = [relu(x) ; relu(-x)] in kernel order, or exp of that minus 1 (the key features) when with_exp.
+template <typename T>
+void pacs_halves_kernel(const at::Tensor& x, bool rope, bool with_exp, at::Tensor& out) {
+  using V = Vectorized<T>;
+  const Rows rows(x);
+  const int64_t d = x.size(3), total = x.size(0) * x.size(1) * x.size(2);
+  const T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, total, grain(4 * d), [&](int64_t begin, int64_t end) {
+    std::vector<T> ordered(rope ? d : 0);
+    const V zero(T(0)), one(T(1));
+    for (int64_t r = begin; r < end; ++r) {
+      const T* xr = xp + rows.offset(r);
+      if (rope) {
+        for (int64_t i = 0; i < d; ++i) ordered[i] = xr[pacs_source(i, d, true)];
+        xr = ordered.data();
+      }
+      T* pos = op + r * 2 * d;
+      T* neg = pos + d;
+      int64_t c = 0;
+      for (; c + V::size() <= d; c += V::size()) {
+        const V xv = V::loadu(xr + c);
+        V pv = at::vec::maximum(xv, zero), nv = at::vec::maximum(zero - xv, zero);
+        if (with_exp) {
+          pv = pv.exp() - one;
+          nv = nv.exp() - one;
+        }
+        pv.store(pos + c);
+        nv.store(neg + c);
+      }
+      for (; c < d; ++c) {
+        const T xv = xr[c];
+        T pv = xv > T(0) || xv != xv ? xv : T(0), nv = xv < T(0) || xv != xv ? -xv : T(0);
+        if (with_exp) {
+          pv = std::exp(pv) - T(1);
+          nv = std::exp(nv) - T(1);
+        }
+        pos[c] = pv;
+        neg[c] = nv;
+      }
+    }
+  });
+}
+
+// phi[b, h, s, n] = exp(p[b, h, n] ⊙ t[b, h, s]) - 1 for both streams s: p (B, H, N, 2d) contiguous,
+// t (B, H, 2, 1, 2d) contiguous, phi (B, H, 2, N, 2d).
+template <typename T>
+void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& phi) {
+  using V = Vectorized<T>;
+  const int64_t n = p.size(2), w = p.size(3), bh_count = p.size(0) * p.size(1);
+  const T* pp = p.data_ptr<T>();
+  const T* tp = temps.data_ptr<T>();
+  T* fp = phi.data_ptr<T>();
+  at::parallel_for(0, bh_count * n, grain(4 * w), [&](int64_t begin, int64_t end) {
+    const V one(T(1));
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bh = r / n, t = r % n;
+      const T* pr = pp + r * w;
+      for (int64_t s = 0; s < 2; ++s) {
+        const T* tr = tp + (bh * 2 + s) * w;
+        T* out = fp + ((bh * 2 + s) * n + t) * w;
+        int64_t c = 0;
+        for (; c + V::size() <= w; c += V::size())
+          ((V::loadu(pr + c) * V::loadu(tr + c)).exp() - one).store(out + c);
+        for (; c < w; ++c) out[c] = std::exp(pr[c] * tr[c]) - T(1);
+      }
+    }
+  });
+}
+
+// d/dx through the halves: sgn(x)·(grad⁺ where x > 0 else grad⁻), written in x's channel order. NaN in x
+// gives NaN (the torch-op version's sign(NaN) = 0 would hide it).
+template <typename T>
+inline void pacs_unrelu_row(const T* xr, const T* gk, int64_t d, bool rope, T* out) {
+  for (int64_t i = 0; i < d; ++i) {
+    const int64_t c = pacs_source(i, d, rope);
+    const T xv = xr[c];
+    out[c] = xv > T(0) ? gk[i] : (xv < T(0) ? -gk[d + i] : (xv == T(0) ? T(0) : xv));
+  }
+}
+
+// Key backward: grad_k from grad_phi_k through phi = exp(halves) - 1 (d phi = (phi + 1) d halves).
+template <typename T>
+void pacs_key_backward_kernel(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope,
+                              at::Tensor& grad_k) {
+  const Rows krows(k), grows(grad_phi);
+  const int64_t d = k.size(3), total = k.size(0) * k.size(1) * k.size(2);
+  const T* kp = k.data_ptr<T>();
+  const T* fp = phi.data_ptr<T>();  // contiguous (B, H, M, 2d)
+  const T* gp = grad_phi.data_ptr<T>();
+  T* out = grad_k.data_ptr<T>();  // contiguous (B, H, M, d)
+  at::parallel_for(0, total, grain(4 * d), [&](int64_t begin, int64_t end) {
+    std::vector<T> g(2 * d);
+    for (int64_t r = begin; r < end; ++r) {
+      const T* gr = gp + grows.offset(r);
+      const T* fr = fp + r * 2 * d;
+      for (int64_t i = 0; i < 2 * d; ++i) g[i] = gr[i] * (fr[i] + T(1));
+      pacs_unrelu_row<T>(kp + krows.offset(r), g.data(), d, rope, out + r * d);
+    }
+  });
+}
+
+// Query backward without row rescaling: with g_s = grad_phi_q[s] ⊙ (phi_q[s] + 1),
+// grad_q = unrelu(Σ_s g_s ⊙ t_s) and grad_t[s] = Σ_tokens g_s ⊙ p_q (in fixed chunks of tokens, then
+// over the chunks: independent of the thread count).
+template <typename T>
+void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, const at::Tensor& phi,
+                                const at::Tensor& grad_phi, const at::Tensor& temps, bool rope, at::Tensor& grad_q,
+                                at::Tensor* grad_t_chunks, int64_t chunk) {
+  using V = Vectorized<T>;
+  const Rows qrows(q);
+  const int64_t d = q.size(3), w = 2 * d, n = q.size(2), bh_count = q.size(0) * q.size(1);
+  const int64_t chunks = (n + chunk - 1) / chunk;
+  const T* qp = q.data_ptr<T>();
+  const T* pp = p_q.data_ptr<T>();  // (B, H, N, 2d)
+  const T* fp = phi.data_ptr<T>();  // (B, H, 2, N, 2d)
+  const T* gp = grad_phi.data_ptr<T>();  // (B, H, 2, N, 2d)
+  const T* tp = temps.data_ptr<T>();  // (B, H, 2, 1, 2d)
+  T* out = grad_q.data_ptr<T>();
+  T* acc_all = grad_t_chunks ? grad_t_chunks->data_ptr<T>() : nullptr;  // (B·H, chunks, 2, 2d)
+  at::parallel_for(0, bh_count * chunks, std::max<int64_t>(1, grain(8 * w) / chunk), [&](int64_t begin, int64_t end) {
+    std::vector<T> gsum(w);
+    const V one(T(1));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / chunks, first = (task % chunks) * chunk, last = std::min(n, first + chunk);
+      T* acc = acc_all ? acc_all + task * 2 * w : nullptr;
+      if (acc) std::fill(acc, acc + 2 * w, T(0));
+      for (int64_t t = first; t < last; ++t) {
+        const T* pr = pp + (bh * n + t) * w;
+        std::fill(gsum.begin(), gsum.end(), T(0));
+        for (int64_t s = 0; s < 2; ++s) {
+          const int64_t row = (bh * 2 + s) * n + t;
+          const T* fr = fp + row * w;
+          const T* gr = gp + row * w;
+          const T* tr = tp + (bh * 2 + s) * w;
+          T* as = acc ? acc + s * w : nullptr;
+          int64_t c = 0;
+          for (; c + V::size() <= w; c += V::size()) {
+            const V g = V::loadu(gr + c) * (V::loadu(fr + c) + one);
+            (V::loadu(gsum.data() + c) + g * V::loadu(tr + c)).store(gsum.data() + c);
+            if (as) (V::loadu(as + c) + g * V::loadu(pr + c)).store(as + c);
+          }
+          for (; c < w; ++c) {
+            const T g = gr[c] * (fr[c] + T(1));
+            gsum[c] += g * tr[c];
+            if (as) as[c] += g * pr[c];
+          }
+        }
+        pacs_unrelu_row<T>(qp + qrows.offset(bh * n + t), gsum.data(), d, rope, out + (bh * n + t) * d);
+      }
+    }
+  });
+}
+
+at::Tensor expanded_power(const at::Tensor& power, const at::Tensor& x) {
+  return power.expand({x.size(0), x.size(1), 1, x.size(3)}).contiguous();
+}
+
+std::vector<at::Tensor> power_features(const at::Tensor& x, const at::Tensor& power, bool keep_log) {
+  check_rows(x, "x");
+  TORCH_CHECK(power.scalar_type() == x.scalar_type(), "power and x dtypes differ");
+  const auto p = expanded_power(power, x);
+  auto feat = at::empty({x.size(0), x.size(1), x.size(2), 2 * x.size(3)}, x.options());
+  at::Tensor log_abs = keep_log ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "power_features", [&] {
+    power_features_kernel<scalar_t>(x, p, feat, keep_log ? &log_abs : nullptr);
+  });
+  return {feat, log_abs};
+}
+
+std::vector<at::Tensor> power_backward(const at::Tensor& x, const at::Tensor& feat, const at::Tensor& log_abs,
+                                       const at::Tensor& grad_feat, const at::Tensor& power, bool need_power_grad) {
+  check_rows(x, "x");
+  check_rows(grad_feat, "grad_feat");
+  TORCH_CHECK(feat.is_contiguous() && log_abs.is_contiguous(), "feat and log_abs must be contiguous");
+  const auto p = expanded_power(power, x);
+  auto grad_x = at::empty(x.sizes(), x.options());
+  const int64_t chunk = 256, chunks = (x.size(2) + chunk - 1) / chunk;
+  at::Tensor partial = need_power_grad ? at::empty({x.size(0), x.size(1), chunks, x.size(3)}, x.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "power_backward", [&] {
+    power_backward_kernel<scalar_t>(x, feat, log_abs, grad_feat, p, grad_x, need_power_grad ? &partial : nullptr,
+                                    chunk);
+  });
+  at::Tensor grad_p = need_power_grad ? partial.sum(2, /*keepdim=*/true) : at::Tensor();
+  return {grad_x, grad_p};
+}
+
+at::Tensor normalise(at::Tensor res, double eps, int64_t half, at::Tensor out) {
+  check_rows(out, "out");
+  TORCH_CHECK(res.is_contiguous() && res.size(3) == out.size(3) + 2, "res must be contiguous (B, H, N, dv + 2)");
+  AT_DISPATCH_FLOATING_TYPES(res.scalar_type(), "normalise", [&] { normalise_kernel<scalar_t>(res, eps, half, out); });
+  return res.narrow(3, out.size(3), 2);
+}
+
+at::Tensor output_grad(const at::Tensor& grad_out, const at::Tensor& denom, const at::Tensor& out, int64_t half) {
+  check_rows(grad_out, "grad_out");
+  check_rows(out, "out");
+  auto g = at::empty({out.size(0), out.size(1), out.size(2), out.size(3) + 2}, out.options());
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "output_grad", [&] {
+    output_grad_kernel<scalar_t>(grad_out, denom, out, half, g);
+  });
+  return g;
+}
+
+at::Tensor pacs_halves(const at::Tensor& x, bool rope, bool with_exp) {
+  check_rows(x, "x");
+  TORCH_CHECK(!rope || x.size(3) % 2 == 0, "RoPE order needs an even head_dim");
+  auto out = at::empty({x.size(0), x.size(1), x.size(2), 2 * x.size(3)}, x.options());
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "pacs_halves", [&] { pacs_halves_kernel<scalar_t>(x, rope, with_exp, out); });
+  return out;
+}
+
+at::Tensor pacs_exp_features(const at::Tensor& p, const at::Tensor& temps) {
+  TORCH_CHECK(p.dim() == 4 && p.is_contiguous(), "p must be contiguous (B, H, N, 2d)");
+  const auto t = temps.expand({p.size(0), p.size(1), 2, 1, p.size(3)}).contiguous();
+  auto phi = at::empty({p.size(0), p.size(1), 2, p.size(2), p.size(3)}, p.options());
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "pacs_exp_features", [&] { pacs_exp_kernel<scalar_t>(p, t, phi); });
+  return phi;
+}
+
+at::Tensor pacs_key_backward(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope) {
+  check_rows(k, "k");
+  check_rows(grad_phi, "grad_phi");
+  TORCH_CHECK(phi.is_contiguous(), "phi must be contiguous");
+  auto grad_k = at::empty(k.sizes(), k.options());
+  AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "pacs_key_backward", [&] {
+    pacs_key_backward_kernel<scalar_t>(k, phi, grad_phi, rope, grad_k);
+  });
+  return grad_k;
+}
+
+std::vector<at::Tensor> pacs_query_backward(const at::Tensor& q, const at::Tensor& p_q, const at::Tensor& phi,
+                                            const at::Tensor& grad_phi, const at::Tensor& temps, bool rope,
+                                            bool need_temp_grad) {
+  check_rows(q, "q");
+  TORCH_CHECK(p_q.is_contiguous() && phi.is_contiguous() && grad_phi.is_contiguous(),
+              "p_q, phi and grad_phi must be contiguous");
+  const auto t = temps.expand({q.size(0), q.size(1), 2, 1, 2 * q.size(3)}).contiguous();
+  auto grad_q = at::empty(q.sizes(), q.options());
+  const int64_t chunk = 256, chunks = (q.size(2) + chunk - 1) / chunk;
+  at::Tensor partial =
+      need_temp_grad ? at::empty({q.size(0), q.size(1), chunks, 2, 2 * q.size(3)}, q.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pacs_query_backward", [&] {
+    pacs_query_backward_kernel<scalar_t>(q, p_q, phi, grad_phi, t, rope, grad_q, need_temp_grad ? &partial : nullptr,
+                                         chunk);
+  });
+  // (B, H, chunks, 2, 2d) -> (B, H, 2, 1, 2d), the temperatures' layout
+  at::Tensor grad_t = need_temp_grad ? partial.sum(2).unsqueeze(3) : at::Tensor();
+  return {grad_q, grad_t};
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("power_features", &power_features, "[x⁺ᵖ ; x⁻ᵖ] and log|x|");
+  m.def("power_backward", &power_backward, "gradients of x and p through the power features");
+  m.def("normalise", &normalise, "both streams' numerators over their normalisers");
+  m.def("output_grad", &output_grad, "gradient at the products' output");
+  m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1");
+  m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams");
+  m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
+  m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
+}

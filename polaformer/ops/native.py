@@ -1,0 +1,80 @@
+"""The fused CPU kernels of ``polaformer/csrc/pola_cpu.cpp``, compiled on first use.
+
+The attention's elementwise stages (the power features, their backward, the two streams'
+normalisation and its gradient) are each one pass over memory there instead of a chain of 4-8
+torch ops. They are built once per machine with ``torch.utils.cpp_extension`` (about a minute; torch
+caches the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), for the
+vector width torch itself uses on this CPU (AVX2 or AVX-512).
+
+Where they cannot be built (no C++ compiler or ninja, another CPU architecture, a build error) the
+torch-op versions run instead, with one warning in the log. ``POLAFORMER_NATIVE=0`` turns them off;
+the results agree with the torch-op versions to rounding (tests/test_native.py, float64).
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+__all__ = ["native_kernels", "native_enabled"]
+
+_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pola_cpu.cpp"
+_FLAGS = {
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
+    "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
+}
+_lock = threading.Lock()
+_state: dict = {}
+
+
+def native_enabled() -> bool:
+    """Whether the environment allows the native kernels (``POLAFORMER_NATIVE`` is not 0/false/off)."""
+    return os.environ.get("POLAFORMER_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def _build():
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability not in _FLAGS:
+        log.warning("polaformer native kernels: not built for CPU capability %s; using torch ops", capability)
+        return None
+    if not _SOURCE.is_file():
+        log.warning("polaformer native kernels: source %s is missing; using torch ops", _SOURCE)
+        return None
+    # torch.utils.cpp_extension logs a CUDA warning when imported on a machine without CUDA
+    cpp_logger = logging.getLogger("torch.utils.cpp_extension")
+    level = cpp_logger.level
+    cpp_logger.setLevel(logging.ERROR)
+    try:
+        from torch.utils import cpp_extension
+    finally:
+        cpp_logger.setLevel(level)
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_FLAGS[capability], *openmp]
+    log.info("polaformer native kernels: compiling for %s (once per machine, about a minute)", capability)
+    try:
+        return cpp_extension.load(
+            name=f"polaformer_native_{capability.lower()}",
+            sources=[str(_SOURCE)],
+            extra_cflags=cflags,
+            extra_ldflags=openmp,
+            verbose=False,
+        )
+    except Exception as err:  # no compiler, no ninja, a failed build: the torch ops still work
+        log.warning("polaformer native kernels: build failed (%s); using torch ops", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        return None
+
+
+def native_kernels():
+    """The compiled module, or None where it is turned off or cannot be built (tried once per process)."""
+    if not native_enabled():
+        return None
+    if "module" not in _state:
+        with _lock:
+            if "module" not in _state:
+                _state["module"] = _build()
+    return _state["module"]

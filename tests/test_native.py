@@ -1,0 +1,262 @@
+"""The fused CPU kernels (polaformer/csrc/pola_cpu.cpp) against the torch-op versions they replace."""
+import logging
+import shutil
+
+import pytest
+import torch
+
+import polaformer.ops.native as native_mod
+import polaformer.ops.pola_attention as pa
+from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention
+
+F64 = torch.float64
+
+
+def _can_build() -> bool:
+    return (
+        torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+        and shutil.which("c++") is not None
+        and shutil.which("ninja") is not None
+    )
+
+
+@pytest.fixture(scope="module")
+def native():
+    module = native_mod.native_kernels()
+    if module is None:
+        if _can_build() and native_mod.native_enabled():
+            pytest.fail("a compiler, ninja and a supported CPU are here, but the native kernels did not build")
+        pytest.skip("native kernels unavailable here (no compiler/ninja, unsupported CPU, or POLAFORMER_NATIVE=0)")
+    return module
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """Runs the op's torch-op versions: the attention module sees no native kernels."""
+    monkeypatch.setattr(pa, "native_kernels", lambda: None)
+
+
+def _torch_op(fn, *args, **kwargs):
+    original = pa.native_kernels
+    pa.native_kernels = lambda: None
+    try:
+        return fn(*args, **kwargs)
+    finally:
+        pa.native_kernels = original
+
+
+def _x(shape, dtype=F64, seed=0, token_major=False):
+    gen = torch.Generator().manual_seed(seed)
+    if token_major:  # (B, N, H, d) memory seen as (B, H, N, d), as the layers pass q and k
+        b, h, n, d = shape
+        return torch.randn(b, n, h, d, generator=gen, dtype=dtype).transpose(1, 2)
+    return torch.randn(*shape, generator=gen, dtype=dtype)
+
+
+def _equal_nan(a, b, rtol, atol=0.0):
+    assert a.shape == b.shape
+    torch.testing.assert_close(a, b, rtol=rtol, atol=atol, equal_nan=True)
+
+
+@pytest.mark.parametrize("d", [5, 32, 33, 64])
+@pytest.mark.parametrize("power_shape", ["scalar", "channel", "head", "full"])
+@pytest.mark.parametrize("token_major", [False, True])
+def test_power_features_match_torch_ops(native, d, power_shape, token_major):
+    b, h, n = 2, 3, 7
+    x = _x((b, h, n, d), token_major=token_major)
+    x[0, 0, 0, :3] = 0.0  # both halves 0, log -inf
+    x[1, 2, 3, 1] = float("nan")
+    shapes = {"scalar": (), "channel": (d,), "head": (h, 1, d), "full": (b, h, 1, d)}
+    power = 1.0 + 3.0 * torch.rand(shapes[power_shape], dtype=F64)
+    feat, log_abs = native.power_features(x, power, True)
+    ref_feat, ref_log = _torch_op(pa._power_features, x, power)
+    _equal_nan(feat, ref_feat, rtol=1e-14)
+    _equal_nan(log_abs, ref_log, rtol=1e-14)
+    assert torch.isnan(feat[1, 2, 3, [1, d + 1]]).all(), "NaN input must give NaN in both halves"
+    assert (feat[0, 0, 0, :3] == 0).all() and (feat[0, 0, 0, d:d + 3] == 0).all()
+    # +inf: inf in the positive half and 0 in the other, as relu then pow gives (the torch-op version's
+    # relu(s) - s makes that inf - inf = NaN)
+    x_inf = x.clone()
+    x_inf[1, 1, 2, 0] = float("inf")
+    inf_feat = native.power_features(x_inf, power, False)[0][1, 1, 2]
+    assert inf_feat[0] == float("inf") and inf_feat[d] == 0
+    no_log_feat, none = native.power_features(x, power, False)
+    assert none is None or none.numel() == 0
+    assert torch.equal(no_log_feat.nan_to_num(), feat.nan_to_num())
+
+
+@pytest.mark.parametrize("d", [5, 32])
+@pytest.mark.parametrize("need_power_grad", [True, False])
+def test_power_backward_matches_torch_ops(native, d, need_power_grad):
+    b, h, n = 2, 3, 300  # more tokens than one reduction chunk
+    x = _x((b, h, n, d), token_major=True)
+    x[0, 1, 5, :2] = 0.0
+    power = 1.0 + 3.0 * torch.rand(h, 1, d, dtype=F64)
+    feat, log_abs = native.power_features(x, power, True)
+    grad_feat = _x((b, h, n, 2 * d), seed=1)
+    grad_x, grad_p = native.power_backward(x, feat, log_abs, grad_feat, power, need_power_grad)
+    ref_x, ref_p = _torch_op(pa._power_backward, x, feat, log_abs, grad_feat.clone(), power, need_power_grad)
+    _equal_nan(grad_x, ref_x, rtol=1e-13)
+    assert (grad_x[0, 1, 5, :2] == 0).all()
+    if need_power_grad:
+        assert grad_p.shape == (b, h, 1, d)
+        _equal_nan(pa._sum_to(grad_p, power.shape), pa._sum_to(ref_p, power.shape), rtol=1e-12)
+
+
+def test_power_grad_does_not_depend_on_thread_count(native):
+    x = _x((2, 2, 1000, 32), dtype=torch.float32)
+    power = 1.0 + 3.0 * torch.rand(2, 1, 32)
+    feat, log_abs = native.power_features(x, power, True)
+    grad_feat = _x((2, 2, 1000, 64), dtype=torch.float32, seed=3)
+    threads = torch.get_num_threads()
+    try:
+        results = []
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            results.append(native.power_backward(x, feat, log_abs, grad_feat, power, True))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+@pytest.mark.parametrize("dv,half", [(64, 32), (7, 4), (34, 17)])
+def test_normalise_and_output_grad_match_torch_ops(native, dv, half):
+    b, h, n = 2, 3, 11
+    res = _x((b, h, n, dv + 2)).abs_()
+    out = pa._token_major_output(_x((b, h, n, 4)), _x((b, h, n, dv)))
+    ref_out = torch.empty_like(out)
+    denom = native.normalise(res.clone(), 1e-6, half, out)
+    ref_denom = _torch_op(pa._normalise, res.clone(), 1e-6, half, ref_out)
+    _equal_nan(out, ref_out, rtol=0.0)
+    _equal_nan(denom, ref_denom, rtol=0.0)
+    grad_out = _x((b, h, n, dv), seed=2)
+    g = native.output_grad(grad_out, denom, out, half)
+    ref_g = _torch_op(pa._output_grad, grad_out, ref_denom, ref_out, half)
+    _equal_nan(g, ref_g, rtol=1e-13)
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 9, 13, 8, 10), (1, 2, 64, 64, 32, 32), (3, 1, 5, 300, 6, 5)])
+@pytest.mark.parametrize("masked", [False, True])
+def test_op_with_native_kernels_equals_reference_forward_and_backward(native, shape, masked):
+    b, h, n, m, d, dv = shape
+    gen = torch.Generator().manual_seed(7)
+    q, k, v = (torch.randn(b, h, t, c, generator=gen, dtype=F64).requires_grad_() for t, c in ((n, d), (m, d), (m, dv)))
+    w = torch.randn(1, h, 1, d, generator=gen, dtype=F64).requires_grad_()
+    mask = (torch.rand(b, m, generator=gen) < 0.3) if masked else None
+    fast = pola_linear_attention(q, k, v, learnable_power(w, 4.0), key_padding_mask=mask)
+    ref = naive_pola_linear_attention(q, k, v, learnable_power(w, 4.0), key_padding_mask=mask)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    grad = torch.randn(ref.shape, generator=gen, dtype=F64)
+    for a, r in zip(torch.autograd.grad(fast, (q, k, v, w), grad), torch.autograd.grad(ref, (q, k, v, w), grad)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+
+
+def test_op_float32_native_equals_torch_ops(native, torch_ops):
+    gen = torch.Generator().manual_seed(11)
+    q, k, v = (torch.randn(2, 4, 197, 32, generator=gen).requires_grad_() for _ in range(3))
+    w = torch.randn(1, 4, 1, 32, generator=gen).requires_grad_()
+    plain = pola_linear_attention(q, k, v, learnable_power(w, 4.0))
+    plain_grads = torch.autograd.grad(plain.square().sum(), (q, k, v, w))
+    pa.native_kernels = native_mod.native_kernels  # back on, for the fused run
+    fused = pola_linear_attention(q, k, v, learnable_power(w, 4.0))
+    fused_grads = torch.autograd.grad(fused.square().sum(), (q, k, v, w))
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
+    for a, b in zip(fused_grads, plain_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(pola_linear_attention(q, k, v, learnable_power(w, 4.0)), plain, rtol=1e-5, atol=1e-6)
+
+
+def test_switched_off_by_environment(monkeypatch):
+    monkeypatch.setenv("POLAFORMER_NATIVE", "0")
+    assert not native_mod.native_enabled()
+    assert native_mod.native_kernels() is None
+
+
+def test_unsupported_cpu_falls_back_to_torch_ops_with_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(native_mod, "_state", {})
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
+    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+        assert native_mod.native_kernels() is None
+    assert "not built for CPU capability DEFAULT" in caplog.text
+    q, k, v = (torch.randn(1, 2, 10, 8, dtype=F64) for _ in range(3))
+    out = pola_linear_attention(q, k, v, 3.0)
+    torch.testing.assert_close(out, naive_pola_linear_attention(q, k, v, torch.tensor(3.0, dtype=F64)))
+
+
+def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(native_mod, "_state", {})
+    monkeypatch.setattr(native_mod, "_SOURCE", tmp_path / "broken.cpp")
+    (tmp_path / "broken.cpp").write_text("this is not C++\n")
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
+    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+        assert native_mod.native_kernels() is None
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        assert "build failed" in caplog.text
+
+
+# ---- PaCS ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("token_major", [False, True])
+@pytest.mark.parametrize("with_exp", [False, True])
+def test_pacs_halves_match_torch_ops(native, rope, token_major, with_exp):
+    x = _x((2, 3, 9, 18), token_major=token_major)  # d = 18: a vector and a scalar tail at any width
+    x[0, 0, 0, :4] = 0.0
+    x[1, 2, 3, 5] = float("nan")
+    out = native.pacs_halves(x, rope, with_exp)
+    ref = _torch_op(pa._relu_halves, x, rope, with_exp)
+    _equal_nan(out, ref, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("temp_shape", [(2, 3, 2, 1, 36), (1, 3, 2, 1, 36), (1, 1, 2, 1, 36)])
+def test_pacs_exp_features_match_torch_ops(native, temp_shape):
+    p = _x((2, 3, 9, 36)).abs_()
+    temps = torch.rand(temp_shape, dtype=F64)
+    _equal_nan(native.pacs_exp_features(p, temps), _torch_op(pa._pacs_exp_features, p, temps), rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_pacs_backward_kernels_match_torch_ops(native, rope):
+    b, h, n, d = 2, 3, 300, 10  # more tokens than one reduction chunk
+    q, k = _x((b, h, n, d), token_major=True), _x((b, h, n, d), seed=1)
+    q[0, 0, 0, :3] = 0.0
+    temps = torch.rand(1, h, 2, 1, 2 * d, dtype=F64)
+    p_q = native.pacs_halves(q, rope, False)
+    phi_q = native.pacs_exp_features(p_q, temps)
+    grad_phi_q = _x(tuple(phi_q.shape), seed=2)
+    grad_q, grad_t = native.pacs_query_backward(q, p_q, phi_q, grad_phi_q, temps, rope, True)
+    grad_pre = grad_phi_q * (phi_q + 1)
+    ref_grad_q = _torch_op(pa._unrelu, q, (grad_pre * temps).sum(2), rope)
+    torch.testing.assert_close(grad_q, ref_grad_q, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(grad_t, (grad_pre * p_q.unsqueeze(2)).sum(3, keepdim=True), rtol=1e-12, atol=1e-12)
+    phi_k = native.pacs_halves(k, rope, True)
+    grad_phi_k = _x(tuple(phi_k.shape), seed=3)
+    ref_grad_k = _torch_op(pa._unrelu, k, grad_phi_k * (phi_k + 1), rope)
+    torch.testing.assert_close(native.pacs_key_backward(k, phi_k, grad_phi_k, rope), ref_grad_k, rtol=1e-14, atol=0)
+    nan_k = k.clone()
+    nan_k[0, 0, 0, 0] = float("nan")
+    assert torch.isnan(native.pacs_key_backward(nan_k, phi_k, grad_phi_k, rope)[0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("rope", [False, True])
+@pytest.mark.parametrize("masked", [False, True])
+def test_pacs_op_with_native_kernels_equals_reference_forward_and_backward(native, rope, masked):
+    from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention, rope_2d, rope_angles
+
+    b, h, side, d, dv = 2, 3, 5, 8, 10
+    n = side * side
+    gen = torch.Generator().manual_seed(13)
+    q, k, v = (torch.randn(b, h, n, c, generator=gen, dtype=F64).requires_grad_() for c in (d, d, dv))
+    t_same = torch.rand(1, h, 1, 2 * d, generator=gen, dtype=F64).requires_grad_()
+    t_opp = torch.rand(1, h, 1, 2 * d, generator=gen, dtype=F64).requires_grad_()
+    sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), side, side) if rope else (None, None)
+    mask = (torch.rand(b, n, generator=gen) < 0.3) if masked else None
+    fast = pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos, key_padding_mask=mask)
+    ref = naive_pacs_linear_attention(q, k, v, t_same, t_opp, sin, cos, key_padding_mask=mask)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    grad = torch.randn(ref.shape, generator=gen, dtype=F64)
+    leaves = (q, k, v, t_same, t_opp)
+    for a, r in zip(torch.autograd.grad(fast, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
