@@ -7,7 +7,7 @@ import torch
 
 import polaformer.ops.native as native_mod
 import polaformer.ops.pola_attention as pa
-from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention
+from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
 F64 = torch.float64
 
@@ -205,16 +205,34 @@ def test_pacs_halves_match_torch_ops(native, rope, token_major, with_exp):
     x = _x((2, 3, 9, 18), token_major=token_major)  # d = 18: a vector and a scalar tail at any width
     x[0, 0, 0, :4] = 0.0
     x[1, 2, 3, 5] = float("nan")
-    out = native.pacs_halves(x, rope, with_exp)
+    out, same = native.pacs_halves(x, rope, with_exp)
+    assert same is out  # no tables: the features are their own numerator
     ref = _torch_op(pa._relu_halves, x, rope, with_exp)
     _equal_nan(out, ref, rtol=1e-13, atol=1e-15)
+    if rope:
+        sin, cos = rope_2d(rope_angles(2 * 18 * 3, 3, dtype=F64), 3, 3)
+        tables = pa._arrange_rope_tables(sin, cos)
+        feat, rotated = native.pacs_halves(x, rope, with_exp, tables[0][:1], tables[1][:1])
+        _equal_nan(feat, ref, rtol=1e-13, atol=1e-15)
+        _equal_nan(rotated, pa._rotate(ref, tables[0][0], tables[1][0]), rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.parametrize("temp_shape", [(2, 3, 2, 1, 36), (1, 3, 2, 1, 36), (1, 1, 2, 1, 36)])
 def test_pacs_exp_features_match_torch_ops(native, temp_shape):
     p = _x((2, 3, 9, 36)).abs_()
     temps = torch.rand(temp_shape, dtype=F64)
-    _equal_nan(native.pacs_exp_features(p, temps), _torch_op(pa._pacs_exp_features, p, temps), rtol=1e-13, atol=1e-15)
+    ref = (p.unsqueeze(2) * temps).exp() - 1
+    phi, same = native.pacs_exp_features(p, temps)
+    assert same is phi
+    _equal_nan(phi, ref, rtol=1e-13, atol=1e-15)
+    sin, cos = rope_2d(rope_angles(36 * 3, 3, dtype=F64), 3, 3)
+    tables = pa._arrange_rope_tables(sin, cos)
+    phi, rotated = native.pacs_exp_features(p, temps, *tables)
+    _equal_nan(phi, ref, rtol=1e-13, atol=1e-15)
+    _equal_nan(rotated, pa._rotate(ref, *tables), rtol=1e-13, atol=1e-15)
+    # a block of rows of the tables (the no-gradient forward passes strided views)
+    phi, rotated = native.pacs_exp_features(p[:, :, 2:5].contiguous(), temps, *(t[:, 2:5] for t in tables))
+    _equal_nan(rotated, pa._rotate(ref[:, :, :, 2:5], *(t[:, 2:5] for t in tables)), rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.parametrize("rope", [False, True])
@@ -223,15 +241,15 @@ def test_pacs_backward_kernels_match_torch_ops(native, rope):
     q, k = _x((b, h, n, d), token_major=True), _x((b, h, n, d), seed=1)
     q[0, 0, 0, :3] = 0.0
     temps = torch.rand(1, h, 2, 1, 2 * d, dtype=F64)
-    p_q = native.pacs_halves(q, rope, False)
-    phi_q = native.pacs_exp_features(p_q, temps)
+    p_q = native.pacs_halves(q, rope, False)[0]
+    phi_q = native.pacs_exp_features(p_q, temps)[0]
     grad_phi_q = _x(tuple(phi_q.shape), seed=2)
     grad_q, grad_t = native.pacs_query_backward(q, p_q, phi_q, grad_phi_q, temps, rope, True)
     grad_pre = grad_phi_q * (phi_q + 1)
     ref_grad_q = _torch_op(pa._unrelu, q, (grad_pre * temps).sum(2), rope)
     torch.testing.assert_close(grad_q, ref_grad_q, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(grad_t, (grad_pre * p_q.unsqueeze(2)).sum(3, keepdim=True), rtol=1e-12, atol=1e-12)
-    phi_k = native.pacs_halves(k, rope, True)
+    phi_k = native.pacs_halves(k, rope, True)[0]
     grad_phi_k = _x(tuple(phi_k.shape), seed=3)
     ref_grad_k = _torch_op(pa._unrelu, k, grad_phi_k * (phi_k + 1), rope)
     torch.testing.assert_close(native.pacs_key_backward(k, phi_k, grad_phi_k, rope), ref_grad_k, rtol=1e-14, atol=0)
@@ -243,7 +261,7 @@ def test_pacs_backward_kernels_match_torch_ops(native, rope):
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_pacs_op_with_native_kernels_equals_reference_forward_and_backward(native, rope, masked):
-    from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention, rope_2d, rope_angles
+    from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention
 
     b, h, side, d, dv = 2, 3, 5, 8, 10
     n = side * side

@@ -212,14 +212,53 @@ inline int64_t pacs_source(int64_t i, int64_t d, bool rope) {
   return rope ? (i < d / 2 ? 2 * i : 2 * (i - d / 2) + 1) : i;
 }
 
-// out = [relu(x) ; relu(-x)] in kernel order, or exp of that minus 1 (the key features) when with_exp.
+// RoPE on one feature row in kernel order (see _rotate in pola_attention.py): per half, with E the first
+// and O the second quarter-block, E' = E·c_E + O·s_E and O' = O·c_O + E·s_O (s holds -sin at E, +sin at O).
 template <typename T>
-void pacs_halves_kernel(const at::Tensor& x, bool rope, bool with_exp, at::Tensor& out) {
+inline void rotate_row(const T* f, const T* c, const T* s, int64_t d, T* out) {
+  using V = Vectorized<T>;
+  const int64_t p = d / 2;
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t e = h * d, o = e + p;
+    int64_t i = 0;
+    for (; i + V::size() <= p; i += V::size()) {
+      const V fe = V::loadu(f + e + i), fo = V::loadu(f + o + i);
+      (fe * V::loadu(c + e + i) + fo * V::loadu(s + e + i)).store(out + e + i);
+      (fo * V::loadu(c + o + i) + fe * V::loadu(s + o + i)).store(out + o + i);
+    }
+    for (; i < p; ++i) {
+      const T fe = f[e + i], fo = f[o + i];
+      out[e + i] = fe * c[e + i] + fo * s[e + i];
+      out[o + i] = fo * c[o + i] + fe * s[o + i];
+    }
+  }
+}
+
+// RoPE tables (S, N, 2d) in kernel order with unit stride along channels and any stream/token strides.
+struct Tables {
+  const void* cos = nullptr;
+  const void* cross = nullptr;
+  int64_t ss = 0, sn = 0;
+  Tables() = default;
+  Tables(const at::Tensor& c, const at::Tensor& x) : cos(c.data_ptr()), cross(x.data_ptr()), ss(c.stride(0)), sn(c.stride(1)) {}
+  template <typename T>
+  const T* c(int64_t stream, int64_t n) const { return static_cast<const T*>(cos) + stream * ss + n * sn; }
+  template <typename T>
+  const T* s(int64_t stream, int64_t n) const { return static_cast<const T*>(cross) + stream * ss + n * sn; }
+};
+
+// out = [relu(x) ; relu(-x)] in kernel order, or exp of that minus 1 (the key features) when with_exp.
+// With tables, num gets the rotated features as well (while the row is in cache).
+template <typename T>
+void pacs_halves_kernel(const at::Tensor& x, bool rope, bool with_exp, at::Tensor& out, const Tables* tables,
+                        at::Tensor* num) {
   using V = Vectorized<T>;
   const Rows rows(x);
   const int64_t d = x.size(3), total = x.size(0) * x.size(1) * x.size(2);
   const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  T* np = num ? num->data_ptr<T>() : nullptr;
+  const int64_t tokens = x.size(2);
   at::parallel_for(0, total, grain(4 * d), [&](int64_t begin, int64_t end) {
     std::vector<T> ordered(rope ? d : 0);
     const V zero(T(0)), one(T(1));
@@ -252,19 +291,26 @@ void pacs_halves_kernel(const at::Tensor& x, bool rope, bool with_exp, at::Tenso
         pos[c] = pv;
         neg[c] = nv;
       }
+      if (np) {
+        const int64_t t = r % tokens;
+        rotate_row<T>(pos, tables->c<T>(0, t), tables->s<T>(0, t), d, np + r * 2 * d);
+      }
     }
   });
 }
 
 // phi[b, h, s, n] = exp(p[b, h, n] ⊙ t[b, h, s]) - 1 for both streams s: p (B, H, N, 2d) contiguous,
 // t (B, H, 2, 1, 2d) contiguous, phi (B, H, 2, N, 2d).
+// With tables (2, N, 2d), num gets each stream's rotated features too.
 template <typename T>
-void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& phi) {
+void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& phi, const Tables* tables,
+                     at::Tensor* num) {
   using V = Vectorized<T>;
   const int64_t n = p.size(2), w = p.size(3), bh_count = p.size(0) * p.size(1);
   const T* pp = p.data_ptr<T>();
   const T* tp = temps.data_ptr<T>();
   T* fp = phi.data_ptr<T>();
+  T* np = num ? num->data_ptr<T>() : nullptr;
   at::parallel_for(0, bh_count * n, grain(4 * w), [&](int64_t begin, int64_t end) {
     const V one(T(1));
     for (int64_t r = begin; r < end; ++r) {
@@ -277,6 +323,7 @@ void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& p
         for (; c + V::size() <= w; c += V::size())
           ((V::loadu(pr + c) * V::loadu(tr + c)).exp() - one).store(out + c);
         for (; c < w; ++c) out[c] = std::exp(pr[c] * tr[c]) - T(1);
+        if (np) rotate_row<T>(out, tables->c<T>(s, t), tables->s<T>(s, t), w / 2, np + ((bh * 2 + s) * n + t) * w);
       }
     }
   });
@@ -416,20 +463,44 @@ at::Tensor output_grad(const at::Tensor& grad_out, const at::Tensor& denom, cons
   return g;
 }
 
-at::Tensor pacs_halves(const at::Tensor& x, bool rope, bool with_exp) {
-  check_rows(x, "x");
-  TORCH_CHECK(!rope || x.size(3) % 2 == 0, "RoPE order needs an even head_dim");
-  auto out = at::empty({x.size(0), x.size(1), x.size(2), 2 * x.size(3)}, x.options());
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "pacs_halves", [&] { pacs_halves_kernel<scalar_t>(x, rope, with_exp, out); });
-  return out;
+void check_tables(const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross, int64_t streams,
+                  int64_t n, int64_t w, const at::Tensor& like) {
+  TORCH_CHECK(cos.has_value() == cross.has_value(), "pass both RoPE tables or neither");
+  if (!cos) return;
+  for (const auto* t : {&*cos, &*cross}) {
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == streams && t->size(1) == n && t->size(2) == w,
+                "RoPE tables must be (", streams, ", ", n, ", ", w, "), got ", t->sizes());
+    TORCH_CHECK(t->stride(2) == 1 && t->scalar_type() == like.scalar_type(), "RoPE tables: unit channel stride, same dtype");
+  }
+  TORCH_CHECK(cos->strides() == cross->strides(), "RoPE tables must have the same strides");
 }
 
-at::Tensor pacs_exp_features(const at::Tensor& p, const at::Tensor& temps) {
+std::vector<at::Tensor> pacs_halves(const at::Tensor& x, bool rope, bool with_exp, const c10::optional<at::Tensor>& cos,
+                                    const c10::optional<at::Tensor>& cross) {
+  check_rows(x, "x");
+  TORCH_CHECK(!rope || x.size(3) % 2 == 0, "RoPE order needs an even head_dim");
+  check_tables(cos, cross, 1, x.size(2), 2 * x.size(3), x);
+  auto out = at::empty({x.size(0), x.size(1), x.size(2), 2 * x.size(3)}, x.options());
+  at::Tensor num = cos ? at::empty_like(out) : out;
+  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "pacs_halves", [&] {
+    pacs_halves_kernel<scalar_t>(x, rope, with_exp, out, cos ? &tables : nullptr, cos ? &num : nullptr);
+  });
+  return {out, num};
+}
+
+std::vector<at::Tensor> pacs_exp_features(const at::Tensor& p, const at::Tensor& temps,
+                                          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross) {
   TORCH_CHECK(p.dim() == 4 && p.is_contiguous(), "p must be contiguous (B, H, N, 2d)");
+  check_tables(cos, cross, 2, p.size(2), p.size(3), p);
   const auto t = temps.expand({p.size(0), p.size(1), 2, 1, p.size(3)}).contiguous();
   auto phi = at::empty({p.size(0), p.size(1), 2, p.size(2), p.size(3)}, p.options());
-  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "pacs_exp_features", [&] { pacs_exp_kernel<scalar_t>(p, t, phi); });
-  return phi;
+  at::Tensor num = cos ? at::empty_like(phi) : phi;
+  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "pacs_exp_features", [&] {
+    pacs_exp_kernel<scalar_t>(p, t, phi, cos ? &tables : nullptr, cos ? &num : nullptr);
+  });
+  return {phi, num};
 }
 
 at::Tensor pacs_key_backward(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope) {
@@ -470,8 +541,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("power_backward", &power_backward, "gradients of x and p through the power features");
   m.def("normalise", &normalise, "both streams' numerators over their normalisers");
   m.def("output_grad", &output_grad, "gradient at the products' output");
-  m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1");
-  m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams");
+  m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1, and rotated",
+        py::arg("x"), py::arg("rope"), py::arg("with_exp"), py::arg("cos") = py::none(), py::arg("cross") = py::none());
+  m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams, and rotated", py::arg("p"),
+        py::arg("temps"), py::arg("cos") = py::none(), py::arg("cross") = py::none());
   m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
   m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
 }

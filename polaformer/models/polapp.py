@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
-from ..ops import tokens_to_map
+from ..ops import plus_depthwise_conv, tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
@@ -65,7 +65,7 @@ class LayerNorm2d(nn.Module):
 
 
 class ConvFFN(nn.Module):
-    """fc1 -> GELU -> (h + dwconv3x3(h)) -> fc2, on a (B, C, H, W) map."""
+    """fc1 -> GELU -> (h + dwconv3x3(h)) -> fc2, on a (B, C, H, W) map (the sum as one convolution)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -76,8 +76,7 @@ class ConvFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         hidden = F.gelu(self.fc1(x.flatten(2).transpose(1, 2)))
-        hidden = tokens_to_map(hidden, h, w)
-        hidden = hidden + self.dwconv(hidden)
+        hidden = plus_depthwise_conv(tokens_to_map(hidden, h, w), self.dwconv.weight, self.dwconv.bias)
         return tokens_to_map(self.fc2(hidden.flatten(2).transpose(1, 2)), h, w)
 
 
@@ -103,7 +102,7 @@ class PolaPPBlock(nn.Module):
             self.gamma_1 = self.gamma_2 = None
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        x = x + self.pos(x)
+        x = plus_depthwise_conv(x, self.pos.weight, self.pos.bias)  # x + pos(x)
         attn = self.attn(self.norm1(x), sin, cos)
         x = x + self.drop_path(attn if self.gamma_1 is None else self.gamma_1 * attn)
         ffn = self.ffn(self.norm2(x))

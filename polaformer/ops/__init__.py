@@ -18,6 +18,7 @@ from .naive import (
     pola_attention_weights,
     softmax_attention_weights,
 )
+from .conv import plus_depthwise_conv
 from .layout import tokens_to_map
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
@@ -37,6 +38,7 @@ __all__ = [
     "pacs_linear_attention",
     "pacs_query_features",
     "pacs_temperature",
+    "plus_depthwise_conv",
     "pola_attention_weights",
     "pola_linear_attention",
     "polarity_split",

@@ -524,7 +524,7 @@ def _relu_halves(x: torch.Tensor, rope: bool, exp_minus_one: bool = False) -> to
     """
     native = _native_for(x)
     if native is not None and x.stride(-1) == 1:
-        return native.pacs_halves(x, rope, exp_minus_one)
+        return native.pacs_halves(x, rope, exp_minus_one)[0]
     d = x.shape[-1]
     out = x.new_empty(*x.shape[:-1], 2 * d)
     parts = ((x[..., 0::2], slice(0, d // 2)), (x[..., 1::2], slice(d // 2, d))) if rope else ((x, slice(0, d)),)
@@ -535,12 +535,14 @@ def _relu_halves(x: torch.Tensor, rope: bool, exp_minus_one: bool = False) -> to
     return out.exp_().sub_(1.0) if exp_minus_one else out
 
 
-def _pacs_exp_features(p_q: torch.Tensor, temps: torch.Tensor) -> torch.Tensor:
-    """Both streams' query features ``exp(p_q ⊙ T_s) − 1``, (B, H, 2, N, 2d)."""
+def _pacs_exp_features(p_q: torch.Tensor, temps: torch.Tensor, tables=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both streams' query features ``exp(p_q ⊙ T_s) − 1``, (B, H, 2, N, 2d), and their RoPE rotation
+    (the features themselves without tables)."""
     native = _native_for(p_q)
     if native is not None and p_q.is_contiguous():
-        return native.pacs_exp_features(p_q, temps)
-    return (p_q.unsqueeze(2) * temps).exp_().sub_(1.0)
+        return tuple(native.pacs_exp_features(p_q, temps, *(tables or ())))
+    phi_q = (p_q.unsqueeze(2) * temps).exp_().sub_(1.0)
+    return phi_q, (phi_q if tables is None else _rotate(phi_q, *tables))
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, cross: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -584,16 +586,27 @@ def _pacs_stacked_temperatures(temp_same, temp_opposite, d, rope, device):
 
 def _pacs_key_side(k, v, keep, m, tables):
     """Key features and what the queries multiply: ``(φk, rotated φk, [S_same ; swapped S_opp], key means)``."""
-    d, half = k.shape[-1], v.shape[-1] // 2
+    native = _native_for(k)
+    if native is not None and keep is None and k.stride(-1) == 1:
+        # features and their rotation in one pass
+        phi_k, k_num = native.pacs_halves(k, tables is not None, True,
+                                          *(() if tables is None else (tables[0][:1], tables[1][:1])))
+        return phi_k, k_num, *_pacs_key_products(phi_k, k_num, v, m, None)
     phi_k = _relu_halves(k, tables is not None, exp_minus_one=True)
     if keep is not None:
         phi_k.mul_(keep)
+    k_num = phi_k if tables is None else _rotate(phi_k, tables[0][0], tables[1][0])
+    return phi_k, k_num, *_pacs_key_products(phi_k, k_num, v, m, keep)
+
+
+def _pacs_key_products(phi_k, k_num, v, m, keep):
+    """``([S_same ; swapped S_opp], key means)`` from the key features and their rotation."""
+    d, half = phi_k.shape[-1] // 2, v.shape[-1] // 2
     k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
     k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
-    k_num = phi_k if tables is None else _rotate(phi_k, tables[0][0], tables[1][0])
     kv = torch.matmul(k_num.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
     kvs = torch.stack([kv[..., :half], torch.cat([kv[..., d:, half:], kv[..., :d, half:]], -2)], dim=2)
-    return phi_k, k_num, kvs, k_means
+    return kvs, k_means
 
 
 def _pacs_output(q, v):
@@ -611,19 +624,19 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
     """
     half = out.shape[-1]
     for scaled in (False, True):
-        phi_q = _pacs_exp_features(p_q, temps)  # (B, H, 2, N, 2d)
+        # (B, H, 2, N, 2d) features and, unscaled, their rotation
+        phi_q, q_num = _pacs_exp_features(p_q, temps, None if scaled else tables)
         row_scale = None
         if scaled:
             exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
             row_scale = torch.exp2(exponent.neg_())
             phi_q.mul_(row_scale)
+            q_num = phi_q if tables is None else _rotate(phi_q, *tables)
         eps_rows = eps if row_scale is None else row_scale * eps
         if tables is not None:
-            q_num = _rotate(phi_q, *tables)
             num = torch.matmul(q_num, kvs)
             denom = torch.matmul(phi_q, k_means).add_(eps_rows)
         else:
-            q_num = phi_q
             res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
             num, denom = res[..., :half], res[..., half:].add_(eps_rows)
         torch.div(num, denom, out=out)
