@@ -1,0 +1,127 @@
+"""The fused native CPU kernels against the torch-op versions of the same stages, in one process.
+
+Each case runs twice per round, once with ``polaformer/csrc`` kernels and once with the torch ops
+(the attention module's kernel lookup switched off), interleaved for several rounds; the table gives
+medians and the ratio torch ops / native (> 1: the kernels are faster). Cases: the Pola and PaCS ops
+at the shapes of the models' stages (inference and forward+backward), and optionally whole models.
+
+    python benchmarks/bench_native.py
+    python benchmarks/bench_native.py --models pola_pvt_tiny POLA_b0 --batches 1 8 --json out.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+import torch
+from torch.utils import benchmark
+
+import polaformer.ops.pola_attention as attention_module
+from polaformer.ops import learnable_power, pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
+from polaformer.ops.native import native_kernels
+from polaformer.runtime import tune_cpu_allocator
+
+# (batch, heads, tokens, head_dim): PVT-T stage 1 and 3, Swin-T stage 1 windows, DeiT-T, PolaFormer++ B0 stage 1
+POLA_SHAPES = [(1, 1, 3136, 64), (8, 1, 3136, 64), (8, 5, 196, 64), (64, 3, 49, 32), (8, 3, 197, 64)]
+PACS_SHAPES = [(1, 1, 56, 32), (8, 1, 56, 32), (8, 2, 28, 32)]  # (batch, heads, side, head_dim), with RoPE
+
+
+def pola_case(shape, train):
+    b, h, n, d = shape
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_(train) for _ in range(3))
+    w = torch.zeros(1, h, 1, d, requires_grad=train)
+
+    def step():
+        out = pola_linear_attention(q, k, v, learnable_power(w, 4.0))
+        if train:
+            out.sum().backward()
+    return step
+
+
+def pacs_case(shape, train):
+    b, h, side, d = shape
+    n = side * side
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, n, d, generator=gen).requires_grad_(train) for _ in range(3))
+    temps = [torch.rand(1, h, 1, 2 * d, generator=gen).requires_grad_(train) for _ in range(2)]
+    sin, cos = rope_2d(rope_angles(2 * d * h, h), side, side)
+
+    def step():
+        out = pacs_linear_attention(q, k, v, *temps, sin, cos)
+        if train:
+            out.sum().backward()
+    return step
+
+
+def model_case(name, batch, train):
+    import timm
+
+    import polaformer.models  # noqa: F401  (registers the models)
+
+    model = timm.create_model(name, num_classes=1000).train(train)
+    x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))
+
+    def step():
+        if train:
+            model.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+        else:
+            with torch.inference_mode():
+                model(x)
+    return step
+
+
+def time_ab(step, rounds, threads, min_time):
+    native = native_kernels()
+    variants = {"torch ops": lambda: None, "native": lambda: native}
+    samples = {name: [] for name in variants}
+    original = attention_module.native_kernels
+    try:
+        for lookup in variants.values():  # warm-up, both variants
+            attention_module.native_kernels = lookup
+            step()
+        for _ in range(rounds):
+            for name, lookup in variants.items():
+                attention_module.native_kernels = lookup
+                timer = benchmark.Timer("step()", globals={"step": step}, num_threads=threads)
+                samples[name].append(timer.blocked_autorange(min_run_time=min_time).median)
+    finally:
+        attention_module.native_kernels = original
+    return {name: statistics.median(times) for name, times in samples.items()}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=[], help="timm names of whole models to time as well")
+    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--min-time", type=float, default=0.3)
+    parser.add_argument("--json", help="write the rows here")
+    args = parser.parse_args(argv)
+
+    tune_cpu_allocator()
+    torch.set_num_threads(args.threads)
+    if native_kernels() is None:
+        raise SystemExit("the native kernels are not available here (see the log); nothing to compare")
+    cases = [(f"pola {s}", pola_case, s) for s in POLA_SHAPES] + [(f"pacs+rope {s}", pacs_case, s) for s in PACS_SHAPES]
+    cases += [(f"{m} b{b}", lambda spec, train: model_case(*spec, train), (m, b)) for m in args.models for b in args.batches]
+    rows = []
+    for label, make, spec in cases:
+        for train in (False, True):
+            with torch.set_grad_enabled(train):
+                result = time_ab(make(spec, train), args.rounds, args.threads, args.min_time)
+            ratio = result["torch ops"] / result["native"]
+            mode = "train" if train else "infer"
+            rows.append({"case": label, "mode": mode, **{k: v * 1e3 for k, v in result.items()}, "ratio": ratio})
+            print(f"{label:32s} {mode}  torch ops {result['torch ops'] * 1e3:9.2f} ms  native "
+                  f"{result['native'] * 1e3:9.2f} ms  torch ops/native {ratio:.2f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"threads": args.threads, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
