@@ -6,7 +6,7 @@ medians and the ratio torch ops / native (> 1: the kernels are faster). Cases: t
 at the shapes of the models' stages (inference and forward+backward), and optionally whole models.
 
     python benchmarks/bench_native.py
-    python benchmarks/bench_native.py --models pola_pvt_tiny POLA_b0 --batches 1 8 --json out.json
+    python benchmarks/bench_native.py --models pola_pvt_tiny POLA_b0 --batches 1 8 --rounds 5 --json out.json
 """
 from __future__ import annotations
 
@@ -73,7 +73,9 @@ def model_case(name, batch, train):
     return step
 
 
-def time_ab(step, rounds, threads, min_time):
+def time_ab(step, rounds, threads, min_time, steps=None):
+    """Medians over ``rounds`` of each variant's sample: ``steps`` calls per sample if given (whole models,
+    whose single steps are noisy), else torch.utils.benchmark's blocked autorange of ``min_time`` seconds."""
     native = native_kernels()
     variants = {"torch ops": lambda: None, "native": lambda: native}
     samples = {name: [] for name in variants}
@@ -86,7 +88,8 @@ def time_ab(step, rounds, threads, min_time):
             for name, lookup in variants.items():
                 attention_module.native_kernels = lookup
                 timer = benchmark.Timer("step()", globals={"step": step}, num_threads=threads)
-                samples[name].append(timer.blocked_autorange(min_run_time=min_time).median)
+                measured = timer.timeit(steps) if steps else timer.blocked_autorange(min_run_time=min_time)
+                samples[name].append(measured.median)
     finally:
         attention_module.native_kernels = original
     return {name: statistics.median(times) for name, times in samples.items()}
@@ -98,7 +101,8 @@ def main(argv=None):
     parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--min-time", type=float, default=0.3)
+    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per op sample")
+    parser.add_argument("--model-steps", type=int, default=6, help="steps per whole-model sample")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args(argv)
 
@@ -106,13 +110,15 @@ def main(argv=None):
     torch.set_num_threads(args.threads)
     if native_kernels() is None:
         raise SystemExit("the native kernels are not available here (see the log); nothing to compare")
-    cases = [(f"pola {s}", pola_case, s) for s in POLA_SHAPES] + [(f"pacs+rope {s}", pacs_case, s) for s in PACS_SHAPES]
-    cases += [(f"{m} b{b}", lambda spec, train: model_case(*spec, train), (m, b)) for m in args.models for b in args.batches]
+    cases = [(f"pola {s}", pola_case, s, None) for s in POLA_SHAPES]
+    cases += [(f"pacs+rope {s}", pacs_case, s, None) for s in PACS_SHAPES]
+    cases += [(f"{m} b{b}", lambda spec, train: model_case(*spec, train), (m, b), args.model_steps)
+              for m in args.models for b in args.batches]
     rows = []
-    for label, make, spec in cases:
+    for label, make, spec, steps in cases:
         for train in (False, True):
             with torch.set_grad_enabled(train):
-                result = time_ab(make(spec, train), args.rounds, args.threads, args.min_time)
+                result = time_ab(make(spec, train), args.rounds, args.threads, args.min_time, steps)
             ratio = result["torch ops"] / result["native"]
             mode = "train" if train else "infer"
             rows.append({"case": label, "mode": mode, **{k: v * 1e3 for k, v in result.items()}, "ratio": ratio})

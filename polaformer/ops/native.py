@@ -2,7 +2,7 @@
 
 The attention's elementwise stages (the power features, their backward, the two streams'
 normalisation and its gradient) are each one pass over memory there instead of a chain of 4-8
-torch ops. They are built once per machine with ``torch.utils.cpp_extension`` (about a minute; torch
+torch ops. They are built once per machine with ``torch.utils.cpp_extension`` (about 30 s; torch
 caches the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), for the
 vector width torch itself uses on this CPU (AVX2 or AVX-512).
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from pathlib import Path
 
@@ -55,10 +56,14 @@ def _build():
         cpp_logger.setLevel(level)
     openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
     cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_FLAGS[capability], *openmp]
-    log.info("polaformer native kernels: compiling for %s (once per machine, about a minute)", capability)
+    log.info("polaformer native kernels: loading the %s build (the first use on a machine compiles it, ~30 s)",
+             capability)
     try:
+        # torch's build cache is keyed by the name and the sources, not by torch's version: a module built
+        # against another libtorch must not be loaded, hence the version in the name
+        version = re.sub(r"\W", "_", torch.__version__)
         return cpp_extension.load(
-            name=f"polaformer_native_{capability.lower()}",
+            name=f"polaformer_native_{capability.lower()}_torch{version}",
             sources=[str(_SOURCE)],
             extra_cflags=cflags,
             extra_ldflags=openmp,
