@@ -258,3 +258,37 @@ def test_op_compiles_without_graph_breaks_forward_and_backward():
     grad = torch.randn_like(ref)
     for a, b in zip(torch.autograd.grad(out, (q, k, v, w), grad), torch.autograd.grad(ref, (q, k, v, w), grad)):
         assert_close(a, b)
+
+
+@pytest.mark.parametrize("kernel_size", [3, 5])
+def test_plus_depthwise_conv_is_the_residual_sum_forward_and_backward(kernel_size):
+    from polaformer.ops import plus_depthwise_conv
+
+    conv = torch.nn.Conv2d(6, 6, kernel_size, padding=kernel_size // 2, groups=6).double()
+    x = torch.randn(2, 6, 9, 7, dtype=F64, requires_grad=True)
+    fused = plus_depthwise_conv(x, conv.weight, conv.bias, kernel_size, 6)
+    plain = x + conv(x)
+    assert_close(fused, plain, rel=1e-13)
+    grad = torch.randn_like(plain)
+    leaves = (x, conv.weight, conv.bias)
+    for a, b in zip(torch.autograd.grad(fused, leaves, grad), torch.autograd.grad(plain, leaves, grad)):
+        assert_close(a, b, rel=1e-13)
+    with pytest.raises(ValueError, match="odd kernel"):
+        plus_depthwise_conv(x, conv.weight, conv.bias, 4, 6)
+
+
+def test_plus_depthwise_conv_traces_with_fx():
+    from polaformer.ops import plus_depthwise_conv
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.conv = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4)
+
+        def forward(self, x):
+            return plus_depthwise_conv(x, self.conv.weight, self.conv.bias, 3, 4)
+
+    block = Block()
+    traced = torch.fx.symbolic_trace(block)
+    x = torch.randn(1, 4, 5, 5)
+    torch.testing.assert_close(traced(x), x + block.conv(x))

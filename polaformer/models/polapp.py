@@ -76,7 +76,8 @@ class ConvFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         hidden = F.gelu(self.fc1(x.flatten(2).transpose(1, 2)))
-        hidden = plus_depthwise_conv(tokens_to_map(hidden, h, w), self.dwconv.weight, self.dwconv.bias)
+        dw = self.dwconv
+        hidden = plus_depthwise_conv(tokens_to_map(hidden, h, w), dw.weight, dw.bias, dw.kernel_size[0], dw.groups)
         return tokens_to_map(self.fc2(hidden.flatten(2).transpose(1, 2)), h, w)
 
 
@@ -102,7 +103,7 @@ class PolaPPBlock(nn.Module):
             self.gamma_1 = self.gamma_2 = None
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        x = plus_depthwise_conv(x, self.pos.weight, self.pos.bias)  # x + pos(x)
+        x = plus_depthwise_conv(x, self.pos.weight, self.pos.bias, self.pos.kernel_size[0], self.pos.groups)  # x + pos(x)
         attn = self.attn(self.norm1(x), sin, cos)
         x = x + self.drop_path(attn if self.gamma_1 is None else self.gamma_1 * attn)
         ffn = self.ffn(self.norm2(x))
