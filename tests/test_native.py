@@ -278,3 +278,19 @@ def test_pacs_op_with_native_kernels_equals_reference_forward_and_backward(nativ
     leaves = (q, k, v, t_same, t_opp)
     for a, r in zip(torch.autograd.grad(fast, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
         torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    import os
+    import time
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    assert not native_mod.clear_stale_build_lock(tmp_path)  # a build may be running
+    assert lock.exists()
+    old = time.time() - 2 * native_mod._STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+        assert native_mod.clear_stale_build_lock(tmp_path)
+    assert not lock.exists() and "did not finish" in caplog.text
+    assert not native_mod.clear_stale_build_lock(tmp_path)  # nothing to remove

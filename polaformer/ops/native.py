@@ -16,6 +16,7 @@ import logging
 import os
 import re
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -31,11 +32,29 @@ _FLAGS = {
 }
 _lock = threading.Lock()
 _state: dict = {}
+# torch's build lock is a file that only the building process removes: a build killed outright leaves it
+# behind and every later load would wait on it forever. No build of this file takes this long.
+_STALE_LOCK_SECONDS = 30 * 60
 
 
 def native_enabled() -> bool:
     """Whether the environment allows the native kernels (``POLAFORMER_NATIVE`` is not 0/false/off)."""
     return os.environ.get("POLAFORMER_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
+
+
+def clear_stale_build_lock(build_dir: str | os.PathLike, max_age: float = _STALE_LOCK_SECONDS) -> bool:
+    """Remove ``build_dir/lock`` if it is older than ``max_age`` seconds; returns whether it did."""
+    lock = Path(build_dir) / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    if age <= max_age:
+        return False
+    log.warning("polaformer native kernels: removing the build lock %s, left %.0f minutes ago by a build that "
+                "did not finish", lock, age / 60)
+    lock.unlink(missing_ok=True)
+    return True
 
 
 def _build():
@@ -62,15 +81,18 @@ def _build():
         # torch's build cache is keyed by the name and the sources, not by torch's version: a module built
         # against another libtorch must not be loaded, hence the version in the name
         version = re.sub(r"\W", "_", torch.__version__)
+        name = f"polaformer_native_{capability.lower()}_torch{version}"
+        clear_stale_build_lock(cpp_extension._get_build_directory(name, False))
         return cpp_extension.load(
-            name=f"polaformer_native_{capability.lower()}_torch{version}",
+            name=name,
             sources=[str(_SOURCE)],
             extra_cflags=cflags,
             extra_ldflags=openmp,
             verbose=False,
         )
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops still work
-        log.warning("polaformer native kernels: build failed (%s); using torch ops", str(err).splitlines()[0] if str(err) else type(err).__name__)
+        reason = str(err).splitlines()[0] if str(err) else type(err).__name__
+        log.warning("polaformer native kernels: build failed (%s); using torch ops", reason)
         return None
 
 
