@@ -64,6 +64,11 @@ class LayerNorm2d(nn.Module):
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
+def _plus_conv(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
+    """``x + conv(x)`` for a "same"-padded depthwise ``conv``, as one convolution."""
+    return plus_depthwise_conv(x, conv.weight, conv.bias, conv.kernel_size[0], conv.groups)
+
+
 class ConvFFN(nn.Module):
     """fc1 -> GELU -> (h + dwconv3x3(h)) -> fc2, on a (B, C, H, W) map (the sum as one convolution)."""
 
@@ -76,8 +81,7 @@ class ConvFFN(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
         hidden = F.gelu(self.fc1(x.flatten(2).transpose(1, 2)))
-        dw = self.dwconv
-        hidden = plus_depthwise_conv(tokens_to_map(hidden, h, w), dw.weight, dw.bias, dw.kernel_size[0], dw.groups)
+        hidden = _plus_conv(tokens_to_map(hidden, h, w), self.dwconv)
         return tokens_to_map(self.fc2(hidden.flatten(2).transpose(1, 2)), h, w)
 
 
@@ -103,7 +107,7 @@ class PolaPPBlock(nn.Module):
             self.gamma_1 = self.gamma_2 = None
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        x = plus_depthwise_conv(x, self.pos.weight, self.pos.bias, self.pos.kernel_size[0], self.pos.groups)  # x + pos(x)
+        x = _plus_conv(x, self.pos)
         attn = self.attn(self.norm1(x), sin, cos)
         x = x + self.drop_path(attn if self.gamma_1 is None else self.gamma_1 * attn)
         ffn = self.ffn(self.norm2(x))
