@@ -135,6 +135,31 @@ def test_normalise_and_output_grad_match_torch_ops(native, dv, half):
     _equal_nan(g, ref_g, rtol=1e-13)
 
 
+@pytest.mark.parametrize("d,dv,half", [(32, 64, 32), (5, 7, 4), (8, 34, 17), (3, 2, 1)])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_stream_rhs_and_its_backward_match_torch_ops(native, d, dv, half, dtype):
+    b, h, m = 2, 3, 197
+    kv = _x((b, h, 2 * d, dv), dtype)
+    k_sum = _x((b, h, 2 * d, 2), dtype, seed=1)[..., 0]  # a strided view: the kernel must not assume contiguity
+    rhs = native.stream_rhs(kv, k_sum, float(m), half)
+    ref = _torch_op(pa._stream_rhs, kv.clone(), k_sum.clone(), m, half)
+    torch.testing.assert_close(rhs, ref, rtol=0, atol=0)
+    grad_rhs = _x((b, h, 2 * d, dv + 2), dtype, seed=2)
+    grad_kv, grad_sum = native.stream_rhs_backward(grad_rhs, float(m), half)
+    ref_kv, ref_sum = _torch_op(pa._stream_rhs_backward, grad_rhs, m, half)
+    torch.testing.assert_close(grad_kv, ref_kv, rtol=0, atol=0)
+    torch.testing.assert_close(grad_sum, ref_sum, rtol=0, atol=0)
+
+
+def test_stream_rhs_rejects_malformed_inputs(native):
+    with pytest.raises(RuntimeError, match="kv must be"):
+        native.stream_rhs(_x((2, 3, 5, 4)), _x((2, 3, 5)), 1.0, 2)
+    with pytest.raises(RuntimeError, match="k_sum must be"):
+        native.stream_rhs(_x((2, 3, 6, 4)), _x((2, 3, 4)), 1.0, 2)
+    with pytest.raises(RuntimeError, match="half must"):
+        native.stream_rhs_backward(_x((2, 3, 6, 6)), 1.0, 5)
+
+
 @pytest.mark.parametrize("shape", [(2, 3, 9, 13, 8, 10), (1, 2, 64, 64, 32, 32), (3, 1, 5, 300, 6, 5)])
 @pytest.mark.parametrize("masked", [False, True])
 def test_op_with_native_kernels_equals_reference_forward_and_backward(native, shape, masked):

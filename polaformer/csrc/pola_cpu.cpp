@@ -202,6 +202,71 @@ void output_grad_kernel(const at::Tensor& grad_out, const at::Tensor& denom, con
   });
 }
 
+// The one right-hand side of both streams from S = φkᵀv and Σφk, both divided by the key count m:
+// row r of rhs is [S[r, :half] | S[r', half:] | Σφk[r] | Σφk[r']] / m with r' = (r + d) mod 2d.
+template <typename T>
+void stream_rhs_kernel(const at::Tensor& kv, const at::Tensor& k_sum, double m, int64_t half, at::Tensor& rhs) {
+  using V = Vectorized<T>;
+  const int64_t two_d = kv.size(2), d = two_d / 2, dv = kv.size(3), width = dv + 2;
+  const T* kp = kv.data_ptr<T>();
+  const T* sp = k_sum.data_ptr<T>();
+  T* rp = rhs.data_ptr<T>();
+  const T mm = static_cast<T>(m);
+  const V mv(mm);
+  at::parallel_for(0, kv.size(0) * kv.size(1), grain(two_d * width), [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const T* k = kp + bh * two_d * dv;
+      const T* s = sp + bh * two_d;
+      T* out = rp + bh * two_d * width;
+      for (int64_t r = 0; r < two_d; ++r) {
+        const int64_t swapped = r < d ? r + d : r - d;
+        T* o = out + r * width;
+        for (int stream = 0; stream < 2; ++stream) {
+          const T* src = k + (stream ? swapped : r) * dv;
+          const int64_t lo = stream ? half : 0, hi = stream ? dv : half;
+          int64_t c = lo;
+          for (; c + V::size() <= hi; c += V::size()) (V::loadu(src + c) / mv).store(o + c);
+          for (; c < hi; ++c) o[c] = src[c] / mm;
+        }
+        o[dv] = s[r] / mm;
+        o[dv + 1] = s[swapped] / mm;
+      }
+    }
+  });
+}
+
+// Its backward: the gradients of S and of Σφk from the gradient of rhs, both divided by m.
+template <typename T>
+void stream_rhs_backward_kernel(const at::Tensor& grad_rhs, double m, int64_t half, at::Tensor& grad_kv,
+                                at::Tensor& grad_sum) {
+  using V = Vectorized<T>;
+  const int64_t two_d = grad_rhs.size(2), d = two_d / 2, width = grad_rhs.size(3), dv = width - 2;
+  const T* gp = grad_rhs.data_ptr<T>();
+  T* kp = grad_kv.data_ptr<T>();
+  T* sp = grad_sum.data_ptr<T>();
+  const T mm = static_cast<T>(m);
+  const V mv(mm);
+  at::parallel_for(0, grad_rhs.size(0) * grad_rhs.size(1), grain(two_d * width), [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const T* g = gp + bh * two_d * width;
+      T* k = kp + bh * two_d * dv;
+      T* s = sp + bh * two_d;
+      for (int64_t r = 0; r < two_d; ++r) {
+        const int64_t swapped = r < d ? r + d : r - d;
+        T* o = k + r * dv;
+        for (int stream = 0; stream < 2; ++stream) {
+          const T* src = g + (stream ? swapped : r) * width;
+          const int64_t lo = stream ? half : 0, hi = stream ? dv : half;
+          int64_t c = lo;
+          for (; c + V::size() <= hi; c += V::size()) (V::loadu(src + c) / mv).store(o + c);
+          for (; c < hi; ++c) o[c] = src[c] / mm;
+        }
+        s[r] = (g[r * width + dv] + g[swapped * width + dv + 1]) / mm;
+      }
+    }
+  });
+}
+
 // ---- PaCS (PolaFormer++) -------------------------------------------------------------------------------
 // Features are [relu(x) ; relu(-x)], each half in "kernel order": with RoPE, channels [even | odd] so that
 // the rotation works on whole blocks (see _pacs_indices in pola_attention.py).
@@ -462,6 +527,32 @@ at::Tensor output_grad(const at::Tensor& grad_out, const at::Tensor& denom, cons
   return g;
 }
 
+at::Tensor stream_rhs(const at::Tensor& kv, const at::Tensor& k_sum, double m, int64_t half) {
+  TORCH_CHECK(kv.dim() == 4 && kv.size(2) % 2 == 0, "kv must be (B, H, 2d, dv)");
+  TORCH_CHECK(k_sum.dim() == 3 && k_sum.size(2) == kv.size(2), "k_sum must be (B, H, 2d)");
+  TORCH_CHECK(0 <= half && half <= kv.size(3), "half must lie in [0, dv]");
+  const auto kv_c = kv.contiguous();
+  const auto sum_c = k_sum.contiguous();
+  auto rhs = at::empty({kv.size(0), kv.size(1), kv.size(2), kv.size(3) + 2}, kv.options());
+  AT_DISPATCH_FLOATING_TYPES(kv.scalar_type(), "stream_rhs", [&] {
+    stream_rhs_kernel<scalar_t>(kv_c, sum_c, m, half, rhs);
+  });
+  return rhs;
+}
+
+std::vector<at::Tensor> stream_rhs_backward(const at::Tensor& grad_rhs, double m, int64_t half) {
+  TORCH_CHECK(grad_rhs.dim() == 4 && grad_rhs.size(2) % 2 == 0 && grad_rhs.size(3) >= 2,
+              "grad_rhs must be (B, H, 2d, dv + 2)");
+  TORCH_CHECK(0 <= half && half <= grad_rhs.size(3) - 2, "half must lie in [0, dv]");
+  const auto g = grad_rhs.contiguous();
+  auto grad_kv = at::empty({g.size(0), g.size(1), g.size(2), g.size(3) - 2}, g.options());
+  auto grad_sum = at::empty({g.size(0), g.size(1), g.size(2)}, g.options());
+  AT_DISPATCH_FLOATING_TYPES(g.scalar_type(), "stream_rhs_backward", [&] {
+    stream_rhs_backward_kernel<scalar_t>(g, m, half, grad_kv, grad_sum);
+  });
+  return {grad_kv, grad_sum};
+}
+
 void check_tables(const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross, int64_t streams,
                   int64_t n, int64_t w, const at::Tensor& like) {
   TORCH_CHECK(cos.has_value() == cross.has_value(), "pass both RoPE tables or neither");
@@ -540,6 +631,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("power_backward", &power_backward, "gradients of x and p through the power features");
   m.def("normalise", &normalise, "both streams' numerators over their normalisers");
   m.def("output_grad", &output_grad, "gradient at the products' output");
+  m.def("stream_rhs", &stream_rhs, "both streams' right-hand side [S_same | swapped S_opp | sums] / m");
+  m.def("stream_rhs_backward", &stream_rhs_backward, "gradients of S and of the key sums from that of rhs");
   m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1, and rotated",
         py::arg("x"), py::arg("rope"), py::arg("with_exp"), py::arg("cos") = py::none(), py::arg("cross") = py::none());
   m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams, and rotated", py::arg("p"),

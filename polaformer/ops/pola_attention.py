@@ -221,9 +221,26 @@ def _pola_attention_graph(q, k, v, power, eps, keep, m):
     return torch.cat([res[..., :half] / (res[..., -2:-1] + eps), res[..., half:-2] / (res[..., -1:] + eps)], dim=-1)
 
 
-def _stream_rhs(kv: torch.Tensor, k_mean: torch.Tensor, half: int) -> torch.Tensor:
-    """``[S_same | swap_rows(S_opp) | km | swap(km)]``: the one right-hand side of both streams."""
+def _stream_rhs(kv: torch.Tensor, k_sum: torch.Tensor, m, half: int) -> torch.Tensor:
+    """``[S_same | swap_rows(S_opp) | km | swap(km)]``, the one right-hand side of both streams, from
+    ``kv = φkᵀv`` (B, H, 2d, dv) and ``k_sum = Σφk`` (B, H, 2d), both divided by ``m`` here (``kv`` and
+    ``k_sum`` may be overwritten)."""
+    native = _native_for(kv)
+    if native is not None and not isinstance(m, torch.Tensor):
+        return native.stream_rhs(kv, k_sum, float(m), half)
+    kv, k_mean = kv.div_(m), k_sum.unsqueeze(-1).div_(m)
     return torch.cat([kv[..., :half], _swap_rows(kv[..., half:]), k_mean, _swap_rows(k_mean)], dim=-1)
+
+
+def _stream_rhs_backward(grad_rhs: torch.Tensor, m, half: int):
+    """The gradients of ``kv`` and ``k_sum`` (B, H, 2d) from that of :func:`_stream_rhs`'s output."""
+    native = _native_for(grad_rhs)
+    if native is not None and not isinstance(m, torch.Tensor):
+        return native.stream_rhs_backward(grad_rhs, float(m), half)
+    dv = grad_rhs.shape[-1] - 2
+    grad_kv = torch.cat([grad_rhs[..., :half], _swap_rows(grad_rhs[..., half:dv])], dim=-1).div_(m)
+    grad_k_sum = (grad_rhs[..., -2:-1] + _swap_rows(grad_rhs[..., -1:])).div_(m).squeeze(-1)
+    return grad_kv, grad_k_sum
 
 
 def _token_major_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -296,7 +313,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
         else:
             kv.add_(part_kv)
             k_sum.add_(part_sum)
-    rhs = _stream_rhs(kv.div_(m), k_sum.unsqueeze(-1).div_(m), half)
+    rhs = _stream_rhs(kv, k_sum, m, half)
     out = _token_major_output(q, v)
     step = _block_tokens(q, d)
     for i in range(0, n, step):
@@ -318,9 +335,7 @@ class _PolaPowerAttention(torch.autograd.Function):
             phi_k.mul_(keep)
 
         # One kᵀv product for both streams, plus the key mean.
-        kv = torch.matmul(phi_k.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
-        k_mean = phi_k.sum(dim=-2).unsqueeze(-1).div_(m)  # (B, H, 2d, 1)
-        rhs = _stream_rhs(kv, k_mean, half)
+        rhs = _stream_rhs(torch.matmul(phi_k.transpose(-2, -1), v), phi_k.sum(dim=-2), m, half)
         out = _token_major_output(q, v)
         denom = _normalise(torch.matmul(phi_q, rhs), eps, half, out)
 
@@ -333,7 +348,6 @@ class _PolaPowerAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out, *count = ctx.saved_tensors
         m = count[0] if count else ctx.m
-        dv_ = v.shape[-1]
         half = _same_sign_width(v)
 
         # d(numerator) = dO / z, d(z) = -Σ dO·O / z per stream.
@@ -341,8 +355,7 @@ class _PolaPowerAttention(torch.autograd.Function):
 
         grad_phi_q = torch.matmul(g, rhs.transpose(-2, -1))  # (B, H, N, 2d)
         grad_rhs = torch.matmul(phi_q.transpose(-2, -1), g)  # (B, H, 2d, dv + 2)
-        grad_kv = torch.cat([grad_rhs[..., :half], _swap_rows(grad_rhs[..., half:dv_])], dim=-1).div_(m)
-        grad_k_mean = (grad_rhs[..., -2:-1] + _swap_rows(grad_rhs[..., -1:])).div_(m).squeeze(-1)
+        grad_kv, grad_k_mean = _stream_rhs_backward(grad_rhs, m, half)
 
         grad_v = grad_power = None
         if ctx.needs_input_grad[2]:
