@@ -151,6 +151,61 @@ def test_stream_rhs_and_its_backward_match_torch_ops(native, d, dv, half, dtype)
     torch.testing.assert_close(grad_sum, ref_sum, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("blocks", [False, True])
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_native_forward_without_gradients_matches_torch_ops_and_reference(native, monkeypatch, blocks, dtype):
+    if blocks:  # blocks of 7 tokens, the last one short, for the keys and for the queries
+        monkeypatch.setattr(pa, "_BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(pa, "_MIN_BLOCK_TOKENS", 7)
+    q = _x((2, 3, 40, 8), dtype, token_major=True)
+    k = _x((2, 3, 29, 8), dtype, seed=1, token_major=True)
+    v = _x((2, 3, 29, 5), dtype, seed=2)
+    power = learnable_power(_x((1, 3, 1, 8), dtype, seed=3), 4.0)
+    with torch.no_grad():
+        fused = native.pola_forward_no_grad(q, k, v, power, 1e-6, pa._BLOCK_ELEMENTS, pa._MIN_BLOCK_TOKENS)
+        through_op = pola_linear_attention(q, k, v, power)
+        plain = _torch_op(pola_linear_attention, q, k, v, power)
+    assert fused.shape == (2, 3, 40, 5) and fused.transpose(1, 2).is_contiguous()  # token-major, as the layers use
+    torch.testing.assert_close(through_op, fused, rtol=0, atol=0)
+    tol = dict(rtol=1e-12, atol=1e-13) if dtype == F64 else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused, plain, **tol)
+    ref = naive_pola_linear_attention(q.double(), k.double(), v.double(), power.double())
+    torch.testing.assert_close(fused.double(), ref, **tol)
+
+
+def test_no_gradient_forward_is_one_native_call_only_where_that_applies(native, monkeypatch):
+    calls = []
+
+    class Spy:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def pola_forward_no_grad(self, *args):
+            calls.append(args[0].shape)
+            return native.pola_forward_no_grad(*args)
+
+    monkeypatch.setattr(pa, "native_kernels", lambda: Spy())
+    q, k, v = (_x((2, 3, 9, 4), torch.float32, seed=s) for s in range(3))
+    ref = naive_pola_linear_attention(q.double(), k.double(), v.double(), 2.5)
+    mask = torch.zeros(2, 9, dtype=torch.bool)
+    with torch.no_grad():
+        cases = {
+            "eligible": lambda: pola_linear_attention(q, k, v, 2.5),
+            "masked": lambda: pola_linear_attention(q, k, v, 2.5, key_padding_mask=mask),
+            "float64 power": lambda: pola_linear_attention(q, k, v, torch.tensor(2.5, dtype=F64)),
+            "strided channels": lambda: pola_linear_attention(q.transpose(-2, -1).contiguous().transpose(-2, -1),
+                                                              k, v, 2.5),
+        }
+        for name, call in cases.items():
+            torch.testing.assert_close(call().double(), ref, rtol=1e-5, atol=1e-6, msg=name)
+            assert len(calls) == 1, name  # the first case only
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            torch.testing.assert_close(pola_linear_attention(q, k, v, 2.5).double(), ref, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(pola_linear_attention(q.requires_grad_(), k, v, 2.5).double(), ref,
+                               rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1
+
+
 def test_stream_rhs_rejects_malformed_inputs(native):
     with pytest.raises(RuntimeError, match="kv must be"):
         native.stream_rhs(_x((2, 3, 5, 4)), _x((2, 3, 5)), 1.0, 2)

@@ -553,6 +553,56 @@ std::vector<at::Tensor> stream_rhs_backward(const at::Tensor& grad_rhs, double m
   return {grad_kv, grad_sum};
 }
 
+// Tokens per block for x (B, H, N, ·) whose per-token work is `width` channels wide (as _block_tokens in
+// pola_attention.py: inputs of up to four blocks run as one).
+int64_t block_tokens(const at::Tensor& x, int64_t width, int64_t block_elements, int64_t min_block_tokens) {
+  const int64_t n = x.size(2), per_token = std::max<int64_t>(1, x.size(0) * x.size(1) * width);
+  if (n * per_token <= 4 * block_elements) return std::max<int64_t>(n, 1);
+  return std::max<int64_t>(min_block_tokens, block_elements / per_token);
+}
+
+// The whole forward of the power-map attention without gradients and without key padding, as
+// _pola_attention_no_grad in pola_attention.py does it (the same blocks), in one call: at small sizes
+// the Python around two dozen tensor calls costs as much as the elementwise kernels. Checks p >= 1.
+at::Tensor pola_forward_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                const at::Tensor& power, double eps, int64_t block_elements,
+                                int64_t min_block_tokens) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  TORCH_CHECK(v.dim() == 4 && v.size(2) == k.size(2) && v.size(3) >= 2, "v must be (B, H, M, dv) with dv >= 2");
+  if (power.numel()) {
+    const double lowest = power.min().item<double>();
+    TORCH_CHECK_VALUE(!(lowest < 1), "power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of ",
+                      lowest);
+  }
+  const int64_t d = q.size(3), dv = v.size(3), half = (dv + 1) / 2, n = q.size(2), m = k.size(2);
+  at::Tensor kv, k_sum;
+  const int64_t key_step = block_tokens(k, d, block_elements, min_block_tokens);
+  for (int64_t i = 0; i < m; i += key_step) {
+    const int64_t len = std::min(key_step, m - i);
+    const auto phi_k = power_features(k.narrow(2, i, len), power, false)[0];
+    auto part_kv = at::matmul(phi_k.transpose(-2, -1), v.narrow(2, i, len));
+    auto part_sum = phi_k.sum(-2);
+    if (i == 0) {
+      kv = std::move(part_kv);
+      k_sum = std::move(part_sum);
+    } else {
+      kv.add_(part_kv);
+      k_sum.add_(part_sum);
+    }
+  }
+  const auto rhs = stream_rhs(kv, k_sum, static_cast<double>(m), half);
+  // (B, H, N, dv) view of (B, N, H, dv) memory, so that merging the heads afterwards is a view
+  auto out = at::empty({q.size(0), n, q.size(1), dv}, v.options()).transpose(1, 2);
+  const int64_t query_step = block_tokens(q, d, block_elements, min_block_tokens);
+  for (int64_t i = 0; i < n; i += query_step) {
+    const int64_t len = std::min(query_step, n - i);
+    const auto phi_q = power_features(q.narrow(2, i, len), power, false)[0];
+    normalise(at::matmul(phi_q, rhs), eps, half, out.narrow(2, i, len));
+  }
+  return out;
+}
+
 void check_tables(const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross, int64_t streams,
                   int64_t n, int64_t w, const at::Tensor& like) {
   TORCH_CHECK(cos.has_value() == cross.has_value(), "pass both RoPE tables or neither");
@@ -631,6 +681,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("power_backward", &power_backward, "gradients of x and p through the power features");
   m.def("normalise", &normalise, "both streams' numerators over their normalisers");
   m.def("output_grad", &output_grad, "gradient at the products' output");
+  m.def("pola_forward_no_grad", &pola_forward_no_grad, "the power-map attention's forward without gradients");
   m.def("stream_rhs", &stream_rhs, "both streams' right-hand side [S_same | swapped S_opp | sums] / m");
   m.def("stream_rhs_backward", &stream_rhs_backward, "gradients of S and of the key sums from that of rhs");
   m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1, and rotated",

@@ -70,24 +70,34 @@ def _check_float(**tensors) -> None:
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
 
 
-def _as_power(power, q: torch.Tensor, capturing: bool) -> torch.Tensor:
-    """``power`` as a tensor that broadcasts to (B, H, 1, d), checked to be >= 1 where that is cheap.
-
-    A Python number is taken as one exponent for every channel. The values are checked only in
-    eager mode on the CPU: elsewhere the check would synchronise with the device on every call
-    (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power` is > 1
-    by construction.
-    """
+def _as_power(power, q: torch.Tensor) -> torch.Tensor:
+    """``power`` as a tensor that broadcasts to (B, H, 1, d); a Python number is one exponent for every channel."""
     if isinstance(power, (int, float)) and not isinstance(power, bool):
         power = torch.tensor(float(power), dtype=q.dtype, device=q.device)
     _check_float(power=power)
     target = (q.shape[0], q.shape[1], 1, q.shape[-1])
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
         raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
+    return power
+
+
+def _check_power_values(power: torch.Tensor, capturing: bool) -> None:
+    """``power >= 1``, checked only in eager mode on the CPU: elsewhere the check would synchronise with the
+    device on every call (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power`
+    is > 1 by construction. (The native forward makes the same check.)"""
     if power.device.type == "cpu" and not capturing and power.numel() and bool(power.detach().amin() < 1):
         raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
                          f"{power.detach().amin().item():g}")
-    return power
+
+
+def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor):
+    """The native kernels when the whole no-gradient forward can run in one native call: CPU inputs of one
+    float dtype with unit stride along the channels, and no autocast (which would recast the products)."""
+    if not (q.dtype == k.dtype == v.dtype == power.dtype and q.stride(-1) == 1 and k.stride(-1) == 1):
+        return None
+    if torch.is_autocast_enabled("cpu"):
+        return None
+    return _native_for(q)
 
 
 def _key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):
@@ -423,12 +433,18 @@ def pola_linear_attention(
     if v.shape[-1] < 2:
         raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
     capturing = _capturing_graph()
-    power = _as_power(power, q, capturing)
+    power = _as_power(power, q)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
+    if not (capturing or needs_grad or key_padding_mask is not None):
+        native = _native_forward(q, k, v, power)
+        if native is not None:
+            return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
+    _check_power_values(power, capturing)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
     if capturing:
         attention = _pola_attention_graph
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power)):
+    elif needs_grad:
         attention = _PolaPowerAttention.apply
     else:
         attention = _pola_attention_no_grad
