@@ -40,8 +40,13 @@ int64_t grain(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 14) / 
 
 // [x⁺ᵖ ; x⁻ᵖ] with s = |x|ᵖ = exp(p·log|x|); log|x| is kept for the exponent's gradient when asked.
 // NaN propagates to both halves, as in the torch-op version; x = 0 gives 0 in both.
-template <typename T>
-void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Tensor& feat, at::Tensor* log_abs) {
+// With Dots (queries of the no-gradient forward), each row's two normalisers are formed while the row is
+// in registers: z = [φ·km + eps, φ·swap(km) + eps] with km (B, H, 2d), so that the product with the
+// right-hand side needs only its dv numerator columns (a 66-wide product runs 15-25% slower than a
+// 64-wide one).
+template <typename T, bool Dots>
+void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Tensor& feat, at::Tensor* log_abs,
+                           const T* km = nullptr, T eps = T(0), T* z = nullptr) {
   using V = Vectorized<T>;
   const Rows rows(x);
   const int64_t d = x.size(3), total = x.size(0) * x.size(1) * x.size(2);
@@ -54,17 +59,35 @@ void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Ten
     for (int64_t r = begin; r < end; ++r) {
       const T* xr = xp + rows.offset(r);
       const T* pr = pp + (r / rows.tokens) * d;
+      const T* ka = Dots ? km + (r / rows.tokens) * 2 * d : nullptr;
       T* pos = fp + r * 2 * d;
       T* neg = pos + d;
       T* lr = lp ? lp + r * d : nullptr;
+      V same(T(0)), opposite(T(0));
       int64_t c = 0;
       for (; c + V::size() <= d; c += V::size()) {
         const V xv = V::loadu(xr + c);
         const V lg = xv.abs().log();
         if (lr) lg.store(lr + c);
         const V s = (lg * V::loadu(pr + c)).exp();
-        V::blendv(s, zero, xv <= zero).store(pos + c);
-        V::blendv(s, zero, xv >= zero).store(neg + c);
+        const V pv = V::blendv(s, zero, xv <= zero), nv = V::blendv(s, zero, xv >= zero);
+        pv.store(pos + c);
+        nv.store(neg + c);
+        if constexpr (Dots) {
+          const V a = V::loadu(ka + c), b = V::loadu(ka + d + c);
+          same = at::vec::fmadd(pv, a, at::vec::fmadd(nv, b, same));
+          opposite = at::vec::fmadd(pv, b, at::vec::fmadd(nv, a, opposite));
+        }
+      }
+      T zs = T(0), zo = T(0);
+      if constexpr (Dots) {
+        T lanes[2][V::size()];
+        same.store(lanes[0]);
+        opposite.store(lanes[1]);
+        for (int64_t i = 0; i < V::size(); ++i) {
+          zs += lanes[0][i];
+          zo += lanes[1][i];
+        }
       }
       for (; c < d; ++c) {
         const T xv = xr[c];
@@ -73,6 +96,39 @@ void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Ten
         const T s = std::exp(lg * pr[c]);
         pos[c] = xv <= T(0) ? T(0) : s;
         neg[c] = xv >= T(0) ? T(0) : s;
+        if constexpr (Dots) {
+          zs += pos[c] * ka[c] + neg[c] * ka[d + c];
+          zo += pos[c] * ka[d + c] + neg[c] * ka[c];
+        }
+      }
+      if constexpr (Dots) {
+        z[2 * r] = zs + eps;
+        z[2 * r + 1] = zo + eps;
+      }
+    }
+  });
+}
+
+// out = res / z per stream: res (B, H, N, dv) contiguous numerators, z (B, H, N, 2) contiguous normalisers.
+template <typename T>
+void divide_streams_kernel(const at::Tensor& res, const at::Tensor& z, int64_t half, at::Tensor& out) {
+  using V = Vectorized<T>;
+  const Rows orows(out);
+  const int64_t dv = out.size(3), total = res.size(0) * res.size(1) * res.size(2);
+  const T* rp = res.data_ptr<T>();
+  const T* zp = z.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, total, grain(dv), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const T* rr = rp + r * dv;
+      T* o = op + orows.offset(r);
+      for (int s = 0; s < 2; ++s) {
+        const int64_t lo = s ? half : 0, hi = s ? dv : half;
+        const T zr = zp[2 * r + s];
+        const V zv(zr);
+        int64_t c = lo;
+        for (; c + V::size() <= hi; c += V::size()) (V::loadu(rr + c) / zv).store(o + c);
+        for (; c < hi; ++c) o[c] = rr[c] / zr;
       }
     }
   });
@@ -488,7 +544,7 @@ std::vector<at::Tensor> power_features(const at::Tensor& x, const at::Tensor& po
   auto feat = at::empty({x.size(0), x.size(1), x.size(2), 2 * x.size(3)}, x.options());
   at::Tensor log_abs = keep_log ? at::empty(x.sizes(), x.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "power_features", [&] {
-    power_features_kernel<scalar_t>(x, p, feat, keep_log ? &log_abs : nullptr);
+    power_features_kernel<scalar_t, false>(x, p, feat, keep_log ? &log_abs : nullptr);
   });
   return {feat, log_abs};
 }
@@ -595,10 +651,23 @@ at::Tensor pola_forward_no_grad(const at::Tensor& q, const at::Tensor& k, const 
   // (B, H, N, dv) view of (B, N, H, dv) memory, so that merging the heads afterwards is a view
   auto out = at::empty({q.size(0), n, q.size(1), dv}, v.options()).transpose(1, 2);
   const int64_t query_step = block_tokens(q, d, block_elements, min_block_tokens);
+  // The normalisers come from the query feature pass (see power_features_kernel), the numerators from a
+  // product with the first dv columns of rhs only.
+  const auto numerators = rhs.narrow(3, 0, dv);
+  const auto key_means = rhs.select(3, dv).contiguous();  // (B, H, 2d): [km ; swap(km)] in its two columns
+  const auto p = expanded_power(power, q);
   for (int64_t i = 0; i < n; i += query_step) {
     const int64_t len = std::min(query_step, n - i);
-    const auto phi_q = power_features(q.narrow(2, i, len), power, false)[0];
-    normalise(at::matmul(phi_q, rhs), eps, half, out.narrow(2, i, len));
+    const auto q_block = q.narrow(2, i, len);
+    auto phi_q = at::empty({q.size(0), q.size(1), len, 2 * d}, q.options());
+    auto z = at::empty({q.size(0), q.size(1), len, 2}, q.options());
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pola_forward_no_grad", [&] {
+      power_features_kernel<scalar_t, true>(q_block, p, phi_q, nullptr, key_means.data_ptr<scalar_t>(),
+                                            static_cast<scalar_t>(eps), z.data_ptr<scalar_t>());
+      const auto res = at::matmul(phi_q, numerators).contiguous();
+      auto out_block = out.narrow(2, i, len);
+      divide_streams_kernel<scalar_t>(res, z, half, out_block);
+    });
   }
   return out;
 }
