@@ -135,6 +135,30 @@ def test_normalise_and_output_grad_match_torch_ops(native, dv, half):
     _equal_nan(g, ref_g, rtol=1e-13)
 
 
+@pytest.mark.parametrize("d", [5, 32, 33])
+@pytest.mark.parametrize("keep_log", [True, False])
+def test_query_features_with_normalisers_match_torch_ops(native, d, keep_log):
+    b, h, n = 2, 3, 11
+    x = _x((b, h, n, d), token_major=True)
+    x[0, 0, 0, :2] = 0.0  # zeros give 0 in both halves, and nothing in the normalisers
+    power = learnable_power(_x((1, h, 1, d), seed=1), 4.0)
+    key_means = _x((b, h, 2 * d), seed=2).abs_()
+    feat, log_abs, z = native.power_features_dots(x, power, key_means, 1e-6, keep_log)
+    ref_feat, ref_log = _torch_op(pa._power_features, x, power)
+    _equal_nan(feat, ref_feat, rtol=1e-14)
+    if keep_log:
+        _equal_nan(log_abs, ref_log, rtol=1e-14)
+    swapped = torch.cat([key_means[..., d:], key_means[..., :d]], -1)
+    ref_z = torch.stack([ref_feat @ key_means.unsqueeze(-1), ref_feat @ swapped.unsqueeze(-1)], -1)[..., 0, :] + 1e-6
+    torch.testing.assert_close(z, ref_z, rtol=1e-13, atol=0)
+    res = _x((b, h, n, 7), seed=3)
+    out = pa._token_major_output(x, res)
+    native.divide_streams(res, z, 4, out)
+    torch.testing.assert_close(out, torch.cat([res[..., :4] / z[..., :1], res[..., 4:] / z[..., 1:]], -1), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="key_means must be"):
+        native.power_features_dots(x, power, key_means[..., 1:], 1e-6, keep_log)
+
+
 @pytest.mark.parametrize("d,dv,half", [(32, 64, 32), (5, 7, 4), (8, 34, 17), (3, 2, 1)])
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_stream_rhs_and_its_backward_match_torch_ops(native, d, dv, half, dtype):

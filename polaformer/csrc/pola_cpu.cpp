@@ -566,6 +566,39 @@ std::vector<at::Tensor> power_backward(const at::Tensor& x, const at::Tensor& fe
   return {grad_x, grad_p};
 }
 
+// Query features with both streams' normalisers z = [φ·km + eps, φ·swap(km) + eps] (B, H, N, 2) from
+// key_means = km (B, H, 2d); see power_features_kernel.
+std::vector<at::Tensor> power_features_dots(const at::Tensor& x, const at::Tensor& power,
+                                            const at::Tensor& key_means, double eps, bool keep_log) {
+  check_rows(x, "x");
+  TORCH_CHECK(power.scalar_type() == x.scalar_type() && key_means.scalar_type() == x.scalar_type(),
+              "power, key_means and x dtypes differ");
+  TORCH_CHECK(key_means.dim() == 3 && key_means.size(0) == x.size(0) && key_means.size(1) == x.size(1) &&
+                  key_means.size(2) == 2 * x.size(3),
+              "key_means must be (B, H, 2d)");
+  const auto p = expanded_power(power, x);
+  const auto km = key_means.contiguous();
+  auto feat = at::empty({x.size(0), x.size(1), x.size(2), 2 * x.size(3)}, x.options());
+  auto z = at::empty({x.size(0), x.size(1), x.size(2), 2}, x.options());
+  at::Tensor log_abs = keep_log ? at::empty(x.sizes(), x.options()) : at::Tensor();
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "power_features_dots", [&] {
+    power_features_kernel<scalar_t, true>(x, p, feat, keep_log ? &log_abs : nullptr, km.data_ptr<scalar_t>(),
+                                          static_cast<scalar_t>(eps), z.data_ptr<scalar_t>());
+  });
+  return {feat, log_abs, z};
+}
+
+// out = numerators / z per stream (the same-sign stream has the first `half` channels).
+void divide_streams(const at::Tensor& res, const at::Tensor& z, int64_t half, at::Tensor out) {
+  check_rows(out, "out");
+  TORCH_CHECK(res.is_contiguous() && z.is_contiguous() && res.sizes() == out.sizes() && z.size(3) == 2 &&
+                  z.size(2) == res.size(2),
+              "res must be contiguous (B, H, N, dv) and z contiguous (B, H, N, 2)");
+  AT_DISPATCH_FLOATING_TYPES(res.scalar_type(), "divide_streams", [&] {
+    divide_streams_kernel<scalar_t>(res, z, half, out);
+  });
+}
+
 at::Tensor normalise(at::Tensor res, double eps, int64_t half, at::Tensor out) {
   check_rows(out, "out");
   TORCH_CHECK(res.is_contiguous() && res.size(3) == out.size(3) + 2, "res must be contiguous (B, H, N, dv + 2)");
@@ -654,20 +687,11 @@ at::Tensor pola_forward_no_grad(const at::Tensor& q, const at::Tensor& k, const 
   // The normalisers come from the query feature pass (see power_features_kernel), the numerators from a
   // product with the first dv columns of rhs only.
   const auto numerators = rhs.narrow(3, 0, dv);
-  const auto key_means = rhs.select(3, dv).contiguous();  // (B, H, 2d): [km ; swap(km)] in its two columns
-  const auto p = expanded_power(power, q);
+  const auto key_means = rhs.select(3, dv).contiguous();  // km (B, H, 2d), the first normaliser column
   for (int64_t i = 0; i < n; i += query_step) {
     const int64_t len = std::min(query_step, n - i);
-    const auto q_block = q.narrow(2, i, len);
-    auto phi_q = at::empty({q.size(0), q.size(1), len, 2 * d}, q.options());
-    auto z = at::empty({q.size(0), q.size(1), len, 2}, q.options());
-    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pola_forward_no_grad", [&] {
-      power_features_kernel<scalar_t, true>(q_block, p, phi_q, nullptr, key_means.data_ptr<scalar_t>(),
-                                            static_cast<scalar_t>(eps), z.data_ptr<scalar_t>());
-      const auto res = at::matmul(phi_q, numerators).contiguous();
-      auto out_block = out.narrow(2, i, len);
-      divide_streams_kernel<scalar_t>(res, z, half, out_block);
-    });
+    const auto features = power_features_dots(q.narrow(2, i, len), power, key_means, eps, false);
+    divide_streams(at::matmul(features[0], numerators).contiguous(), features[2], half, out.narrow(2, i, len));
   }
   return out;
 }
@@ -751,6 +775,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("normalise", &normalise, "both streams' numerators over their normalisers");
   m.def("output_grad", &output_grad, "gradient at the products' output");
   m.def("pola_forward_no_grad", &pola_forward_no_grad, "the power-map attention's forward without gradients");
+  m.def("power_features_dots", &power_features_dots, "query features, log|x| and both normalisers");
+  m.def("divide_streams", &divide_streams, "numerators over both streams' normalisers");
   m.def("stream_rhs", &stream_rhs, "both streams' right-hand side [S_same | swapped S_opp | sums] / m");
   m.def("stream_rhs_backward", &stream_rhs_backward, "gradients of S and of the key sums from that of rhs");
   m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1, and rotated",

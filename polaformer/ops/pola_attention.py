@@ -337,7 +337,6 @@ class _PolaPowerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, power, eps, keep, m):
         # keep: (B, 1, M, 1) 0/1 key factor or None; m: valid keys, a number or (B, 1, 1, 1).
         half = _same_sign_width(v)
-        phi_q, log_q = _power_features(q, power)
         phi_k, log_k = _power_features(k, power)
         if keep is not None:
             # Zero features drop padded keys from kᵀv and the mean, and (as the backward
@@ -347,6 +346,7 @@ class _PolaPowerAttention(torch.autograd.Function):
         # One kᵀv product for both streams, plus the key mean.
         rhs = _stream_rhs(torch.matmul(phi_k.transpose(-2, -1), v), phi_k.sum(dim=-2), m, half)
         out = _token_major_output(q, v)
+        phi_q, log_q = _power_features(q, power)
         denom = _normalise(torch.matmul(phi_q, rhs), eps, half, out)
 
         ctx.m = m if keep is None else None
