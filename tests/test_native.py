@@ -337,6 +337,15 @@ def test_pacs_exp_features_match_torch_ops(native, temp_shape):
     # a block of rows of the tables (the no-gradient forward passes strided views)
     phi, rotated = native.pacs_exp_features(p[:, :, 2:5].contiguous(), temps, *(t[:, 2:5] for t in tables))
     _equal_nan(rotated, pa._rotate(ref[:, :, :, 2:5], *(t[:, 2:5] for t in tables)), rtol=1e-13, atol=1e-15)
+    # with the key means, each stream's normaliser phi . k_mean + eps as well (w = 36 = 2 vectors + a tail
+    # at AVX-512 float64, one vector + a tail at AVX2)
+    k_means = _x((2, 3, 2, 36, 1), seed=4).abs_()
+    for table_args in ((None, None), tables):
+        phi, rotated, denom = native.pacs_exp_features(p, temps, *table_args, k_means, 1e-6)
+        _equal_nan(phi, ref, rtol=1e-13, atol=1e-15)
+        torch.testing.assert_close(denom, torch.matmul(ref, k_means) + 1e-6, rtol=1e-13, atol=0)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        native.pacs_exp_features(p, temps, None, None, k_means.float(), 1e-6)
 
 
 @pytest.mark.parametrize("rope", [False, True])

@@ -424,7 +424,7 @@ void pacs_halves_kernel(const at::Tensor& x, bool rope, bool with_exp, at::Tenso
 // With tables (2, N, 2d), num gets each stream's rotated features too.
 template <typename T>
 void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& phi, const Tables* tables,
-                     at::Tensor* num) {
+                     at::Tensor* num, const T* key_means = nullptr, T eps = T(0), T* denom = nullptr) {
   using V = Vectorized<T>;
   const int64_t n = p.size(2), w = p.size(3), bh_count = p.size(0) * p.size(1);
   const T* pp = p.data_ptr<T>();
@@ -438,11 +438,26 @@ void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& p
       const T* pr = pp + r * w;
       for (int64_t s = 0; s < 2; ++s) {
         const T* tr = tp + (bh * 2 + s) * w;
+        const T* km = key_means ? key_means + (bh * 2 + s) * w : nullptr;
         T* out = fp + ((bh * 2 + s) * n + t) * w;
+        V dot(T(0));
         int64_t c = 0;
-        for (; c + V::size() <= w; c += V::size())
-          ((V::loadu(pr + c) * V::loadu(tr + c)).exp() - one).store(out + c);
-        for (; c < w; ++c) out[c] = std::exp(pr[c] * tr[c]) - T(1);
+        for (; c + V::size() <= w; c += V::size()) {
+          const V f = (V::loadu(pr + c) * V::loadu(tr + c)).exp() - one;
+          f.store(out + c);
+          if (km) dot = at::vec::fmadd(f, V::loadu(km + c), dot);
+        }
+        T tail = T(0);
+        for (; c < w; ++c) {
+          out[c] = std::exp(pr[c] * tr[c]) - T(1);
+          if (km) tail += out[c] * km[c];
+        }
+        if (km) {
+          T lanes[V::size()];
+          dot.store(lanes);
+          for (int64_t i = 0; i < V::size(); ++i) tail += lanes[i];
+          denom[(bh * 2 + s) * n + t] = tail + eps;
+        }
         if (np) rotate_row<T>(out, tables->c<T>(s, t), tables->s<T>(s, t), w / 2, np + ((bh * 2 + s) * n + t) * w);
       }
     }
@@ -722,17 +737,30 @@ std::vector<at::Tensor> pacs_halves(const at::Tensor& x, bool rope, bool with_ex
   return {out, num};
 }
 
+// With key_means (B, H, 2, 2d, 1), also each stream's normaliser φ·key_mean + eps, (B, H, 2, N, 1), formed
+// from the feature row while it is in registers: as a product it is a matrix-vector one, which costs twice
+// the numerators' product.
 std::vector<at::Tensor> pacs_exp_features(const at::Tensor& p, const at::Tensor& temps,
-                                          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross) {
+                                          const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross,
+                                          const c10::optional<at::Tensor>& key_means, double eps) {
   TORCH_CHECK(p.dim() == 4 && p.is_contiguous(), "p must be contiguous (B, H, N, 2d)");
   check_tables(cos, cross, 2, p.size(2), p.size(3), p);
   const auto t = temps.expand({p.size(0), p.size(1), 2, 1, p.size(3)}).contiguous();
   auto phi = at::empty({p.size(0), p.size(1), 2, p.size(2), p.size(3)}, p.options());
   at::Tensor num = cos ? at::empty_like(phi) : phi;
   const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  at::Tensor km, denom;
+  if (key_means) {
+    TORCH_CHECK(key_means->scalar_type() == p.scalar_type(), "key_means and p dtypes differ");
+    km = key_means->expand({p.size(0), p.size(1), 2, p.size(3), 1}).contiguous();
+    denom = at::empty({p.size(0), p.size(1), 2, p.size(2), 1}, p.options());
+  }
   AT_DISPATCH_FLOATING_TYPES(p.scalar_type(), "pacs_exp_features", [&] {
-    pacs_exp_kernel<scalar_t>(p, t, phi, cos ? &tables : nullptr, cos ? &num : nullptr);
+    pacs_exp_kernel<scalar_t>(p, t, phi, cos ? &tables : nullptr, cos ? &num : nullptr,
+                              key_means ? km.data_ptr<scalar_t>() : nullptr, static_cast<scalar_t>(eps),
+                              key_means ? denom.data_ptr<scalar_t>() : nullptr);
   });
+  if (key_means) return {phi, num, denom};
   return {phi, num};
 }
 
@@ -781,8 +809,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stream_rhs_backward", &stream_rhs_backward, "gradients of S and of the key sums from that of rhs");
   m.def("pacs_halves", &pacs_halves, "[relu(x) ; relu(-x)] in kernel order, optionally exp(.) - 1, and rotated",
         py::arg("x"), py::arg("rope"), py::arg("with_exp"), py::arg("cos") = py::none(), py::arg("cross") = py::none());
-  m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams, and rotated", py::arg("p"),
-        py::arg("temps"), py::arg("cos") = py::none(), py::arg("cross") = py::none());
+  m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams, rotated, and normalisers",
+        py::arg("p"), py::arg("temps"), py::arg("cos") = py::none(), py::arg("cross") = py::none(),
+        py::arg("key_means") = py::none(), py::arg("eps") = 0.0);
   m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
   m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
 }

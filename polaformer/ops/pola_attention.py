@@ -564,14 +564,17 @@ def _relu_halves(x: torch.Tensor, rope: bool, exp_minus_one: bool = False) -> to
     return out.exp_().sub_(1.0) if exp_minus_one else out
 
 
-def _pacs_exp_features(p_q: torch.Tensor, temps: torch.Tensor, tables=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Both streams' query features ``exp(p_q ⊙ T_s) − 1``, (B, H, 2, N, 2d), and their RoPE rotation
-    (the features themselves without tables)."""
+def _pacs_exp_features(p_q: torch.Tensor, temps: torch.Tensor, tables=None, k_means=None, eps: float = 0.0):
+    """Both streams' query features ``exp(p_q ⊙ T_s) − 1``, (B, H, 2, N, 2d), their RoPE rotation (the
+    features themselves without tables), and, given ``k_means`` (B, H, 2, 2d, 1), the normalisers
+    ``φ·k_mean + eps`` (B, H, 2, N, 1) where the fused kernel forms them in its pass (else None)."""
     native = _native_for(p_q)
     if native is not None and p_q.is_contiguous():
-        return tuple(native.pacs_exp_features(p_q, temps, *(tables or ())))
+        cos, cross = tables if tables is not None else (None, None)
+        out = native.pacs_exp_features(p_q, temps, cos, cross, k_means, eps)
+        return out[0], out[1], (out[2] if k_means is not None else None)
     phi_q = (p_q.unsqueeze(2) * temps).exp_().sub_(1.0)
-    return phi_q, (phi_q if tables is None else _rotate(phi_q, *tables))
+    return phi_q, (phi_q if tables is None else _rotate(phi_q, *tables)), None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, cross: torch.Tensor, transpose: bool = False) -> torch.Tensor:
@@ -653,8 +656,8 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
     """
     half = out.shape[-1]
     for scaled in (False, True):
-        # (B, H, 2, N, 2d) features and, unscaled, their rotation
-        phi_q, q_num = _pacs_exp_features(p_q, temps, None if scaled else tables)
+        # (B, H, 2, N, 2d) features and, unscaled, their rotation and normalisers
+        phi_q, q_num, denom = _pacs_exp_features(p_q, temps, *((None, None) if scaled else (tables, k_means, eps)))
         row_scale = None
         if scaled:
             exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
@@ -662,7 +665,9 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
             phi_q.mul_(row_scale)
             q_num = phi_q if tables is None else _rotate(phi_q, *tables)
         eps_rows = eps if row_scale is None else row_scale * eps
-        if tables is not None:
+        if denom is not None:  # the normalisers came with the features: the product needs only the numerators
+            num = torch.matmul(q_num, kvs)
+        elif tables is not None:
             num = torch.matmul(q_num, kvs)
             denom = torch.matmul(phi_q, k_means).add_(eps_rows)
         else:
