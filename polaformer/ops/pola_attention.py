@@ -22,7 +22,8 @@ backward pass is written out by hand so the power map costs one ``log`` and one
 ``exp`` per element (forward) and no transcendental work at all (backward).
 
 On the CPU the elementwise stages (feature maps, their backward, the normalisation) call the fused
-kernels of :mod:`.native` when they are built, and the torch-op versions here otherwise.
+kernels of :mod:`.native` when they are built, and the torch-op versions here otherwise; a power-map
+forward without gradients or key padding runs whole in one native call (``pola_forward_no_grad``).
 """
 from __future__ import annotations
 
