@@ -38,6 +38,26 @@ void check_rows(const at::Tensor& t, const char* name) {
 // Rows per parallel task: about 16k elements, so that small calls stay on one thread.
 int64_t grain(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(width, 1)); }
 
+// The sum of a vector's lanes, in lane order.
+template <typename T>
+inline T lane_sum(const Vectorized<T>& v) {
+  T lanes[Vectorized<T>::size()];
+  v.store(lanes);
+  T sum = T(0);
+  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) sum += lanes[i];
+  return sum;
+}
+
+// out[c] = src[c] / z for c in [lo, hi): a division, not a reciprocal multiply, as the torch ops round.
+template <typename T>
+inline void divide_range(const T* src, int64_t lo, int64_t hi, T z, T* out) {
+  using V = Vectorized<T>;
+  const V zv(z);
+  int64_t c = lo;
+  for (; c + V::size() <= hi; c += V::size()) (V::loadu(src + c) / zv).store(out + c);
+  for (; c < hi; ++c) out[c] = src[c] / z;
+}
+
 // [x⁺ᵖ ; x⁻ᵖ] with s = |x|ᵖ = exp(p·log|x|); log|x| is kept for the exponent's gradient when asked.
 // NaN propagates to both halves, as in the torch-op version; x = 0 gives 0 in both.
 // With Dots (queries of the no-gradient forward), each row's two normalisers are formed while the row is
@@ -81,13 +101,8 @@ void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Ten
       }
       T zs = T(0), zo = T(0);
       if constexpr (Dots) {
-        T lanes[2][V::size()];
-        same.store(lanes[0]);
-        opposite.store(lanes[1]);
-        for (int64_t i = 0; i < V::size(); ++i) {
-          zs += lanes[0][i];
-          zo += lanes[1][i];
-        }
+        zs = lane_sum(same);
+        zo = lane_sum(opposite);
       }
       for (; c < d; ++c) {
         const T xv = xr[c];
@@ -112,7 +127,6 @@ void power_features_kernel(const at::Tensor& x, const at::Tensor& power, at::Ten
 // out = res / z per stream: res (B, H, N, dv) contiguous numerators, z (B, H, N, 2) contiguous normalisers.
 template <typename T>
 void divide_streams_kernel(const at::Tensor& res, const at::Tensor& z, int64_t half, at::Tensor& out) {
-  using V = Vectorized<T>;
   const Rows orows(out);
   const int64_t dv = out.size(3), total = res.size(0) * res.size(1) * res.size(2);
   const T* rp = res.data_ptr<T>();
@@ -122,14 +136,8 @@ void divide_streams_kernel(const at::Tensor& res, const at::Tensor& z, int64_t h
     for (int64_t r = begin; r < end; ++r) {
       const T* rr = rp + r * dv;
       T* o = op + orows.offset(r);
-      for (int s = 0; s < 2; ++s) {
-        const int64_t lo = s ? half : 0, hi = s ? dv : half;
-        const T zr = zp[2 * r + s];
-        const V zv(zr);
-        int64_t c = lo;
-        for (; c + V::size() <= hi; c += V::size()) (V::loadu(rr + c) / zv).store(o + c);
-        for (; c < hi; ++c) o[c] = rr[c] / zr;
-      }
+      divide_range(rr, 0, half, zp[2 * r], o);
+      divide_range(rr, half, dv, zp[2 * r + 1], o);
     }
   });
 }
@@ -189,7 +197,6 @@ void power_backward_kernel(const at::Tensor& x, const at::Tensor& feat, const at
 // the two normalisers (with eps) are written back into res[..., -2:].
 template <typename T>
 void normalise_kernel(at::Tensor& res, double eps, int64_t half, at::Tensor& out) {
-  using V = Vectorized<T>;
   const Rows orows(out);
   const int64_t dv = out.size(3), width = dv + 2, total = res.size(0) * res.size(1) * res.size(2);
   T* rp = res.data_ptr<T>();  // contiguous (B, H, N, dv + 2)
@@ -202,14 +209,8 @@ void normalise_kernel(at::Tensor& res, double eps, int64_t half, at::Tensor& out
       const T z[2] = {rr[dv] + e, rr[dv + 1] + e};
       rr[dv] = z[0];
       rr[dv + 1] = z[1];
-      for (int s = 0; s < 2; ++s) {
-        const int64_t lo = s ? half : 0, hi = s ? dv : half;
-        // division, not a reciprocal multiply: the same rounding as the torch-op version
-        const V zv(z[s]);
-        int64_t c = lo;
-        for (; c + V::size() <= hi; c += V::size()) (V::loadu(rr + c) / zv).store(o + c);
-        for (; c < hi; ++c) o[c] = rr[c] / z[s];
-      }
+      divide_range(rr, 0, half, z[0], o);
+      divide_range(rr, half, dv, z[1], o);
     }
   });
 }
@@ -243,10 +244,7 @@ void output_grad_kernel(const at::Tensor& grad_out, const at::Tensor& denom, con
           gn.store(gr + c);
           dot_v = dot_v + gn * V::loadu(o + c);
         }
-        T lanes[V::size()];
-        dot_v.store(lanes);
-        T dot = T(0);
-        for (int64_t i = 0; i < V::size(); ++i) dot += lanes[i];
+        T dot = lane_sum(dot_v);
         for (; c < hi; ++c) {
           const T gn = go[c] / z;
           gr[c] = gn;
@@ -262,13 +260,11 @@ void output_grad_kernel(const at::Tensor& grad_out, const at::Tensor& denom, con
 // row r of rhs is [S[r, :half] | S[r', half:] | Σφk[r] | Σφk[r']] / m with r' = (r + d) mod 2d.
 template <typename T>
 void stream_rhs_kernel(const at::Tensor& kv, const at::Tensor& k_sum, double m, int64_t half, at::Tensor& rhs) {
-  using V = Vectorized<T>;
   const int64_t two_d = kv.size(2), d = two_d / 2, dv = kv.size(3), width = dv + 2;
   const T* kp = kv.data_ptr<T>();
   const T* sp = k_sum.data_ptr<T>();
   T* rp = rhs.data_ptr<T>();
   const T mm = static_cast<T>(m);
-  const V mv(mm);
   at::parallel_for(0, kv.size(0) * kv.size(1), grain(two_d * width), [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const T* k = kp + bh * two_d * dv;
@@ -277,13 +273,8 @@ void stream_rhs_kernel(const at::Tensor& kv, const at::Tensor& k_sum, double m, 
       for (int64_t r = 0; r < two_d; ++r) {
         const int64_t swapped = r < d ? r + d : r - d;
         T* o = out + r * width;
-        for (int stream = 0; stream < 2; ++stream) {
-          const T* src = k + (stream ? swapped : r) * dv;
-          const int64_t lo = stream ? half : 0, hi = stream ? dv : half;
-          int64_t c = lo;
-          for (; c + V::size() <= hi; c += V::size()) (V::loadu(src + c) / mv).store(o + c);
-          for (; c < hi; ++c) o[c] = src[c] / mm;
-        }
+        divide_range(k + r * dv, 0, half, mm, o);
+        divide_range(k + swapped * dv, half, dv, mm, o);
         o[dv] = s[r] / mm;
         o[dv + 1] = s[swapped] / mm;
       }
@@ -295,13 +286,11 @@ void stream_rhs_kernel(const at::Tensor& kv, const at::Tensor& k_sum, double m, 
 template <typename T>
 void stream_rhs_backward_kernel(const at::Tensor& grad_rhs, double m, int64_t half, at::Tensor& grad_kv,
                                 at::Tensor& grad_sum) {
-  using V = Vectorized<T>;
   const int64_t two_d = grad_rhs.size(2), d = two_d / 2, width = grad_rhs.size(3), dv = width - 2;
   const T* gp = grad_rhs.data_ptr<T>();
   T* kp = grad_kv.data_ptr<T>();
   T* sp = grad_sum.data_ptr<T>();
   const T mm = static_cast<T>(m);
-  const V mv(mm);
   at::parallel_for(0, grad_rhs.size(0) * grad_rhs.size(1), grain(two_d * width), [&](int64_t begin, int64_t end) {
     for (int64_t bh = begin; bh < end; ++bh) {
       const T* g = gp + bh * two_d * width;
@@ -310,13 +299,8 @@ void stream_rhs_backward_kernel(const at::Tensor& grad_rhs, double m, int64_t ha
       for (int64_t r = 0; r < two_d; ++r) {
         const int64_t swapped = r < d ? r + d : r - d;
         T* o = k + r * dv;
-        for (int stream = 0; stream < 2; ++stream) {
-          const T* src = g + (stream ? swapped : r) * width;
-          const int64_t lo = stream ? half : 0, hi = stream ? dv : half;
-          int64_t c = lo;
-          for (; c + V::size() <= hi; c += V::size()) (V::loadu(src + c) / mv).store(o + c);
-          for (; c < hi; ++c) o[c] = src[c] / mm;
-        }
+        divide_range(g + r * width, 0, half, mm, o);
+        divide_range(g + swapped * width, half, dv, mm, o);
         s[r] = (g[r * width + dv] + g[swapped * width + dv + 1]) / mm;
       }
     }
@@ -447,17 +431,12 @@ void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& p
           f.store(out + c);
           if (km) dot = at::vec::fmadd(f, V::loadu(km + c), dot);
         }
-        T tail = T(0);
+        T sum = km ? lane_sum(dot) : T(0);
         for (; c < w; ++c) {
           out[c] = std::exp(pr[c] * tr[c]) - T(1);
-          if (km) tail += out[c] * km[c];
+          if (km) sum += out[c] * km[c];
         }
-        if (km) {
-          T lanes[V::size()];
-          dot.store(lanes);
-          for (int64_t i = 0; i < V::size(); ++i) tail += lanes[i];
-          denom[(bh * 2 + s) * n + t] = tail + eps;
-        }
+        if (km) denom[(bh * 2 + s) * n + t] = sum + eps;
         if (np) rotate_row<T>(out, tables->c<T>(s, t), tables->s<T>(s, t), w / 2, np + ((bh * 2 + s) * n + t) * w);
       }
     }
