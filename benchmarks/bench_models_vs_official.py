@@ -41,9 +41,8 @@ from torch.utils import benchmark
 
 import polaformer.models  # noqa: F401  (registers our architectures)
 import timm
-from polaformer.layers import PolaLinearAttention
+from polaformer.layers import Linear, Mlp, PolaLinearAttention
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
-from polaformer.ops import learnable_power
 from polaformer.runtime import tune_cpu_allocator
 
 PP_ENV, POLA_ENV = "POLAFORMERPP_OFFICIAL_DIR", "POLAFORMER_OFFICIAL_DIR"
@@ -157,12 +156,18 @@ class OfficialWayConvMlp(DepthwiseConvMlp):
 
 
 def official_way(model: torch.nn.Module) -> torch.nn.Module:
+    """The model as the official code would write it: the attention above, and torch's ``nn.Linear`` and
+    timm's ``Mlp`` (MKL's GEMM, GELU as a pass of its own) where ours run on oneDNN."""
     baseline = copy.deepcopy(model)
     for module in baseline.modules():
         if type(module) is PolaLinearAttention:
             module.__class__ = OfficialWayPola
         elif type(module) is DepthwiseConvMlp:
             module.__class__ = OfficialWayConvMlp
+        elif type(module) is Linear:
+            module.__class__ = torch.nn.Linear
+        elif type(module) is Mlp:
+            module.__class__ = timm.layers.Mlp
     return baseline
 
 

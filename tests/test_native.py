@@ -407,3 +407,30 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
         assert native_mod.clear_stale_build_lock(tmp_path)
     assert not lock.exists() and "did not finish" in caplog.text
     assert not native_mod.clear_stale_build_lock(tmp_path)  # nothing to remove
+
+
+@pytest.mark.parametrize("existence_lock", [True, False])
+def test_the_build_lock_is_cleared_only_where_its_existence_blocks(existence_lock, tmp_path, monkeypatch, caplog):
+    """torch's FileBaton (older torch) blocks while the lock file exists; torch 2.14's advisory lock keeps
+    the file after every build, and removing it would let two builds run at once."""
+    import os
+    import time
+
+    from torch.utils import cpp_extension
+
+    if torch.backends.cpu.get_cpu_capability() not in native_mod._FLAGS:
+        pytest.skip("no native build for this CPU")
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    old = time.time() - 2 * native_mod._STALE_LOCK_SECONDS
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
+    if existence_lock:
+        monkeypatch.setattr(cpp_extension, "FileBaton", object, raising=False)
+    else:
+        monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
+    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+        assert native_mod._build() == "built"
+    assert lock.exists() is not existence_lock
+    assert ("did not finish" in caplog.text) is existence_lock

@@ -527,6 +527,45 @@ void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, cons
   });
 }
 
+// GELU (erf form) of a dense buffer and its slope, in one pass: out = x·Φ(x), and x is overwritten by
+// Φ(x) + x·φ(x), the factor its backward multiplies the incoming gradient by. Φ(x) = (1 + erf(x/√2))/2 as
+// torch's gelu computes it: in float32 with the erf of its vectorised kernels (Abramowitz-Stegun 7.1.26,
+// 1.5e-7 absolute), whose exp(-x²/2) is also φ's, so one exp serves both; in float64 with SLEEF's erf.
+inline Vectorized<float> gelu_cdf_and_gauss(const Vectorized<float>& x, Vectorized<float>& gauss) {
+  using V = Vectorized<float>;
+  const V one(1.f), half(0.5f), minus_half(-0.5f), p(0.3275911f), p1(0.254829592f), p2(-0.284496736f),
+      p3(1.421413741f), p4(-1.453152027f), p5(1.061405429f), inv_sqrt2(float(M_SQRT1_2));
+  gauss = (minus_half * x * x).exp();  // exp(-z²) for z = x/√2
+  const V t = one / at::vec::fmadd(p, x.abs() * inv_sqrt2, one);
+  const V poly = at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(at::vec::fmadd(p5, t, p4), t, p3), t, p2), t, p1);
+  const V tail = half * poly * t * gauss;  // (1 - erf(|z|)) / 2
+  return V::blendv(tail, one - tail, x >= V(0.f));
+}
+
+inline Vectorized<double> gelu_cdf_and_gauss(const Vectorized<double>& x, Vectorized<double>& gauss) {
+  using V = Vectorized<double>;
+  gauss = (V(-0.5) * x * x).exp();
+  return V(0.5) * (V(1) + (x * V(M_SQRT1_2)).erf());
+}
+
+template <typename T>
+void gelu_with_slope_kernel(at::Tensor& x, at::Tensor& out) {
+  using V = Vectorized<T>;
+  T* xp = x.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  at::parallel_for(0, x.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
+    const V pdf_scale(T(M_2_SQRTPI * M_SQRT1_2 * 0.5));
+    for (int64_t i = begin; i < end; i += V::size()) {
+      const int64_t count = std::min<int64_t>(V::size(), end - i);  // the tail as a partial vector: same math
+      const V v = V::loadu(xp + i, count);
+      V gauss;
+      const V cdf = gelu_cdf_and_gauss(v, gauss);
+      (v * cdf).store(op + i, count);
+      at::vec::fmadd(v * pdf_scale, gauss, cdf).store(xp + i, count);
+    }
+  });
+}
+
 at::Tensor expanded_power(const at::Tensor& power, const at::Tensor& x) {
   return power.expand({x.size(0), x.size(1), 1, x.size(3)}).contiguous();
 }
@@ -774,6 +813,14 @@ std::vector<at::Tensor> pacs_query_backward(const at::Tensor& q, const at::Tenso
   return {grad_q, grad_t};
 }
 
+// GELU of x, returned; x (dense) is overwritten by GELU's slope at x.
+at::Tensor gelu_with_slope(at::Tensor x) {
+  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  auto out = at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_with_slope", [&] { gelu_with_slope_kernel<scalar_t>(x, out); });
+  return out;
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -793,4 +840,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_means") = py::none(), py::arg("eps") = 0.0);
   m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
   m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
+  m.def("gelu_with_slope", &gelu_with_slope, "GELU of x, x overwritten by GELU's slope at x");
 }

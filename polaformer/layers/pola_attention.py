@@ -28,6 +28,7 @@ from torch import nn
 
 from ..ops import learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
 from ..ops.pola_attention import _capturing_graph
+from .linear import Linear
 
 __all__ = ["PolaLinearAttention"]
 
@@ -103,11 +104,11 @@ class PolaLinearAttention(nn.Module):
         self.num_prefix_tokens = num_prefix_tokens
 
         if fused_qkvg:
-            self.qkvg = nn.Linear(dim, 4 * dim, bias=qkv_bias)
+            self.qkvg = Linear(dim, 4 * dim, bias=qkv_bias)
         else:
-            self.qg = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
-        self.proj = nn.Linear(dim, dim)
+            self.qg = Linear(dim, 2 * dim, bias=qkv_bias)
+            self.kv = Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj = Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles, tokens_to_map
+from .linear import Linear
 from .pola_attention import add_branch_and_gate
 
 __all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
@@ -84,9 +85,9 @@ class PacsLinearAttention(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         head_dim = dim // num_heads
-        self.qkvg = nn.Linear(dim, 4 * dim)
+        self.qkvg = Linear(dim, 4 * dim)
         self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = Linear(dim, dim)
         self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
         self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
 
@@ -120,9 +121,9 @@ class RopeSoftmaxAttention(nn.Module):
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         self.dim = dim
         self.num_heads = num_heads
-        self.qkvo = nn.Linear(dim, 4 * dim)
+        self.qkvo = Linear(dim, 4 * dim)
         self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
-        self.proj = nn.Linear(dim, dim)
+        self.proj = Linear(dim, dim)
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         """``x``: (B, C, H, W); ``sin``/``cos``: (H·W, head_dim) from ``RoPE2d(dim, heads)``."""

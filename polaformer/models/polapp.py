@@ -27,7 +27,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
-import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, SelectAdaptivePool2d, get_device_dtype, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
@@ -38,8 +37,8 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
-from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
-from ..ops import plus_depthwise_conv, tokens_to_map
+from ..layers import Linear, PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+from ..ops import linear, plus_depthwise_conv, tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
@@ -50,7 +49,7 @@ def _pointwise(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
     for these shapes (a 1×1 map after pooling, a 7×7 map), its backward especially. Output is channels-last."""
     if not isinstance(conv, nn.Conv2d):
         return conv(x)
-    return F.linear(x.permute(0, 2, 3, 1), conv.weight.flatten(1), conv.bias).permute(0, 3, 1, 2)
+    return linear(x.permute(0, 2, 3, 1), conv.weight.flatten(1), conv.bias).permute(0, 3, 1, 2)
 
 
 class LayerNorm2d(nn.Module):
@@ -74,13 +73,13 @@ class ConvFFN(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc1 = Linear(dim, hidden_dim)
+        self.fc2 = Linear(hidden_dim, dim)
         self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
-        hidden = F.gelu(self.fc1(x.flatten(2).transpose(1, 2)))
+        hidden = linear(x.flatten(2).transpose(1, 2), self.fc1.weight, self.fc1.bias, activation="gelu")
         hidden = _plus_conv(tokens_to_map(hidden, h, w), self.dwconv)
         return tokens_to_map(self.fc2(hidden.flatten(2).transpose(1, 2)), h, w)
 

@@ -23,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
-from ..layers import PolaLinearAttention
+from ..layers import Linear, PolaLinearAttention
 from ..ops import tokens_to_map
 from ._helpers import checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
@@ -38,9 +38,9 @@ class DepthwiseConvMlp(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.fc1 = Linear(dim, hidden_dim)
         self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
-        self.fc2 = nn.Linear(hidden_dim, dim)
+        self.fc2 = Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         hidden = self.dwconv(tokens_to_map(self.fc1(x), height, width))

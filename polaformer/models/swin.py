@@ -49,7 +49,7 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, to_2tuple, trunc_normal_
+from timm.layers import DropPath, PatchEmbed, get_device_dtype, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -57,7 +57,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
-from ..layers import PolaLinearAttention, WindowAttention
+from ..layers import Linear, Mlp, PolaLinearAttention, WindowAttention
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
@@ -152,7 +152,7 @@ class PolaSwinBlock(nn.Module):
                                         attn_drop=attn_drop, proj_drop=drop)
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
-        self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=nn.GELU, drop=drop)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
         mask = None
         if shift_size:
             window = (window_size, window_size)
@@ -208,7 +208,7 @@ class PatchMerging(nn.Module):
 
     def __init__(self, dim, norm_layer=nn.LayerNorm):
         super().__init__()
-        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
+        self.reduction = Linear(4 * dim, 2 * dim, bias=False)
         self.norm = norm_layer(4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Pure tensor math: feature maps, the fast polarity-aware attention, naive references, RoPE, position tables, token/map layout."""
+"""Pure tensor math: linear maps on oneDNN, feature maps, the fast polarity-aware attention, naive references, RoPE, position tables, token/map layout."""
 from .feature_maps import (
     elu_feature,
     focused_feature,
@@ -20,6 +20,7 @@ from .naive import (
 )
 from .conv import plus_depthwise_conv
 from .layout import tokens_to_map
+from .onednn import linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles
@@ -29,8 +30,10 @@ __all__ = [
     "elu_feature",
     "focused_feature",
     "learnable_power",
+    "linear",
     "linear_attention",
     "linear_attention_weights",
+    "mlp",
     "naive_pacs_linear_attention",
     "naive_pola_linear_attention",
     "pacs_attention_weights",

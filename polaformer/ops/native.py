@@ -32,9 +32,15 @@ _FLAGS = {
 }
 _lock = threading.Lock()
 _state: dict = {}
-# torch's build lock is a file that only the building process removes: a build killed outright leaves it
-# behind and every later load would wait on it forever. No build of this file takes this long.
+# In older torch the build lock is a file that only the building process removes (FileBaton): a build
+# killed outright leaves it behind and every later load would wait on it forever. No build of this file
+# takes this long. Newer torch (2.14) holds an OS advisory lock on a file that stays after every build;
+# removing that file would only let two builds run at once, so it is left alone.
 _STALE_LOCK_SECONDS = 30 * 60
+
+
+def _lock_blocks_while_the_file_exists(cpp_extension) -> bool:
+    return hasattr(cpp_extension, "FileBaton")
 
 
 def native_enabled() -> bool:
@@ -82,7 +88,8 @@ def _build():
         # against another libtorch must not be loaded, hence the version in the name
         version = re.sub(r"\W", "_", torch.__version__)
         name = f"polaformer_native_{capability.lower()}_torch{version}"
-        clear_stale_build_lock(cpp_extension._get_build_directory(name, False))
+        if _lock_blocks_while_the_file_exists(cpp_extension):
+            clear_stale_build_lock(cpp_extension._get_build_directory(name, False))
         return cpp_extension.load(
             name=name,
             sources=[str(_SOURCE)],

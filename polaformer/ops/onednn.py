@@ -1,0 +1,221 @@
+"""Linear maps on oneDNN's matmul, with the bias and GELU fused, where that is faster on the CPU.
+
+torch runs ``F.linear`` on the CPU as MKL's GEMM after copying the bias into the output, and GELU as
+a pass of its own over the hidden activations. oneDNN's matmul (the one ``torch.compile`` uses for
+frozen CPU graphs, ``torch.ops.mkldnn._linear_pointwise``) adds the bias and applies GELU to each
+output tile while it is still in cache, and its kernels are faster for most transformer shapes
+(measured on an AVX-512 host, 2 threads, see docs/benchmarks.md: 1.05-1.8x for the projections and
+MLPs of the model zoo, slower only for small products). The GELU of a PVT stage-1 MLP alone moves
+100 MB per image batch of 8, so fusing it is most of the gain at inference.
+
+Both kernels compute the same IEEE float32 products (oneDNN's default math mode is strict): outputs
+differ from ``F.linear`` by rounding only, and by nothing under float64, where torch's own kernel
+runs. The oneDNN path is taken for float32 CPU tensors outside autocast and graph capture, when the
+product is large enough to win (:func:`_prefers_onednn`); everything else runs ``F.linear`` (and
+``F.gelu``), so exporters and compilers see plain ops. With gradients the forward and the input's
+gradient run on oneDNN and the weight's gradient on MKL; GELU is then a native pass that also writes
+its slope over the pre-activation (its backward is then one multiply, or none at all in :func:`mlp`).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
+except ImportError:  # older torch: only the flag that torch.export sets as well
+    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
+
+from .native import native_kernels
+from .pola_attention import _capturing_graph
+
+__all__ = ["linear", "mlp", "onednn_linear_available"]
+
+_ACTIVATIONS = (None, "gelu")
+# Products smaller than this (multiply-adds) run faster on MKL: oneDNN's per-call cost is ~10 us.
+_MIN_MACS_WIDE_K = 1 << 22  # inner dimension >= 256
+_MIN_MACS = 1 << 25
+
+
+def _onednn_op(overload: str):
+    mkldnn = getattr(torch.ops, "mkldnn", None)
+    try:
+        return getattr(mkldnn._linear_pointwise, overload) if mkldnn is not None else None
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_OP = _onednn_op("default")
+_OP_BINARY = _onednn_op("binary")  # the product combined elementwise with a second tensor
+
+
+def onednn_linear_available() -> bool:
+    """Whether this torch build has oneDNN's fused linear (and ``POLAFORMER_ONEDNN`` is not ``0``)."""
+    return (_OP is not None and _OP_BINARY is not None and torch.backends.mkldnn.is_available()
+            and os.environ.get("POLAFORMER_ONEDNN") != "0")
+
+
+_ENABLED = onednn_linear_available()
+
+
+def _prefers_onednn(rows: int, inner: int, outer: int) -> bool:
+    macs = rows * inner * outer
+    return macs >= _MIN_MACS or (inner >= 256 and macs >= _MIN_MACS_WIDE_K)
+
+
+def _takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if not _ENABLED or is_fx_symbolic_tracing() or _capturing_graph() or torch.is_autocast_enabled("cpu"):
+        return False  # tracers and exporters see F.linear; autocast picks its own dtype
+    if x.device.type != "cpu" or x.dtype != torch.float32:
+        return False
+    if x.dim() < 1 or x.numel() == 0 or not _float32_weights(weight, bias):
+        return False
+    return x.shape[-1] == weight.shape[1]  # F.linear reports malformed calls in its own words
+
+
+def _float32_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
+        return False
+    return bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1])
+
+
+class _OnednnLinear(torch.autograd.Function):
+    """``x Wᵀ + b`` on oneDNN, and the input's gradient ``g W`` too; the weight's gradient ``gᵀ x`` stays on
+    MKL, which is faster for that transposed product (measured per model shape, docs/benchmarks.md)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.has_bias = bias is not None
+        return _OP(x, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _OP(grad_rows, weight.t(), None, "none", [], "").view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_rows.sum(0)
+        return grad_x, grad_w, grad_b
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           activation: str | None = None) -> torch.Tensor:
+    """``activation(x Wᵀ + b)`` for ``x`` of shape (..., in_features), ``weight`` (out_features, in_features).
+
+    ``activation`` is ``None`` or ``"gelu"`` (the exact, erf form of ``nn.GELU()``). Same result as
+    ``F.linear`` (then ``F.gelu``) up to float32 rounding; see the module docstring for when oneDNN runs.
+    """
+    if activation not in _ACTIVATIONS:
+        raise ValueError(f"activation must be one of {_ACTIVATIONS}, got {activation!r}")
+    if _takes_onednn(x, weight, bias):
+        needs_grad = torch.is_grad_enabled() and (
+            x.requires_grad or weight.requires_grad or (bias is not None and bias.requires_grad))
+        rows = x.numel() // x.shape[-1]
+        if not needs_grad:
+            if activation is not None:  # the fused GELU saves a pass over the output at any size
+                return _OP(x, weight, bias, activation, [], "none")
+            if _prefers_onednn(rows, weight.shape[1], weight.shape[0]):
+                return _OP(x, weight, bias, "none", [], "")
+        elif _prefers_onednn(rows, weight.shape[1], weight.shape[0]):
+            if activation is None:
+                return _OnednnLinear.apply(x, weight, bias)
+            kernels = _gelu_kernels()
+            if kernels is not None:
+                return _OnednnLinearGelu.apply(x, weight, bias, kernels)
+            return F.gelu(_OnednnLinear.apply(x, weight, bias))
+    out = F.linear(x, weight, bias)
+    return F.gelu(out) if activation is not None else out
+
+
+def _gelu_kernels():
+    """The native module if it has the GELU-with-slope kernel (an older cached build may not)."""
+    kernels = native_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "gelu_with_slope") else None
+
+
+class _OnednnLinearGelu(torch.autograd.Function):
+    """``GELU(x Wᵀ + b)`` with the slope of GELU written over the pre-activation in the forward's GELU pass,
+    so that the backward multiplies by it instead of evaluating ``exp`` and ``erf`` again."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kernels):
+        hidden = _OP(x, weight, bias, "none", [], "")
+        activated = kernels.gelu_with_slope(hidden)
+        ctx.save_for_backward(x, weight, hidden)
+        ctx.has_bias = bias is not None
+        return activated
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, slope = ctx.saved_tensors
+        grad_rows = (grad * slope).reshape(-1, slope.shape[-1])
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _OP(grad_rows, weight.t(), None, "none", [], "").view(x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1]))
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = grad_rows.sum(0)
+        return grad_x, grad_w, grad_b, None
+
+
+class _OnednnMlp(torch.autograd.Function):
+    """``GELU(x W1ᵀ + b1) W2ᵀ + b2`` with gradients, GELU's backward folded into the products.
+
+    The forward's GELU pass also writes GELU's slope over the pre-activation it no longer needs (native
+    kernel), and the backward multiplies by it inside the product that forms the hidden gradient
+    (oneDNN's binary post-op): no ``gelu_backward`` pass, which costs more than the forward GELU
+    (``exp`` and ``erf`` again). Saves the same two hidden-sized tensors as the unfused modules.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w1, b1, w2, b2, kernels):
+        hidden = _OP(x, w1, b1, "none", [], "")
+        activated = kernels.gelu_with_slope(hidden)  # hidden now holds the slope
+        ctx.save_for_backward(x, w1, w2, activated, hidden)
+        ctx.has_bias = b1 is not None, b2 is not None
+        return _OP(activated, w2, b2, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, w1, w2, activated, slope = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        activated, slope = activated.view(-1, activated.shape[-1]), slope.view(-1, slope.shape[-1])
+        grad_w2 = torch.mm(grad_rows.t(), activated) if needs[3] else None
+        grad_b2 = grad_rows.sum(0) if ctx.has_bias[1] and needs[4] else None
+        grad_x = grad_w1 = grad_b1 = None
+        if needs[0] or needs[1] or needs[2]:
+            grad_hidden = _OP_BINARY(grad_rows, slope, w2.t(), None, "mul")
+            if needs[0]:
+                grad_x = _OP(grad_hidden, w1.t(), None, "none", [], "").view(x.shape)
+            if needs[1]:
+                grad_w1 = torch.mm(grad_hidden.t(), x.reshape(-1, x.shape[-1]))
+            if ctx.has_bias[0] and needs[2]:
+                grad_b1 = grad_hidden.sum(0)
+        return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
+
+
+def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Tensor,
+        b2: torch.Tensor | None) -> torch.Tensor:
+    """``linear(GELU(linear(x, w1, b1)), w2, b2)``, the transformer MLP (erf GELU, no dropout).
+
+    Without gradients GELU is fused into the first product; with gradients, where both products run on
+    oneDNN and the native kernels are built, GELU's backward is folded into the products
+    (:class:`_OnednnMlp`). Elsewhere it is the two :func:`linear` calls.
+    """
+    if (_takes_onednn(x, w1, b1) and _float32_weights(w2, b2) and w2.shape[1] == w1.shape[0]  # tracers: False
+            and torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, w1, b1, w2, b2))):
+        rows = x.numel() // x.shape[-1]
+        kernels = _gelu_kernels()
+        if (kernels is not None and _prefers_onednn(rows, w1.shape[1], w1.shape[0])
+                and _prefers_onednn(rows, w2.shape[1], w2.shape[0])):
+            return _OnednnMlp.apply(x, w1, b1, w2, b2, kernels)
+    return linear(linear(x, w1, b1, activation="gelu"), w2, b2)

@@ -1,0 +1,255 @@
+"""The oneDNN linear path (polaformer.ops.onednn, polaformer.layers.Linear / Mlp): the same values and
+gradients as F.linear and timm's Mlp, taken only where it applies."""
+import pytest
+import timm.layers
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import polaformer.ops.onednn as onednn
+from polaformer.layers import Linear, Mlp
+from polaformer.ops import linear
+
+pytestmark = pytest.mark.skipif(not onednn.onednn_linear_available(), reason="this torch has no oneDNN linear")
+
+F64 = torch.float64
+# (rows, in, out): below and above the size where oneDNN takes over, a wide inner dimension, odd sizes
+SHAPES = [(7, 5, 3), (196, 192, 768), (50, 300, 260), (1030, 48, 680)]
+
+
+@pytest.fixture
+def onednn_calls(monkeypatch):
+    """Counts the calls that reach oneDNN's kernel."""
+    calls = []
+    real, real_binary = onednn._OP, onednn._OP_BINARY
+
+    def spy(*args):
+        calls.append(args[3])
+        return real(*args)
+
+    def spy_binary(*args):
+        calls.append(args[4])
+        return real_binary(*args)
+
+    monkeypatch.setattr(onednn, "_OP", spy)
+    monkeypatch.setattr(onednn, "_OP_BINARY", spy_binary)
+    return calls
+
+
+def _inputs(rows, inner, outer, seed=0, lead=(2,)):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(*lead, rows, inner, generator=gen)
+    weight = torch.randn(outer, inner, generator=gen) / inner**0.5
+    bias = torch.randn(outer, generator=gen)
+    return x, weight, bias
+
+
+def _close32(actual, expected64):
+    """float32 products against the float64 result: rounding of the inner dimension's sums only."""
+    scale = expected64.abs().max().item() + 1e-30
+    err = (actual.double() - expected64).abs().max().item()
+    assert err <= 1e-5 * scale, f"max error {err:g} against max |value| {scale:g}"
+
+
+@pytest.mark.parametrize("rows,inner,outer", SHAPES)
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_forward_without_gradients_matches_float64(rows, inner, outer, activation):
+    x, w, b = _inputs(rows, inner, outer)
+    with torch.inference_mode():
+        out = linear(x, w, b, activation)
+    ref = F.linear(x.double(), w.double(), b.double())
+    _close32(out, F.gelu(ref) if activation else ref)
+    assert out.dtype == torch.float32 and out.shape == (2, rows, outer)
+
+
+@pytest.mark.parametrize("rows,inner,outer", SHAPES)
+@pytest.mark.parametrize("activation", [None, "gelu"])
+def test_gradients_match_float64(rows, inner, outer, activation):
+    x, w, b = _inputs(rows, inner, outer)
+    leaves32 = [t.clone().requires_grad_() for t in (x, w, b)]
+    leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
+    grad = torch.randn(2, rows, outer)
+    out = linear(*leaves32, activation)
+    ref = F.linear(*leaves64)
+    ref = F.gelu(ref) if activation else ref
+    _close32(out.detach(), ref.detach())
+    for a, r in zip(torch.autograd.grad(out, leaves32, grad), torch.autograd.grad(ref, leaves64, grad.double())):
+        _close32(a, r)
+
+
+def test_large_products_run_on_onednn_and_small_ones_on_torch(onednn_calls):
+    big, small = _inputs(196, 192, 768), _inputs(7, 5, 3)
+    with torch.no_grad():
+        linear(*big)
+        assert onednn_calls == ["none"]
+        linear(*small)
+        assert onednn_calls == ["none"]  # below the size where oneDNN wins: F.linear
+        linear(*small, activation="gelu")  # the fused GELU saves a pass at any size
+        assert onednn_calls == ["none", "gelu"]
+    x, w, b = (t.requires_grad_() for t in big)
+    linear(x, w, b).sum().backward()  # forward and the input's gradient
+    assert onednn_calls == ["none", "gelu", "none", "none"]
+
+
+def test_grad_mode_runs_gelu_as_its_own_pass(onednn_calls):
+    x, w, b = _inputs(196, 192, 768)
+    w.requires_grad_()
+    linear(x, w, b, activation="gelu")
+    assert onednn_calls == ["none"]  # GELU's backward needs the pre-activation
+
+
+@pytest.mark.parametrize("case", ["float64", "bfloat16 autocast", "env off", "strided", "no bias", "fx"])
+def test_where_onednn_does_not_apply_the_result_is_still_right(case, onednn_calls, monkeypatch):
+    x, w, b = _inputs(196, 192, 768)
+    expected_calls = []
+    if case == "float64":
+        x, w, b = x.double(), w.double(), b.double()
+        out = linear(x, w, b, "gelu")
+        torch.testing.assert_close(out, F.gelu(F.linear(x, w, b)), rtol=0, atol=0)
+    elif case == "bfloat16 autocast":
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = linear(x, w, b)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out.float(), F.linear(x, w, b), rtol=2e-2, atol=5e-2)
+    elif case == "env off":
+        monkeypatch.setattr(onednn, "_ENABLED", False)
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=0, atol=0)
+    elif case == "strided":  # oneDNN reads the strides: no copy, same values
+        xs = x.transpose(0, 1)
+        _close32(linear(xs, w.t().contiguous().t(), b), F.linear(xs.double(), w.double(), b.double()))
+        expected_calls = ["none"]
+    elif case == "no bias":
+        _close32(linear(x, w), F.linear(x.double(), w.double()))
+        expected_calls = ["none"]
+    else:
+        graph = torch.fx.symbolic_trace(Linear(192, 768))
+        assert "linear" in str(graph.graph) and "mkldnn" not in str(graph.code)
+        torch.testing.assert_close(graph(x), F.linear(x, graph.weight, graph.bias), rtol=0, atol=0)
+    assert onednn_calls == expected_calls
+
+
+def test_malformed_calls_fail_as_in_torch():
+    x, w, b = _inputs(196, 192, 768)
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        linear(x[..., :100], w, b)
+    with pytest.raises(ValueError, match="activation must be one of"):
+        linear(x, w, b, activation="relu")
+    assert linear(x[:, :0], w, b).shape == (2, 0, 768)
+
+
+def test_linear_module_is_an_nn_linear_with_the_same_state():
+    theirs = nn.Linear(192, 768)
+    ours = Linear(192, 768)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    assert isinstance(ours, nn.Linear)
+    x = torch.randn(3, 196, 192)
+    with torch.no_grad():
+        _close32(ours(x), theirs.double()(x.double()))
+
+
+def test_mlp_loads_timms_state_and_gives_its_outputs_and_gradients():
+    theirs = timm.layers.Mlp(64, 256)
+    ours = Mlp(64, 256)
+    ours.load_state_dict(theirs.state_dict(), strict=True)
+    assert [n for n, _ in ours.named_children()] == [n for n, _ in theirs.named_children()]
+    x = torch.randn(4, 300, 64)
+    with torch.inference_mode():
+        _close32(ours(x), theirs.double()(x.double()))
+    theirs.float()
+    xa, xb = x.clone().requires_grad_(), x.clone().requires_grad_()
+    ours(xa).square().sum().backward()
+    theirs(xb).square().sum().backward()
+    torch.testing.assert_close(xa.grad, xb.grad, rtol=1e-4, atol=1e-5)
+    for a, b in zip(ours.parameters(), theirs.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-4)
+
+
+def test_mlp_honours_a_swapped_or_hooked_activation(onednn_calls):
+    mlp = Mlp(64, 256)
+    x = torch.randn(2, 300, 64)
+    mlp.act = nn.ReLU()
+    with torch.no_grad():
+        out = mlp(x)
+    torch.testing.assert_close(out, mlp.fc2(F.relu(mlp.fc1(x))))
+    assert "gelu" not in onednn_calls
+    mlp.act = nn.GELU()
+    seen = []
+    mlp.act.register_forward_hook(lambda module, args, result: seen.append(result.shape))
+    with torch.no_grad():
+        mlp(x)
+    assert seen == [(2, 300, 256)] and "gelu" not in onednn_calls
+
+
+def _kernels():
+    kernels = onednn._gelu_kernels()
+    if kernels is None:
+        pytest.skip("native kernels not built here")
+    return kernels
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_gelu_with_slope_matches_torchs_gelu_and_its_backward(dtype):
+    kernels = _kernels()
+    x = torch.randn(1000, 37, dtype=dtype) * 4
+    x[0, :5] = torch.tensor([0.0, -0.0, 40.0, -40.0, float("nan")], dtype=dtype)
+    slope = x.clone()
+    out = kernels.gelu_with_slope(slope)
+    # float32 against the float64 values (torch's own float32 GELU is off by up to 1.1e-6 here)
+    x64 = x.double()
+    tol = dict(rtol=0, atol=1e-15) if dtype == F64 else dict(rtol=0, atol=1e-6)
+    torch.testing.assert_close(out.double(), F.gelu(x64), equal_nan=True, **tol)
+    torch.testing.assert_close(slope.double(), torch.ops.aten.gelu_backward(torch.ones_like(x64), x64),
+                               equal_nan=True, **tol)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        kernels.gelu_with_slope(x.t())
+
+
+@pytest.mark.parametrize("rows,inner,outer", SHAPES)
+def test_mlp_matches_float64_with_gradients(rows, inner, outer, onednn_calls):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, rows, inner, generator=gen)
+    w1, b1 = torch.randn(outer, inner, generator=gen) / inner**0.5, torch.randn(outer, generator=gen)
+    w2, b2 = torch.randn(inner, outer, generator=gen) / outer**0.5, torch.randn(inner, generator=gen)
+    leaves32 = [t.clone().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    leaves64 = [t.double().requires_grad_() for t in (x, w1, b1, w2, b2)]
+    out = onednn.mlp(*leaves32)
+    ref = F.linear(F.gelu(F.linear(*leaves64[:3])), *leaves64[3:])
+    _close32(out.detach(), ref.detach())
+    grad = torch.randn(out.shape, generator=gen)
+    for a, r in zip(torch.autograd.grad(out, leaves32, grad), torch.autograd.grad(ref, leaves64, grad.double())):
+        _close32(a, r)
+    fused = onednn._prefers_onednn(2 * rows, inner, outer) and onednn._prefers_onednn(2 * rows, outer, inner)
+    if fused and onednn._gelu_kernels() is not None:
+        # fc1, fc2; backward: the hidden gradient (with GELU's slope as a post-op) and fc1's input gradient
+        assert onednn_calls == ["none", "none", "mul", "none"]
+
+
+def test_mlp_gradients_for_some_inputs_only():
+    _kernels()
+    x, w1, b1 = _inputs(196, 192, 768)
+    w2, b2 = torch.randn(192, 768) / 768**0.5, torch.randn(192)
+    w2.requires_grad_()
+    (g,) = torch.autograd.grad(onednn.mlp(x, w1, b1, w2, b2).square().sum(), w2)
+    w2_64 = w2.detach().double().requires_grad_()
+    ref = F.linear(F.gelu(F.linear(x.double(), w1.double(), b1.double())), w2_64, b2.double())
+    _close32(g, torch.autograd.grad(ref.square().sum(), w2_64)[0])
+
+
+def test_linear_gelu_with_gradients_folds_the_slope(onednn_calls):
+    _kernels()
+    x, w, b = _inputs(196, 192, 768)
+    x.requires_grad_()
+    out = linear(x, w, b, activation="gelu")
+    assert out.grad_fn.name().startswith("_OnednnLinearGelu")
+    ref_x = x.detach().double().requires_grad_()
+    ref = F.gelu(F.linear(ref_x, w.double(), b.double()))
+    grad = torch.randn(out.shape)
+    _close32(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, ref_x, grad.double())[0])
+
+
+def test_mlp_traces_with_fx_as_plain_ops():
+    mlp = Mlp(16, 64)
+    graph = torch.fx.symbolic_trace(mlp)
+    assert "mkldnn" not in graph.code
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(graph(x), mlp.fc2(F.gelu(mlp.fc1(x))))
