@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
+from ..ops import depthwise_conv2d, learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
 from ..ops.pola_attention import _capturing_graph
 from .linear import Linear
 
@@ -190,7 +190,6 @@ class PolaLinearAttention(nn.Module):
             # (oneDNN's fast kernel; a strided view takes a path several times slower); its channels-last
             # output is already in token order.
             grid = tokens_to_map(v_tokens[:, p:], height, width).contiguous(memory_format=torch.channels_last)
-            local = F.conv2d(grid, torch.cat([self.dwc.weight] * heads), torch.cat([self.dwc.bias] * heads),
-                             padding=self.dwc.padding, groups=c)
+            local = depthwise_conv2d(grid, torch.cat([self.dwc.weight] * heads), torch.cat([self.dwc.bias] * heads))
             local = local.flatten(2).transpose(1, 2)
         return self.proj_drop(self.proj(add_branch_and_gate(out, local, g, p)))

@@ -10,7 +10,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import apply_rope, pacs_linear_attention, pacs_temperature, rope_2d, rope_angles, tokens_to_map
+from ..ops import (
+    apply_rope,
+    depthwise_conv2d,
+    pacs_linear_attention,
+    pacs_temperature,
+    rope_2d,
+    rope_angles,
+    tokens_to_map,
+)
 from .linear import Linear
 from .pola_attention import add_branch_and_gate
 
@@ -97,7 +105,7 @@ class PacsLinearAttention(nn.Module):
         b, c, h, w = x.shape
         tokens = x.flatten(2).transpose(1, 2)
         q, k, v, g = self.qkvg(tokens).reshape(b, h * w, 4, c).unbind(2)
-        lepe = self.lepe(_dense_map(v, h, w))
+        lepe = depthwise_conv2d(_dense_map(v, h, w), self.lepe.weight, self.lepe.bias)
         heads = self.num_heads
         out = pacs_linear_attention(
             _split_heads(q, heads),
@@ -131,7 +139,7 @@ class RopeSoftmaxAttention(nn.Module):
         b, c, h, w = x.shape
         tokens = x.flatten(2).transpose(1, 2)
         q, k, v, o = self.qkvo(tokens).reshape(b, h * w, 4, c).unbind(2)
-        lepe = self.lepe(_dense_map(v, h, w))
+        lepe = depthwise_conv2d(_dense_map(v, h, w), self.lepe.weight, self.lepe.bias)
         heads = self.num_heads
         q = apply_rope(_split_heads(q, heads), sin, cos)
         k = apply_rope(_split_heads(k, heads), sin, cos)

@@ -18,7 +18,7 @@ from .naive import (
     pola_attention_weights,
     softmax_attention_weights,
 )
-from .conv import plus_depthwise_conv
+from .conv import depthwise_conv2d, plus_depthwise_conv
 from .layout import tokens_to_map
 from .onednn import linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
@@ -27,6 +27,7 @@ from .rope import apply_rope, rope_2d, rope_angles
 
 __all__ = [
     "apply_rope",
+    "depthwise_conv2d",
     "elu_feature",
     "focused_feature",
     "learnable_power",

@@ -1,0 +1,122 @@
+"""polaformer.ops.depthwise_conv2d: F.conv2d's values and gradients, with the weight gradient from the native
+kernel where it applies (5×5 and larger, channels-last, with gradients)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import polaformer.ops.conv as conv_mod
+from polaformer.ops import depthwise_conv2d, plus_depthwise_conv
+
+F64 = torch.float64
+needs_kernel = pytest.mark.skipif(conv_mod._weight_grad_kernels() is None, reason="native kernels not built here")
+
+
+def _case(shape, k, dtype=F64, seed=0, channels_last=True):
+    gen = torch.Generator().manual_seed(seed)
+    b, c, h, w = shape
+    x = torch.randn(b, c, h, w, generator=gen, dtype=dtype)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    weight = torch.randn(c, 1, k, k, generator=gen, dtype=dtype)
+    bias = torch.randn(c, generator=gen, dtype=dtype)
+    return [t.requires_grad_() for t in (x, weight, bias)]
+
+
+def _grads(fn, leaves, grad):
+    out = fn(*leaves)
+    return out, torch.autograd.grad(out, leaves, grad)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape,k", [((2, 5, 7, 9), 5), ((3, 19, 6, 5), 5), ((1, 33, 4, 4), 7), ((2, 3, 5, 5), 9),
+                                     ((1, 8, 1, 1), 5), ((2, 17, 3, 11), 5)])
+def test_native_weight_gradient_matches_autograd_in_float64(shape, k):
+    leaves = _case(shape, k)
+    out, grads = _grads(depthwise_conv2d, leaves, grad := torch.randn(shape, dtype=F64))
+    assert out.grad_fn.name().startswith("_DepthwiseConv")
+    ref, ref_grads = _grads(lambda x, w, b: F.conv2d(x, w, b, padding=k // 2, groups=shape[1]), leaves, grad)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    for a, r in zip(grads, ref_grads):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+def test_float32_gradients_match_float64():
+    leaves = _case((4, 40, 12, 12), 5, dtype=torch.float32)
+    grad = torch.randn(4, 40, 12, 12)
+    _, grads = _grads(depthwise_conv2d, leaves, grad)
+    leaves64 = [t.detach().double().requires_grad_() for t in leaves]
+    _, ref = _grads(lambda x, w, b: F.conv2d(x, w, b, padding=2, groups=40), leaves64, grad.double())
+    for a, r in zip(grads, ref):
+        assert (a.double() - r).abs().max() <= 1e-5 * r.abs().max()
+
+
+@needs_kernel
+def test_weight_gradient_does_not_depend_on_the_thread_count():
+    leaves = _case((4, 24, 30, 30), 5, dtype=torch.float32)
+    grad = torch.randn(4, 24, 30, 30)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(_grads(depthwise_conv2d, leaves, grad)[1])
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0][1:], other[1:]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@needs_kernel
+@pytest.mark.parametrize("case", ["3x3", "channels-first", "no gradients", "no bias", "input only"])
+def test_other_calls_take_torchs_conv_or_the_kernel_as_they_should(case):
+    k = 3 if case == "3x3" else 5
+    x, w, b = _case((2, 6, 5, 5), k, channels_last=case != "channels-first")
+    bias = None if case == "no bias" else b
+    if case == "no gradients":
+        with torch.no_grad():
+            out = depthwise_conv2d(x, w, bias)
+        assert out.grad_fn is None
+    else:
+        if case == "input only":
+            w, bias = w.detach(), bias.detach()
+        out = depthwise_conv2d(x, w, bias)
+        native = case in ("no bias", "input only")
+        assert out.grad_fn.name().startswith("_DepthwiseConv") is native
+        leaves = [t for t in (x, w, bias) if t is not None and t.requires_grad]
+        grad = torch.randn(out.shape, dtype=F64)
+        ref = F.conv2d(x, w, bias, padding=k // 2, groups=6)
+        for a, r in zip(torch.autograd.grad(out, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
+            torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out, F.conv2d(x, w, bias, padding=k // 2, groups=6), rtol=0, atol=0)
+
+
+@needs_kernel
+def test_the_folded_identity_goes_through_the_kernel_with_the_same_gradients():
+    x, w, b = _case((2, 6, 7, 7), 5)
+    out = plus_depthwise_conv(x, w, b, 5, 6)
+    assert out.grad_fn.name().startswith("_DepthwiseConv")
+    ref = x + F.conv2d(x, w, b, padding=2, groups=6)
+    grad = torch.randn(out.shape, dtype=F64)
+    for a, r in zip(torch.autograd.grad(out, (x, w, b), grad), torch.autograd.grad(ref, (x, w, b), grad)):
+        torch.testing.assert_close(a, r, rtol=1e-12, atol=1e-12)
+
+
+def test_bad_shapes_are_named():
+    x = torch.randn(1, 4, 5, 5)
+    with pytest.raises(ValueError, match=r"depthwise weight \(C, 1, K, K\) with K odd"):
+        depthwise_conv2d(x, torch.randn(4, 1, 4, 4))
+    with pytest.raises(ValueError, match=r"expected a map \(B, 3, H, W\)"):
+        depthwise_conv2d(x, torch.randn(3, 1, 5, 5))
+
+
+@needs_kernel
+def test_the_kernel_rejects_what_it_cannot_read():
+    kernels = conv_mod._weight_grad_kernels()
+    x = torch.randn(1, 4, 5, 5)
+    with pytest.raises(RuntimeError, match="dense channels-last"):
+        kernels.depthwise_weight_grad(x, x, 3)
+    cl = x.contiguous(memory_format=torch.channels_last)
+    with pytest.raises(RuntimeError, match="must be odd"):
+        kernels.depthwise_weight_grad(cl, cl, 4)
