@@ -71,7 +71,7 @@ def test_weight_gradient_does_not_depend_on_the_thread_count():
 @needs_kernel
 @pytest.mark.parametrize("case", ["3x3", "channels-first", "no gradients", "no bias", "input only"])
 def test_other_calls_take_torchs_conv_or_the_kernel_as_they_should(case):
-    k = 3 if case == "3x3" else 5
+    k = 3 if case == "3x3" else 5  # a small 3×3 map stays on oneDNN
     x, w, b = _case((2, 6, 5, 5), k, channels_last=case != "channels-first")
     bias = None if case == "no bias" else b
     if case == "no gradients":
@@ -120,3 +120,15 @@ def test_the_kernel_rejects_what_it_cannot_read():
     cl = x.contiguous(memory_format=torch.channels_last)
     with pytest.raises(RuntimeError, match="must be odd"):
         kernels.depthwise_weight_grad(cl, cl, 4)
+
+
+@needs_kernel
+def test_a_large_3x3_map_takes_the_kernel():
+    x, w, b = _case((1, 16, 363, 363), 3, dtype=torch.float32)
+    assert x.numel() >= conv_mod._NATIVE_MIN_3X3_ELEMENTS
+    out = depthwise_conv2d(x, w, b)
+    assert out.grad_fn.name().startswith("_DepthwiseConv")
+    grad = torch.randn(out.shape)
+    ref = F.conv2d(x, w, b, padding=1, groups=16)
+    for a, r in zip(torch.autograd.grad(out, (x, w, b), grad), torch.autograd.grad(ref, (x, w, b), grad)):
+        assert (a - r).abs().max() <= 1e-4 * r.abs().max()

@@ -566,36 +566,50 @@ void gelu_with_slope_kernel(at::Tensor& x, at::Tensor& out) {
   });
 }
 
-// Weight and bias gradients of a depthwise convolution (stride 1, odd K×K kernel, "same" zero padding)
-// on channels-last maps: gw[c, i, j] = Σ g[n, y, x, c] · in[n, y + i - K/2, x + j - K/2, c], gb[c] = Σ g.
-// oneDNN's backward-weights pass for these shapes runs 10-20x slower than its forward. Here each task
-// holds the K² sums of one channel vector in registers over a fixed block of rows; the blocks' partial
-// sums are added in block order, so the result does not depend on the number of threads.
 // The sums of one block of rows for one vector of channels. K > 0: the kernel size known at compile time,
-// so that the K² accumulators stay in registers; K = 0: any odd size.
+// so that the K² accumulators stay in registers; K = 0: any odd size. Positions whose whole K×K window
+// lies inside the map (all but a border of K/2) take a loop without bound checks.
 template <typename T, int K>
 inline void depthwise_weight_grad_block(const T* in, const T* g, int64_t row_begin, int64_t row_end, int64_t height,
                                         int64_t width, int64_t channels, int64_t k_dyn, int64_t count,
                                         Vectorized<T>* acc, Vectorized<T>& acc_bias) {
   using V = Vectorized<T>;
   const int64_t k = K > 0 ? K : k_dyn, pad = k / 2;
+  auto checked = [&](const T* g_row, int64_t image, int64_t y, int64_t x) {
+    const V gv = V::loadu(g_row + x * channels, count);
+    acc_bias = acc_bias + gv;
+    for (int64_t i = 0; i < k; ++i) {
+      const int64_t yy = y + i - pad;
+      if (yy < 0 || yy >= height) continue;
+      const T* in_row = in + ((image * height + yy) * width) * channels;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t xx = x + j - pad;
+        if (xx < 0 || xx >= width) continue;
+        acc[i * k + j] = at::vec::fmadd(gv, V::loadu(in_row + xx * channels, count), acc[i * k + j]);
+      }
+    }
+  };
   for (int64_t row = row_begin; row < row_end; ++row) {
     const int64_t image = row / height, y = row % height;
     const T* g_row = g + row * width * channels;
-    for (int64_t x = 0; x < width; ++x) {
+    if (y < pad || y >= height - pad || width < k) {
+      for (int64_t x = 0; x < width; ++x) checked(g_row, image, y, x);
+      continue;
+    }
+    for (int64_t x = 0; x < pad; ++x) checked(g_row, image, y, x);
+    const T* window = in + ((image * height + y - pad) * width - pad) * channels;  // top-left tap of x = 0
+    const int64_t row_stride = width * channels;
+    for (int64_t x = pad; x < width - pad; ++x) {
       const V gv = V::loadu(g_row + x * channels, count);
       acc_bias = acc_bias + gv;
+      const T* w0 = window + x * channels;
       for (int64_t i = 0; i < k; ++i) {
-        const int64_t yy = y + i - pad;
-        if (yy < 0 || yy >= height) continue;
-        const T* in_row = in + ((image * height + yy) * width) * channels;
         for (int64_t j = 0; j < k; ++j) {
-          const int64_t xx = x + j - pad;
-          if (xx < 0 || xx >= width) continue;
-          acc[i * k + j] = at::vec::fmadd(gv, V::loadu(in_row + xx * channels, count), acc[i * k + j]);
+          acc[i * k + j] = at::vec::fmadd(gv, V::loadu(w0 + i * row_stride + j * channels, count), acc[i * k + j]);
         }
       }
     }
+    for (int64_t x = std::max(pad, width - pad); x < width; ++x) checked(g_row, image, y, x);
   }
 }
 

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import Linear, PolaLinearAttention
-from ..ops import tokens_to_map
+from ..ops import depthwise_conv2d, tokens_to_map
 from ._helpers import checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
@@ -43,7 +43,7 @@ class DepthwiseConvMlp(nn.Module):
         self.fc2 = Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        hidden = self.dwconv(tokens_to_map(self.fc1(x), height, width))
+        hidden = depthwise_conv2d(tokens_to_map(self.fc1(x), height, width), self.dwconv.weight, self.dwconv.bias)
         return self.fc2(F.gelu(hidden.flatten(2).transpose(1, 2)))
 
 

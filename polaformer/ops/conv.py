@@ -15,6 +15,10 @@ from .pola_attention import _capturing_graph
 __all__ = ["depthwise_conv2d", "plus_depthwise_conv"]
 
 
+# oneDNN's 3×3 backward is about as fast on maps below ~2M elements (0.9-1.06x), slower above (1.26-1.3x)
+_NATIVE_MIN_KERNEL, _NATIVE_MIN_3X3_ELEMENTS = 5, 1 << 21
+
+
 def _weight_grad_kernels():
     kernels = native_kernels()
     return kernels if kernels is not None and hasattr(kernels, "depthwise_weight_grad") else None
@@ -54,11 +58,12 @@ class _DepthwiseConv(torch.autograd.Function):
 def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.conv2d(x, weight, bias, padding=K // 2, groups=C)`` for ``weight`` (C, 1, K, K), K odd.
 
-    With gradients, for K ≥ 5 on a dense channels-last float map and where the native kernels are built,
-    the weight and bias gradients come from a native kernel (:class:`_DepthwiseConv`): 2.8-4.8x faster
-    forward+backward than oneDNN's at the models' 5×5 shapes, while for 3×3 oneDNN's backward is on par
-    (0.8-1.2x, docs/benchmarks.md) and is kept. Elsewhere it is ``F.conv2d``. Both give the same values
-    up to the order of the sums.
+    With gradients, on a dense channels-last float map and where the native kernels are built, the
+    weight and bias gradients come from a native kernel (:class:`_DepthwiseConv`): forward+backward is
+    1.4-4.2x faster than oneDNN's at the models' 5×5 shapes and 1.26-1.3x at 3×3 on maps of 2M elements
+    or more, while on smaller 3×3 maps oneDNN's backward is as fast (0.9-1.06x) and is kept
+    (docs/benchmarks.md). Elsewhere it is ``F.conv2d``. Both give the same values up to the order of the
+    sums.
     """
     if is_fx_symbolic_tracing() or _capturing_graph():  # shapes may be proxies: no checks
         return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=weight.shape[0])
@@ -68,7 +73,8 @@ def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         raise ValueError(f"expected a map (B, {weight.shape[0]}, H, W), got {tuple(x.shape)}")
     padding = weight.shape[-1] // 2
     leaves = (x, weight) if bias is None else (x, weight, bias)
-    if (padding >= 2 and torch.is_grad_enabled() and any(t.requires_grad for t in leaves) and x.device.type == "cpu"
+    large = weight.shape[-1] >= _NATIVE_MIN_KERNEL or x.numel() >= _NATIVE_MIN_3X3_ELEMENTS
+    if (large and torch.is_grad_enabled() and any(t.requires_grad for t in leaves) and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.float64) and all(t.dtype == x.dtype for t in leaves)
             and not torch.is_autocast_enabled("cpu") and _is_dense_channels_last(x)):
         kernels = _weight_grad_kernels()
