@@ -132,3 +132,24 @@ def test_a_large_3x3_map_takes_the_kernel():
     ref = F.conv2d(x, w, b, padding=1, groups=16)
     for a, r in zip(torch.autograd.grad(out, (x, w, b), grad), torch.autograd.grad(ref, (x, w, b), grad)):
         assert (a - r).abs().max() <= 1e-4 * r.abs().max()
+
+
+@pytest.mark.parametrize("dtype,grad", [(F64, True), (torch.float32, False), (torch.float32, True)])
+def test_depthwise_conv_gelu_linear_is_the_three_ops(dtype, grad):
+    from polaformer.ops import depthwise_conv_gelu_linear
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 96, 24, 24, generator=gen, dtype=dtype).contiguous(memory_format=torch.channels_last)
+    cw, cb = torch.randn(96, 1, 3, 3, generator=gen, dtype=dtype), torch.randn(96, generator=gen, dtype=dtype)
+    w, b = torch.randn(40, 96, generator=gen, dtype=dtype) / 10, torch.randn(40, generator=gen, dtype=dtype)
+    leaves = [t.requires_grad_(grad) for t in (x, cw, cb, w, b)]
+    out = depthwise_conv_gelu_linear(*leaves)
+    leaves64 = [t.detach().double().requires_grad_(grad) for t in leaves]
+    hidden = F.gelu(F.conv2d(leaves64[0], leaves64[1], leaves64[2], padding=1, groups=96))
+    ref = F.linear(hidden.flatten(2).transpose(1, 2), leaves64[3], leaves64[4])
+    tol = 1e-12 if dtype == F64 else 1e-5
+    assert (out.double() - ref).abs().max() <= tol * ref.abs().max()
+    if grad:
+        g = torch.randn(out.shape, generator=gen, dtype=dtype)
+        for a, r in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves64, g.double())):
+            assert (a.double() - r).abs().max() <= tol * r.abs().max()

@@ -193,7 +193,7 @@ def test_gelu_with_slope_matches_torchs_gelu_and_its_backward(dtype):
     x = torch.randn(1000, 37, dtype=dtype) * 4
     x[0, :5] = torch.tensor([0.0, -0.0, 40.0, -40.0, float("nan")], dtype=dtype)
     slope = x.clone()
-    out = kernels.gelu_with_slope(slope)
+    (out,) = kernels.gelu_with_slope(slope, in_place=True)
     # float32 against the float64 values (torch's own float32 GELU is off by up to 1.1e-6 here)
     x64 = x.double()
     tol = dict(rtol=0, atol=1e-15) if dtype == F64 else dict(rtol=0, atol=1e-6)
@@ -201,7 +201,7 @@ def test_gelu_with_slope_matches_torchs_gelu_and_its_backward(dtype):
     torch.testing.assert_close(slope.double(), torch.ops.aten.gelu_backward(torch.ones_like(x64), x64),
                                equal_nan=True, **tol)
     with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.gelu_with_slope(x.t())
+        kernels.gelu_with_slope(x.t(), in_place=False)
 
 
 @pytest.mark.parametrize("rows,inner,outer", SHAPES)
@@ -253,3 +253,22 @@ def test_mlp_traces_with_fx_as_plain_ops():
     assert "mkldnn" not in graph.code
     x = torch.randn(2, 5, 16)
     torch.testing.assert_close(graph(x), mlp.fc2(F.gelu(mlp.fc1(x))))
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_gelu_linear_matches_float64(grad, onednn_calls):
+    _kernels()
+    gen = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 600, 256, generator=gen) * 2
+    w, b = torch.randn(64, 256, generator=gen) / 16, torch.randn(64, generator=gen)
+    leaves = [t.clone().requires_grad_(grad) for t in (h, w, b)]
+    out = onednn.gelu_linear(*leaves)
+    leaves64 = [t.double().requires_grad_(grad) for t in (h, w, b)]
+    ref = F.linear(F.gelu(leaves64[0]), *leaves64[1:])
+    _close32(out.detach(), ref.detach())
+    if grad:
+        assert out.grad_fn.name().startswith("_GeluLinear")
+        g = torch.randn(out.shape, generator=gen)
+        for a, r in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves64, g.double())):
+            _close32(a, r)
+        assert onednn_calls == ["none", "mul"]

@@ -549,10 +549,11 @@ inline Vectorized<double> gelu_cdf_and_gauss(const Vectorized<double>& x, Vector
 }
 
 template <typename T>
-void gelu_with_slope_kernel(at::Tensor& x, at::Tensor& out) {
+void gelu_with_slope_kernel(const at::Tensor& x, at::Tensor& out, at::Tensor& slope) {
   using V = Vectorized<T>;
-  T* xp = x.data_ptr<T>();
+  const T* xp = x.data_ptr<T>();
   T* op = out.data_ptr<T>();
+  T* sp = slope.data_ptr<T>();  // may be x's memory
   at::parallel_for(0, x.numel(), int64_t{1} << 14, [&](int64_t begin, int64_t end) {
     const V pdf_scale(T(M_2_SQRTPI * M_SQRT1_2 * 0.5));
     for (int64_t i = begin; i < end; i += V::size()) {
@@ -561,7 +562,7 @@ void gelu_with_slope_kernel(at::Tensor& x, at::Tensor& out) {
       V gauss;
       const V cdf = gelu_cdf_and_gauss(v, gauss);
       (v * cdf).store(op + i, count);
-      at::vec::fmadd(v * pdf_scale, gauss, cdf).store(xp + i, count);
+      at::vec::fmadd(v * pdf_scale, gauss, cdf).store(sp + i, count);
     }
   });
 }
@@ -895,12 +896,14 @@ std::vector<at::Tensor> pacs_query_backward(const at::Tensor& q, const at::Tenso
   return {grad_q, grad_t};
 }
 
-// GELU of x, returned; x (dense) is overwritten by GELU's slope at x.
-at::Tensor gelu_with_slope(at::Tensor x) {
+// GELU of x and its slope at x; with in_place, the slope is written over x (dense) and only GELU returned.
+std::vector<at::Tensor> gelu_with_slope(at::Tensor x, bool in_place) {
   TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
   auto out = at::empty_like(x);
-  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_with_slope", [&] { gelu_with_slope_kernel<scalar_t>(x, out); });
-  return out;
+  auto slope = in_place ? x : at::empty_like(x);
+  AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_with_slope", [&] { gelu_with_slope_kernel<scalar_t>(x, out, slope); });
+  if (in_place) return {out};
+  return {out, slope};
 }
 
 // (N, H, W, C) memory of an (N, C, H, W) tensor: channels-last and dense.
@@ -971,6 +974,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("key_means") = py::none(), py::arg("eps") = 0.0);
   m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
   m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
-  m.def("gelu_with_slope", &gelu_with_slope, "GELU of x, x overwritten by GELU's slope at x");
+  m.def("gelu_with_slope", &gelu_with_slope, "GELU of x and its slope at x (written over x if in_place)",
+        py::arg("x"), py::arg("in_place"));
   m.def("depthwise_weight_grad", &depthwise_weight_grad, "weight and bias gradients of a depthwise conv");
 }

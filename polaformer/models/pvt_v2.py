@@ -14,7 +14,6 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
@@ -24,7 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import Linear, PolaLinearAttention
-from ..ops import depthwise_conv2d, tokens_to_map
+from ..ops import depthwise_conv_gelu_linear, tokens_to_map
 from ._helpers import checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
@@ -34,7 +33,8 @@ __all__ = ["PolaPVTv2"]
 class DepthwiseConvMlp(nn.Module):
     """fc1 -> 3×3 depthwise conv -> GELU -> fc2 on tokens (B, H·W, C); timm's ``MlpWithDepthwiseConv``
     parameters and math, with the conv run on a channels-last view of fc1's output (no copy, and
-    oneDNN's fast depthwise kernel at every batch size)."""
+    oneDNN's fast depthwise kernel at every batch size) and GELU fused into the conv or, with gradients,
+    folded into fc2's products (:func:`polaformer.ops.depthwise_conv_gelu_linear`)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
@@ -43,8 +43,8 @@ class DepthwiseConvMlp(nn.Module):
         self.fc2 = Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        hidden = depthwise_conv2d(tokens_to_map(self.fc1(x), height, width), self.dwconv.weight, self.dwconv.bias)
-        return self.fc2(F.gelu(hidden.flatten(2).transpose(1, 2)))
+        grid = tokens_to_map(self.fc1(x), height, width)
+        return depthwise_conv_gelu_linear(grid, self.dwconv.weight, self.dwconv.bias, self.fc2.weight, self.fc2.bias)
 
 
 class PolaPVTv2Block(nn.Module):

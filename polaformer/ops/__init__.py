@@ -18,9 +18,9 @@ from .naive import (
     pola_attention_weights,
     softmax_attention_weights,
 )
-from .conv import depthwise_conv2d, plus_depthwise_conv
+from .conv import depthwise_conv2d, depthwise_conv_gelu_linear, plus_depthwise_conv
 from .layout import tokens_to_map
-from .onednn import linear, mlp
+from .onednn import gelu_linear, linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles
@@ -28,8 +28,10 @@ from .rope import apply_rope, rope_2d, rope_angles
 __all__ = [
     "apply_rope",
     "depthwise_conv2d",
+    "depthwise_conv_gelu_linear",
     "elu_feature",
     "focused_feature",
+    "gelu_linear",
     "learnable_power",
     "linear",
     "linear_attention",

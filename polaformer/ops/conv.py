@@ -10,9 +10,13 @@ except ImportError:  # older torch: only the flag that torch.export sets as well
     from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
 
 from .native import native_kernels
+from . import onednn
+from .onednn import gelu_linear, linear
 from .pola_attention import _capturing_graph
 
-__all__ = ["depthwise_conv2d", "plus_depthwise_conv"]
+__all__ = ["depthwise_conv2d", "depthwise_conv_gelu_linear", "plus_depthwise_conv"]
+
+_CONV_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_convolution_pointwise", None)
 
 
 # oneDNN's 3×3 backward is about as fast on maps below ~2M elements (0.9-1.06x), slower above (1.26-1.3x)
@@ -81,6 +85,32 @@ def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
         if kernels is not None:
             return _DepthwiseConv.apply(x, weight, bias, kernels)
     return F.conv2d(x, weight, bias, padding=padding, groups=weight.shape[0])
+
+
+def depthwise_conv_gelu_linear(x: torch.Tensor, conv_weight: torch.Tensor, conv_bias: torch.Tensor | None,
+                               weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(GELU(depthwise_conv2d(x)), weight, bias)`` over the map's tokens: (B, C, H, W) -> (B, H·W, out).
+
+    The tail of PVTv2's MLP. Without gradients GELU is fused into oneDNN's convolution (float32,
+    channels-last; one pass less over the hidden map); with gradients GELU's backward is folded into the
+    products (:func:`gelu_linear`).
+    """
+    if is_fx_symbolic_tracing() or _capturing_graph():
+        hidden = F.gelu(F.conv2d(x, conv_weight, conv_bias, padding=conv_weight.shape[-1] // 2, groups=x.shape[1]))
+        return F.linear(hidden.flatten(2).transpose(1, 2), weight, bias)
+    needs_grad = torch.is_grad_enabled() and any(
+        t is not None and t.requires_grad for t in (x, conv_weight, conv_bias, weight, bias))
+    if needs_grad:
+        return gelu_linear(depthwise_conv2d(x, conv_weight, conv_bias).flatten(2).transpose(1, 2), weight, bias)
+    if (_CONV_POINTWISE is not None and onednn._ENABLED and x.device.type == "cpu" and x.dtype == torch.float32
+            and not torch.is_autocast_enabled("cpu") and _is_dense_channels_last(x) and conv_weight.shape[1] == 1
+            and all(t is None or t.dtype == torch.float32 for t in (conv_weight, conv_bias))):
+        padding = [conv_weight.shape[-1] // 2] * 2
+        hidden = _CONV_POINTWISE.default(x, conv_weight, conv_bias, padding, [1, 1], [1, 1], x.shape[1], "gelu", [],
+                                         "none")
+    else:
+        hidden = F.gelu(depthwise_conv2d(x, conv_weight, conv_bias))
+    return linear(hidden.flatten(2).transpose(1, 2), weight, bias)
 
 
 def plus_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kernel_size: int,

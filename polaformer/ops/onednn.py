@@ -31,7 +31,7 @@ except ImportError:  # older torch: only the flag that torch.export sets as well
 from .native import native_kernels
 from .pola_attention import _capturing_graph
 
-__all__ = ["linear", "mlp", "onednn_linear_available"]
+__all__ = ["gelu_linear", "linear", "mlp", "onednn_linear_available"]
 
 _ACTIVATIONS = (None, "gelu")
 # Products smaller than this (multiply-adds) run faster on MKL: oneDNN's per-call cost is ~10 us.
@@ -147,7 +147,7 @@ class _OnednnLinearGelu(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, kernels):
         hidden = _OP(x, weight, bias, "none", [], "")
-        activated = kernels.gelu_with_slope(hidden)
+        (activated,) = kernels.gelu_with_slope(hidden, in_place=True)
         ctx.save_for_backward(x, weight, hidden)
         ctx.has_bias = bias is not None
         return activated
@@ -178,7 +178,7 @@ class _OnednnMlp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w1, b1, w2, b2, kernels):
         hidden = _OP(x, w1, b1, "none", [], "")
-        activated = kernels.gelu_with_slope(hidden)  # hidden now holds the slope
+        (activated,) = kernels.gelu_with_slope(hidden, in_place=True)  # hidden now holds the slope
         ctx.save_for_backward(x, w1, w2, activated, hidden)
         ctx.has_bias = b1 is not None, b2 is not None
         return _OP(activated, w2, b2, "none", [], "")
@@ -219,3 +219,42 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor | None, w2: torch.Te
                 and _prefers_onednn(rows, w2.shape[1], w2.shape[0])):
             return _OnednnMlp.apply(x, w1, b1, w2, b2, kernels)
     return linear(linear(x, w1, b1, activation="gelu"), w2, b2)
+
+
+class _GeluLinear(torch.autograd.Function):
+    """``GELU(h) Wᵀ + b`` with gradients: GELU and its slope in one native pass (the slope saved instead of
+    ``h``), and GELU's backward folded into the product that forms ``h``'s gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, kernels):
+        activated, slope = kernels.gelu_with_slope(hidden, in_place=False)
+        ctx.save_for_backward(activated, slope, weight)
+        ctx.has_bias = bias is not None
+        return _OP(activated, weight, bias, "none", [], "")
+
+    @staticmethod
+    def backward(ctx, grad):
+        activated, slope, weight = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_rows = grad.reshape(-1, grad.shape[-1])
+        grad_h = grad_w = grad_b = None
+        if needs[0]:
+            grad_h = _OP_BINARY(grad_rows, slope.view(-1, slope.shape[-1]), weight.t(), None, "mul").view(slope.shape)
+        if needs[1]:
+            grad_w = torch.mm(grad_rows.t(), activated.view(-1, activated.shape[-1]))
+        if ctx.has_bias and needs[2]:
+            grad_b = grad_rows.sum(0)
+        return grad_h, grad_w, grad_b, None
+
+
+def gelu_linear(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear(GELU(hidden), weight, bias)`` (erf GELU): with gradients on a contiguous float32 ``hidden``, where
+    the product runs on oneDNN and the native kernels are built, GELU's backward is folded into the products
+    (:class:`_GeluLinear`); otherwise GELU and :func:`linear`."""
+    if (_takes_onednn(hidden, weight, bias) and hidden.is_contiguous() and torch.is_grad_enabled()
+            and any(t is not None and t.requires_grad for t in (hidden, weight, bias))):
+        kernels = _gelu_kernels()
+        rows = hidden.numel() // hidden.shape[-1]
+        if kernels is not None and _prefers_onednn(rows, weight.shape[1], weight.shape[0]):
+            return _GeluLinear.apply(hidden, weight, bias, kernels)
+    return linear(F.gelu(hidden), weight, bias)
