@@ -4,9 +4,9 @@ torch runs ``F.linear`` on the CPU as MKL's GEMM after copying the bias into the
 a pass of its own over the hidden activations. oneDNN's matmul (the one ``torch.compile`` uses for
 frozen CPU graphs, ``torch.ops.mkldnn._linear_pointwise``) adds the bias and applies GELU to each
 output tile while it is still in cache, and its kernels are faster for most transformer shapes
-(measured on an AVX-512 host, 2 threads, see docs/benchmarks.md: 1.05-1.8x for the projections and
-MLPs of the model zoo, slower only for small products). The GELU of a PVT stage-1 MLP alone moves
-100 MB per image batch of 8, so fusing it is most of the gain at inference.
+(measured on an AVX-512 host, 2 threads, docs/benchmarks.md: 1.03-1.83x for the model zoo's products
+of 2^25 multiply-adds or more, slower for small products, which stay on MKL). The GELU of a PVT
+stage-1 MLP alone moves 100 MB per batch of 8 images, so fusing it is most of the gain at inference.
 
 Both kernels compute the same IEEE float32 products (oneDNN's default math mode is strict): outputs
 differ from ``F.linear`` by rounding only, and by nothing under float64, where torch's own kernel
