@@ -270,10 +270,11 @@ def _env():
 
 def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
     """A real training process: a second training into its folder is refused naming its pid; Ctrl-C
-    ends it with status 130 and a one-line note of the last checkpoint it saved."""
+    ends it with status 130 and a one-line note of the last checkpoint it saved. The training is far longer
+    than the test (a tiny model runs 200 epochs in ~20 s on a busy CI machine), so it cannot end first."""
     output = work / "interrupted"
     process = subprocess.Popen(
-        [sys.executable, "-m", "polaformer", "train", *TINY, "--epochs", "200", "--batch-size", "256",
+        [sys.executable, "-m", "polaformer", "train", *TINY, "--epochs", "100000", "--batch-size", "256",
          "--output", str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
     try:
         deadline = time.monotonic() + 90
