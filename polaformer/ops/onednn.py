@@ -81,9 +81,17 @@ def _float32_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1])
 
 
+def _linear_grads(grad_rows, x, weight, needs, has_bias):
+    """Gradients of ``x Wᵀ + b`` from the output's gradient as rows: ``g W`` on oneDNN, ``gᵀ x`` on MKL (faster
+    for that transposed product, docs/benchmarks.md), the bias's as the column sums."""
+    grad_x = _OP(grad_rows, weight.t(), None, "none", [], "").view(x.shape) if needs[0] else None
+    grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1])) if needs[1] else None
+    grad_b = grad_rows.sum(0) if has_bias and needs[2] else None
+    return grad_x, grad_w, grad_b
+
+
 class _OnednnLinear(torch.autograd.Function):
-    """``x Wᵀ + b`` on oneDNN, and the input's gradient ``g W`` too; the weight's gradient ``gᵀ x`` stays on
-    MKL, which is faster for that transposed product (measured per model shape, docs/benchmarks.md)."""
+    """``x Wᵀ + b`` on oneDNN, gradients from :func:`_linear_grads`."""
 
     @staticmethod
     def forward(ctx, x, weight, bias):
@@ -94,15 +102,7 @@ class _OnednnLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_rows = grad.reshape(-1, grad.shape[-1])
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _OP(grad_rows, weight.t(), None, "none", [], "").view(x.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_rows.sum(0)
-        return grad_x, grad_w, grad_b
+        return _linear_grads(grad.reshape(-1, grad.shape[-1]), x, weight, ctx.needs_input_grad, ctx.has_bias)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -156,14 +156,7 @@ class _OnednnLinearGelu(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, slope = ctx.saved_tensors
         grad_rows = (grad * slope).reshape(-1, slope.shape[-1])
-        grad_x = grad_w = grad_b = None
-        if ctx.needs_input_grad[0]:
-            grad_x = _OP(grad_rows, weight.t(), None, "none", [], "").view(x.shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1]))
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = grad_rows.sum(0)
-        return grad_x, grad_w, grad_b, None
+        return *_linear_grads(grad_rows, x, weight, ctx.needs_input_grad, ctx.has_bias), None
 
 
 class _OnednnMlp(torch.autograd.Function):
@@ -194,12 +187,7 @@ class _OnednnMlp(torch.autograd.Function):
         grad_x = grad_w1 = grad_b1 = None
         if needs[0] or needs[1] or needs[2]:
             grad_hidden = _OP_BINARY(grad_rows, slope, w2.t(), None, "mul")
-            if needs[0]:
-                grad_x = _OP(grad_hidden, w1.t(), None, "none", [], "").view(x.shape)
-            if needs[1]:
-                grad_w1 = torch.mm(grad_hidden.t(), x.reshape(-1, x.shape[-1]))
-            if ctx.has_bias[0] and needs[2]:
-                grad_b1 = grad_hidden.sum(0)
+            grad_x, grad_w1, grad_b1 = _linear_grads(grad_hidden, x, w1, needs, ctx.has_bias[0])
         return grad_x, grad_w1, grad_b1, grad_w2, grad_b2, None
 
 
