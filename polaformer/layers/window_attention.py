@@ -9,10 +9,10 @@ pair of a window, the table row of their offset.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from timm.layers import to_2tuple, trunc_normal_
 from torch import nn
 
+from ..ops.window_softmax import window_softmax_attention
 from .linear import Linear
 
 __all__ = ["WindowAttention", "relative_position_index"]
@@ -81,15 +81,15 @@ class WindowAttention(nn.Module):
             )
         q, k, v = self.qkv(x).reshape(b_, n, 3, self.num_heads, c // self.num_heads).permute(2, 0, 3, 1, 4)
         bias = self.relative_position_bias().unsqueeze(0)
-        if mask is not None:  # one mask per window position, repeated for every image (4-D for the fused kernels)
-            num_windows = mask.shape[0]
-            bias = bias + mask.to(bias.dtype).unsqueeze(1).repeat(b_ // num_windows, 1, 1, 1)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=bias.to(q.dtype), dropout_p=self.attn_drop if self.training else 0.0, scale=self.scale
-        )
+        if mask is not None:  # one mask per window position; the op broadcasts it over the images
+            if b_ % mask.shape[0]:
+                raise ValueError(f"{b_} windows are not a whole number of images of {mask.shape[0]} windows")
+            bias = bias + mask.to(bias.dtype).unsqueeze(1)
+        out = window_softmax_attention(q, k, v, bias.to(q.dtype), self.scale,
+                                       dropout_p=self.attn_drop if self.training else 0.0)
         out = out.transpose(1, 2)
         if torch.compiler.is_exporting() or torch.onnx.is_in_onnx_export():
-            # The fused CPU kernel returns (B, N, H, d) memory, so the trace records a view here; the export's
+            # SDPA's fused CPU kernel returns (B, N, H, d) memory, so the trace records a view here; the export's
             # decompositions give a (B, H, N, d)-contiguous output that cannot be viewed ("Cannot view a tensor
             # ...", ONNX export step 2/3). An explicit copy is recorded whatever the strides are.
             out = out.clone(memory_format=torch.contiguous_format)

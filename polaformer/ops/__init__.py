@@ -1,4 +1,4 @@
-"""Pure tensor math: linear maps on oneDNN, feature maps, the fast polarity-aware attention, naive references, RoPE, position tables, token/map layout."""
+"""Pure tensor math: linear maps on oneDNN, feature maps, the fast polarity-aware attention, naive references, RoPE, position tables, token/map layout, windowed softmax attention."""
 from .feature_maps import (
     elu_feature,
     focused_feature,
@@ -24,6 +24,7 @@ from .onednn import gelu_linear, linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles
+from .window_softmax import window_softmax_attention
 
 __all__ = [
     "apply_rope",
@@ -55,4 +56,5 @@ __all__ = [
     "rope_angles",
     "softmax_attention_weights",
     "tokens_to_map",
+    "window_softmax_attention",
 ]
