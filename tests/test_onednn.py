@@ -240,11 +240,25 @@ def test_linear_gelu_with_gradients_folds_the_slope(onednn_calls):
     x, w, b = _inputs(196, 192, 768)
     x.requires_grad_()
     out = linear(x, w, b, activation="gelu")
-    assert out.grad_fn.name().startswith("_OnednnLinearGelu")
+    assert out.grad_fn.name().startswith("_LinearGelu")
     ref_x = x.detach().double().requires_grad_()
     ref = F.gelu(F.linear(ref_x, w.double(), b.double()))
     grad = torch.randn(out.shape)
     _close32(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, ref_x, grad.double())[0])
+
+
+def test_small_linear_gelu_with_gradients_folds_the_slope_on_torchs_products(onednn_calls):
+    _kernels()
+    x, w, b = _inputs(7, 5, 3)
+    leaves32 = [t.clone().requires_grad_() for t in (x, w, b)]
+    out = linear(*leaves32, activation="gelu")
+    assert out.grad_fn.name().startswith("_LinearGelu")
+    leaves64 = [t.double().requires_grad_() for t in (x, w, b)]
+    ref = F.gelu(F.linear(*leaves64))
+    grad = torch.randn(out.shape)
+    for a, r in zip(torch.autograd.grad(out, leaves32, grad), torch.autograd.grad(ref, leaves64, grad.double())):
+        _close32(a, r)
+    assert onednn_calls == []  # too small for oneDNN: forward and gradients on torch's products
 
 
 def test_mlp_traces_with_fx_as_plain_ops():

@@ -13,8 +13,9 @@ differ from ``F.linear`` by rounding only, and by nothing under float64, where t
 runs. The oneDNN path is taken for float32 CPU tensors outside autocast and graph capture, when the
 product is large enough to win (:func:`_prefers_onednn`); everything else runs ``F.linear`` (and
 ``F.gelu``), so exporters and compilers see plain ops. With gradients the forward and the input's
-gradient run on oneDNN and the weight's gradient on MKL; GELU is then a native pass that also writes
-its slope over the pre-activation (its backward is then one multiply, or none at all in :func:`mlp`).
+gradient run on oneDNN and the weight's gradient on MKL; GELU (at any size, after MKL's product where
+that is too small for oneDNN) is then a native pass that also writes its slope over the pre-activation
+(its backward is then one multiply, or none at all in :func:`mlp`).
 """
 from __future__ import annotations
 
@@ -81,10 +82,13 @@ def _float32_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1])
 
 
-def _linear_grads(grad_rows, x, weight, needs, has_bias):
-    """Gradients of ``x Wᵀ + b`` from the output's gradient as rows: ``g W`` on oneDNN, ``gᵀ x`` on MKL (faster
-    for that transposed product, docs/benchmarks.md), the bias's as the column sums."""
-    grad_x = _OP(grad_rows, weight.t(), None, "none", [], "").view(x.shape) if needs[0] else None
+def _linear_grads(grad_rows, x, weight, needs, has_bias, onednn=True):
+    """Gradients of ``x Wᵀ + b`` from the output's gradient as rows: ``g W`` on oneDNN (MKL for a product too
+    small for oneDNN to win, ``onednn=False``), ``gᵀ x`` on MKL (faster for that transposed product,
+    docs/benchmarks.md), the bias's as the column sums."""
+    grad_x = None
+    if needs[0]:
+        grad_x = (_OP(grad_rows, weight.t(), None, "none", [], "") if onednn else torch.mm(grad_rows, weight)).view(x.shape)
     grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1])) if needs[1] else None
     grad_b = grad_rows.sum(0) if has_bias and needs[2] else None
     return grad_x, grad_w, grad_b
@@ -123,13 +127,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
                 return _OP(x, weight, bias, activation, [], "none")
             if _prefers_onednn(rows, weight.shape[1], weight.shape[0]):
                 return _OP(x, weight, bias, "none", [], "")
-        elif _prefers_onednn(rows, weight.shape[1], weight.shape[0]):
+        else:
+            onednn = _prefers_onednn(rows, weight.shape[1], weight.shape[0])
             if activation is None:
-                return _OnednnLinear.apply(x, weight, bias)
-            kernels = _gelu_kernels()
-            if kernels is not None:
-                return _OnednnLinearGelu.apply(x, weight, bias, kernels)
-            return F.gelu(_OnednnLinear.apply(x, weight, bias))
+                if onednn:
+                    return _OnednnLinear.apply(x, weight, bias)
+            elif (kernels := _gelu_kernels()) is not None:  # GELU's backward folded away at any size
+                return _LinearGelu.apply(x, weight, bias, kernels, onednn)
+            elif onednn:
+                return F.gelu(_OnednnLinear.apply(x, weight, bias))
     out = F.linear(x, weight, bias)
     return F.gelu(out) if activation is not None else out
 
@@ -140,23 +146,24 @@ def _gelu_kernels():
     return kernels if kernels is not None and hasattr(kernels, "gelu_with_slope") else None
 
 
-class _OnednnLinearGelu(torch.autograd.Function):
+class _LinearGelu(torch.autograd.Function):
     """``GELU(x Wᵀ + b)`` with the slope of GELU written over the pre-activation in the forward's GELU pass,
-    so that the backward multiplies by it instead of evaluating ``exp`` and ``erf`` again."""
+    so that the backward multiplies by it instead of evaluating ``exp`` and ``erf`` again. The products run
+    on oneDNN, or on MKL (``onednn=False``) where they are too small for oneDNN to win."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, kernels):
-        hidden = _OP(x, weight, bias, "none", [], "")
+    def forward(ctx, x, weight, bias, kernels, onednn):
+        hidden = _OP(x, weight, bias, "none", [], "") if onednn else F.linear(x, weight, bias)
         (activated,) = kernels.gelu_with_slope(hidden, in_place=True)
         ctx.save_for_backward(x, weight, hidden)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.onednn = bias is not None, onednn
         return activated
 
     @staticmethod
     def backward(ctx, grad):
         x, weight, slope = ctx.saved_tensors
         grad_rows = (grad * slope).reshape(-1, slope.shape[-1])
-        return *_linear_grads(grad_rows, x, weight, ctx.needs_input_grad, ctx.has_bias), None
+        return *_linear_grads(grad_rows, x, weight, ctx.needs_input_grad, ctx.has_bias, ctx.onednn), None, None
 
 
 class _OnednnMlp(torch.autograd.Function):
