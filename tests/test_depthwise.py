@@ -153,3 +153,81 @@ def test_depthwise_conv_gelu_linear_is_the_three_ops(dtype, grad):
         g = torch.randn(out.shape, generator=gen, dtype=dtype)
         for a, r in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves64, g.double())):
             assert (a.double() - r).abs().max() <= tol * r.abs().max()
+
+
+# --- Pola's local branch and gate without gradients: (out + dwc(v)) * g in one native pass ---------------
+
+def _plain_local_branch(layer, out, v, g, prefix, h, w):
+    """The layer's branch written out: the depthwise conv over the grid tokens, added, then the gate."""
+    b, n, c = out.shape
+    weight = torch.cat([layer.dwc.weight] * layer.num_heads)
+    bias = torch.cat([layer.dwc.bias] * layer.num_heads)
+    grid = v[:, prefix:].reshape(b, h, w, c).permute(0, 3, 1, 2)
+    local = F.conv2d(grid, weight, bias, padding=layer.dwc.kernel_size[0] // 2, groups=c).flatten(2).transpose(1, 2)
+    return torch.cat([out[:, :prefix], out[:, prefix:] + local], 1) * g
+
+
+def _branch_case(dim, heads, k, prefix, grid, seed=0, dtype=F64):
+    from polaformer.layers import PolaLinearAttention
+
+    torch.manual_seed(seed)
+    layer = PolaLinearAttention(dim, heads, kernel_size=k, num_prefix_tokens=prefix).to(dtype)
+    n = prefix + grid[0] * grid[1]
+    qkvg = torch.randn(2, n, 4 * dim, dtype=dtype)  # v and g as strided views of a projection's output
+    return layer, torch.randn(2, n, dim, dtype=dtype), qkvg[..., 2 * dim:3 * dim], qkvg[..., 3 * dim:]
+
+
+@needs_kernel
+@pytest.mark.parametrize("dim,heads,k,prefix,grid", [(24, 3, 5, 0, (6, 7)), (32, 2, 5, 1, (5, 5)), (16, 4, 3, 0, (4, 9)),
+                                                     (12, 3, 7, 1, (3, 3)), (40, 2, 5, 0, (1, 1)), (96, 3, 5, 0, (9, 13)),
+                                                     (36, 2, 3, 1, (8, 11)), (34, 2, 5, 0, (7, 12))])
+def test_fused_local_branch_matches_the_plain_ops_in_float64(dim, heads, k, prefix, grid):
+    layer, out, v, g = _branch_case(dim, heads, k, prefix, grid)
+    ref = _plain_local_branch(layer, out, v, g, prefix, *grid)
+    with torch.no_grad():
+        assert layer._local_branch_fused(out, v, g, prefix, *grid)
+    torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
+
+
+@needs_kernel
+def test_fused_local_branch_in_float32_and_in_the_layer():
+    layer, out, v, g = _branch_case(64, 2, 5, 1, (14, 14), dtype=torch.float32)
+    ref = _plain_local_branch(layer.double(), out.double(), v.double(), g.double(), 1, 14, 14)
+    with torch.no_grad():
+        assert layer.float()._local_branch_fused(out, v, g, 1, 14, 14)
+    torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
+    x = torch.randn(2, 197, 64)
+    with torch.no_grad():
+        fused = layer(x, 14, 14)
+    assert not fused.requires_grad
+    unfused = layer(x, 14, 14)  # with gradients the layer takes the unfused path
+    assert unfused.grad_fn is not None
+    torch.testing.assert_close(fused, unfused.detach(), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_local_branch_is_skipped_with_gradients_or_while_tracing(monkeypatch):
+    layer, out, v, g = _branch_case(24, 3, 5, 0, (6, 7))
+    v.requires_grad_()
+    assert not layer._local_branch_fused(out, v, g, 0, 6, 7)
+    import polaformer.layers.pola_attention as pola_layer
+
+    monkeypatch.setattr(pola_layer, "_capturing_graph", lambda: True)
+    with torch.no_grad():
+        assert not layer._local_branch_fused(out, v.detach(), g, 0, 6, 7)
+
+
+@needs_kernel
+def test_fused_local_branch_kernel_names_bad_arguments():
+    from polaformer.ops.native import native_kernels
+
+    kernels = native_kernels()
+    out, v, g = torch.randn(1, 10, 8), torch.randn(1, 10, 8), torch.randn(1, 10, 8)
+    taps, bias = torch.randn(9, 8), torch.randn(8)
+    with pytest.raises(RuntimeError, match="token count 10 != 0 \\+ 3\\*3"):
+        kernels.dwconv_add_gate(out, v, g, taps, bias, 0, 3, 3, 3)
+    with pytest.raises(RuntimeError, match="must be odd"):
+        kernels.dwconv_add_gate(out, v, g, taps, bias, 1, 3, 3, 2)
+    with pytest.raises(RuntimeError, match=r"wt must be contiguous \(K\*K, C\)"):
+        kernels.dwconv_add_gate(out, v, g, taps[:4], bias, 1, 3, 3, 3)
+    with pytest.raises(RuntimeError, match="unit channel stride"):
+        kernels.dwconv_add_gate(out, v.transpose(1, 2).contiguous().transpose(1, 2), g, taps, bias, 1, 3, 3, 3)

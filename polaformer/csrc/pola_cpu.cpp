@@ -649,6 +649,92 @@ void depthwise_weight_grad_kernel(const T* in, const T* g, int64_t n_rows, int64
   });
 }
 
+
+// out[b, p + t] = (out[b, p + t] + bias + Σ_taps w_tap · v[b, p + t + offset(tap)]) · g[b, p + t] over the H·W
+// grid tokens t (zero padding), and out[b, t] *= g[b, t] for the p prefix tokens: Pola's local branch
+// and gate, reading v and g where the projection wrote them (token rows, unit channel stride) instead of
+// a channels-last copy, a conv output, an add and a multiply. wt is (K·K, C): each tap's weights over
+// the channels, contiguous. Rows of the grid are split between the threads.
+template <typename T>
+void dwconv_add_gate_kernel(T* out, const T* v, int64_t v_b, int64_t v_t, const T* g, int64_t g_b, int64_t g_t,
+                            const T* wt, const T* bias, int64_t batch, int64_t prefix, int64_t h, int64_t w,
+                            int64_t c, int64_t k) {
+  using V = Vectorized<T>;
+  const int64_t pad = k / 2, n = prefix + h * w;
+  at::parallel_for(0, batch * (h + (prefix ? 1 : 0)), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t job = begin; job < end; ++job) {
+      const int64_t b = job / (h + (prefix ? 1 : 0)), y = job % (h + (prefix ? 1 : 0)) - (prefix ? 1 : 0);
+      T* ob = out + b * n * c;
+      const T* vb = v + b * v_b;
+      const T* gb = g + b * g_b;
+      if (y < 0) {  // the prefix tokens: gate only
+        for (int64_t t = 0; t < prefix; ++t) {
+          int64_t ch = 0;
+          for (; ch + V::size() <= c; ch += V::size())
+            (V::loadu(ob + t * c + ch) * V::loadu(gb + t * g_t + ch)).store(ob + t * c + ch);
+          for (; ch < c; ++ch) ob[t * c + ch] *= gb[t * g_t + ch];
+        }
+        continue;
+      }
+      const int64_t y0 = std::max<int64_t>(0, y - pad), y1 = std::min<int64_t>(h, y + pad + 1);
+      // Interior runs of four pixels: each tap's weights are loaded once for the four (loads, not FMAs,
+      // bound this loop). The other pixels and channels take the general loop below.
+      constexpr int64_t run = 4;
+      const int64_t c_vec = c - c % V::size();
+      int64_t x_done = pad;  // pixels [pad, x_done) were written by the runs
+      if (c_vec > 0) {
+        for (; x_done + run + pad <= w; x_done += run) {
+          const int64_t token = prefix + y * w + x_done;
+          for (int64_t ch = 0; ch < c_vec; ch += V::size()) {
+            V acc[run];
+            for (int64_t u = 0; u < run; ++u) acc[u] = V::loadu(bias + ch);
+            for (int64_t yy = y0; yy < y1; ++yy) {
+              const T* vrow = vb + (prefix + yy * w + x_done - pad) * v_t + ch;
+              const T* wrow = wt + (yy - y + pad) * k * c + ch;
+              for (int64_t dx = 0; dx < k; ++dx) {
+                const V wv = V::loadu(wrow + dx * c);
+                for (int64_t u = 0; u < run; ++u) acc[u] = at::vec::fmadd(wv, V::loadu(vrow + (u + dx) * v_t), acc[u]);
+              }
+            }
+            for (int64_t u = 0; u < run; ++u) {
+              T* o = ob + (token + u) * c + ch;
+              ((V::loadu(o) + acc[u]) * V::loadu(gb + (token + u) * g_t + ch)).store(o);
+            }
+          }
+        }
+      }
+      for (int64_t x = 0; x < w; ++x) {
+        const bool by_runs = c_vec > 0 && x >= pad && x < x_done;
+        if (by_runs && c_vec == c) continue;
+        const int64_t x0 = std::max<int64_t>(0, x - pad), x1 = std::min<int64_t>(w, x + pad + 1);
+        const int64_t token = prefix + y * w + x;
+        T* o = ob + token * c;
+        const T* gr = gb + token * g_t;
+        int64_t ch = by_runs ? c_vec : 0;
+        for (; ch + V::size() <= c; ch += V::size()) {
+          V acc = V::loadu(bias + ch);
+          for (int64_t yy = y0; yy < y1; ++yy) {
+            const T* vrow = vb + (prefix + yy * w + x0) * v_t + ch;
+            const T* wrow = wt + ((yy - y + pad) * k + x0 - x + pad) * c + ch;
+            for (int64_t i = 0; i < x1 - x0; ++i)
+              acc = at::vec::fmadd(V::loadu(wrow + i * c), V::loadu(vrow + i * v_t), acc);
+          }
+          ((V::loadu(o + ch) + acc) * V::loadu(gr + ch)).store(o + ch);
+        }
+        for (; ch < c; ++ch) {
+          T acc = bias[ch];
+          for (int64_t yy = y0; yy < y1; ++yy) {
+            const T* vrow = vb + (prefix + yy * w + x0) * v_t + ch;
+            const T* wrow = wt + ((yy - y + pad) * k + x0 - x + pad) * c + ch;
+            for (int64_t i = 0; i < x1 - x0; ++i) acc += wrow[i * c] * vrow[i * v_t];
+          }
+          o[ch] = (o[ch] + acc) * gr[ch];
+        }
+      }
+    }
+  });
+}
+
 at::Tensor expanded_power(const at::Tensor& power, const at::Tensor& x) {
   return power.expand({x.size(0), x.size(1), 1, x.size(3)}).contiguous();
 }
@@ -955,6 +1041,30 @@ std::vector<at::Tensor> depthwise_weight_grad(const at::Tensor& input, const at:
   return {grad_weight, sums[taps].clone()};
 }
 
+
+// See dwconv_add_gate_kernel. out (B, N, C) contiguous, updated in place; v and g (B, N, C) with unit
+// channel stride; wt (K·K, C) contiguous; bias (C).
+void dwconv_add_gate(at::Tensor out, const at::Tensor& v, const at::Tensor& g, const at::Tensor& wt,
+                     const at::Tensor& bias, int64_t prefix, int64_t h, int64_t w, int64_t k) {
+  TORCH_CHECK(out.dim() == 3 && out.is_contiguous(), "out must be contiguous (B, N, C)");
+  TORCH_CHECK(v.sizes() == out.sizes() && g.sizes() == out.sizes(), "v and g must have out's shape ", out.sizes());
+  TORCH_CHECK(v.stride(2) == 1 && g.stride(2) == 1, "v and g need a unit channel stride");
+  TORCH_CHECK(k >= 1 && k % 2 == 1, "the kernel size must be odd, got ", k);
+  TORCH_CHECK(prefix >= 0 && out.size(1) == prefix + h * w, "token count ", out.size(1), " != ", prefix, " + ", h,
+              "*", w);
+  const int64_t c = out.size(2);
+  TORCH_CHECK(wt.is_contiguous() && wt.dim() == 2 && wt.size(0) == k * k && wt.size(1) == c,
+              "wt must be contiguous (K*K, C)");
+  TORCH_CHECK(bias.is_contiguous() && bias.numel() == c, "bias must be contiguous (C)");
+  for (const auto* t : {&v, &g, &wt, &bias})
+    TORCH_CHECK(t->scalar_type() == out.scalar_type(), "all tensors must have out's dtype");
+  if (out.numel() == 0) return;
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "dwconv_add_gate", [&] {
+    dwconv_add_gate_kernel<scalar_t>(out.data_ptr<scalar_t>(), v.data_ptr<scalar_t>(), v.stride(0), v.stride(1),
+                                     g.data_ptr<scalar_t>(), g.stride(0), g.stride(1), wt.data_ptr<scalar_t>(),
+                                     bias.data_ptr<scalar_t>(), out.size(0), prefix, h, w, c, k);
+  });
+}
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -977,4 +1087,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_with_slope", &gelu_with_slope, "GELU of x and its slope at x (written over x if in_place)",
         py::arg("x"), py::arg("in_place"));
   m.def("depthwise_weight_grad", &depthwise_weight_grad, "weight and bias gradients of a depthwise conv");
+  m.def("dwconv_add_gate", &dwconv_add_gate, "(out + depthwise conv of v) * g in place, prefix tokens gated only");
 }

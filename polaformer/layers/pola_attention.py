@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import depthwise_conv2d, learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
+from ..ops.native import native_kernels
 from ..ops.pola_attention import _capturing_graph
 from .linear import Linear
 
@@ -155,6 +156,26 @@ class PolaLinearAttention(nn.Module):
         k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
         return q, k, v, g
 
+    def _local_branch_fused(self, out, v, g, prefix, height, width) -> bool:
+        """Without gradients, ``out ← (out + dwc(v)) · g`` in one native pass that reads ``v`` and ``g`` where the
+        projection wrote them; returns whether it ran. Elsewhere (gradients, graph capture, no native build,
+        other dtypes) the layer takes the unfused path."""
+        tensors = (out, v, g, self.dwc.weight, self.dwc.bias)
+        if (self.dwc.bias is None or _capturing_graph() or out.device.type != "cpu"
+                or out.dtype not in (torch.float32, torch.float64)
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+                or any(t.dtype != out.dtype for t in tensors) or not out.is_contiguous()
+                or v.stride(-1) != 1 or g.stride(-1) != 1):
+            return False
+        kernels = native_kernels()
+        if kernels is None or not hasattr(kernels, "dwconv_add_gate"):
+            return False
+        k = self.dwc.kernel_size[0]
+        # each tap's weights over all channels (the head_dim kernels repeated per head), (K·K, C)
+        taps = self.dwc.weight.view(self.head_dim, k * k).t().repeat(1, self.num_heads)
+        kernels.dwconv_add_gate(out, v, g, taps, self.dwc.bias.repeat(self.num_heads), prefix, height, width, k)
+        return True
+
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``x``: (B, prefix + height·width, dim) tokens in raster order."""
         if x.dim() != 3 or x.shape[-1] != self.dim:
@@ -179,6 +200,8 @@ class PolaLinearAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, n, c)  # a view: the op writes token-major memory
 
         p = self.num_prefix_tokens
+        if n_kv == n and self._local_branch_fused(out, v_tokens, g, p, height, width):
+            return self.proj_drop(self.proj(out))
         if n_kv != n:  # spatially reduced values are stretched back along the token axis
             v = F.interpolate(v.transpose(-2, -1).reshape(b * heads, -1, n_kv), size=n, mode="linear")
             v = v.reshape(b, heads, -1, n).transpose(-2, -1)
