@@ -38,7 +38,9 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import Linear, PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
-from ..ops import linear, plus_depthwise_conv, tokens_to_map
+from ..ops import conv2d_gelu, fold_batch_norm, linear, plus_depthwise_conv, tokens_to_map
+from ..ops.onednn import is_fx_symbolic_tracing
+from ..ops.pola_attention import _capturing_graph
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
@@ -113,20 +115,74 @@ class PolaPPBlock(nn.Module):
         return x + self.drop_path(ffn if self.gamma_2 is None else self.gamma_2 * ffn)
 
 
+class _FoldedConvBn:
+    """A conv and the eval-mode BatchNorm after it as one conv (:func:`fold_batch_norm`), for inference.
+
+    The folded tensors are kept and made again when a source changes storage or version (an optimizer
+    step, ``load_state_dict``, ``.to()``), so a forward costs no folding; 3-4% of a batch-1 PolaFormer++ B0
+    forward (the BatchNorm and GELU passes of the stem, and the re-layout of contiguous conv weights that
+    oneDNN does on every call for channels-last maps).
+    """
+
+    def __init__(self):
+        self.key, self.tensors = None, None
+
+    def __call__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d):
+        sources = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
+        try:
+            key = tuple(None if t is None else (t.data_ptr(), t._version) for t in sources) + (bn.eps,)
+        except RuntimeError:  # inference tensors keep no version: fold every time
+            key = None
+        if key is None or key != self.key:
+            with torch.no_grad():
+                self.tensors = fold_batch_norm(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight,
+                                               bn.bias, bn.eps)
+            self.key = key
+        return self.tensors
+
+
+def _folds(x: torch.Tensor, *pairs) -> bool:
+    """Whether (conv, BatchNorm) pairs may run folded: BatchNorm in eval mode with running statistics, plain
+    dense convs, no gradient wanted, eager CPU float32 (elsewhere each module runs on its own)."""
+    if x.device.type != "cpu" or x.dtype != torch.float32 or _capturing_graph() or is_fx_symbolic_tracing():
+        return False
+    for conv, bn in pairs:
+        if (bn.training or bn.running_mean is None or bn.running_var is None or conv.groups != 1
+                or conv.dilation != (1, 1) or conv.padding_mode != "zeros" or isinstance(conv.padding, str)):
+            return False
+        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in (*conv.parameters(),
+                                                                                        *bn.parameters()))):
+            return False
+    return True
+
+
+def _folded_conv(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, cache: _FoldedConvBn, gelu: bool):
+    weight, bias = cache(conv, bn)
+    return conv2d_gelu(x, weight, bias, conv.stride, conv.padding, gelu)
+
+
 class PatchMerging(nn.Module):
-    """3×3 stride-2 conv + BatchNorm between stages."""
+    """3×3 stride-2 conv + BatchNorm between stages (one folded conv at inference)."""
 
     def __init__(self, dim: int, out_dim: int):
         super().__init__()
         self.reduction = nn.Conv2d(dim, out_dim, 3, stride=2, padding=1)
         self.norm = nn.BatchNorm2d(out_dim)
+        self._folded = _FoldedConvBn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if type(self.norm) is nn.BatchNorm2d and _folds(x, (self.reduction, self.norm)):
+            return _folded_conv(x, self.reduction, self.norm, self._folded, gelu=False)
         return self.norm(self.reduction(x))
 
 
+def _exact_gelu(m: nn.Module) -> bool:
+    return type(m) is nn.GELU and m.approximate == "none"
+
+
 class ConvStem(nn.Module):
-    """Four 3×3 convs with BatchNorm, GELU between them; stride 4 overall."""
+    """Four 3×3 convs with BatchNorm, GELU between them; stride 4 overall (four folded convs at inference,
+    GELU fused into the first three)."""
 
     def __init__(self, in_chans: int, embed_dim: int):
         super().__init__()
@@ -137,9 +193,23 @@ class ConvStem(nn.Module):
             nn.Conv2d(mid, mid, 3, 1, 1), nn.BatchNorm2d(mid), nn.GELU(),
             nn.Conv2d(mid, embed_dim, 3, 2, 1), nn.BatchNorm2d(embed_dim),
         )
+        self._folded = [_FoldedConvBn() for _ in range(4)]
+
+    def _layers(self):
+        """(conv, BatchNorm, GELU follows) for the four convs, or None if the stem was changed."""
+        mods = list(self.proj)
+        if len(mods) != 11 or any(type(m) is not nn.Conv2d for m in mods[0::3]) or any(
+                type(m) is not nn.BatchNorm2d for m in mods[1::3]) or not all(_exact_gelu(m) for m in mods[2::3]):
+            return None
+        return [(mods[i], mods[i + 1], i + 2 < len(mods)) for i in range(0, len(mods), 3)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(x)
+        layers = self._layers()
+        if layers is None or not _folds(x, *[(conv, bn) for conv, bn, _ in layers]):
+            return self.proj(x)
+        for (conv, bn, gelu), cache in zip(layers, self._folded):
+            x = _folded_conv(x, conv, bn, cache, gelu)
+        return x
 
 
 class PolaPPStage(nn.Module):

@@ -18,7 +18,7 @@ from .naive import (
     pola_attention_weights,
     softmax_attention_weights,
 )
-from .conv import depthwise_conv2d, depthwise_conv_gelu_linear, plus_depthwise_conv
+from .conv import conv2d_gelu, depthwise_conv2d, depthwise_conv_gelu_linear, fold_batch_norm, plus_depthwise_conv
 from .layout import tokens_to_map
 from .onednn import gelu_linear, linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
@@ -28,10 +28,12 @@ from .window_softmax import window_softmax_attention
 
 __all__ = [
     "apply_rope",
+    "conv2d_gelu",
     "depthwise_conv2d",
     "depthwise_conv_gelu_linear",
     "elu_feature",
     "focused_feature",
+    "fold_batch_norm",
     "gelu_linear",
     "learnable_power",
     "linear",

@@ -1,4 +1,5 @@
-"""Depthwise convolutions: the "same"-padded depthwise conv with a fast backward, and the identity folded into one."""
+"""Convolutions: the "same"-padded depthwise conv with a fast backward, the identity folded into one, and an
+inference-time conv with its BatchNorm folded in and GELU fused."""
 from __future__ import annotations
 
 import torch
@@ -14,7 +15,7 @@ from . import onednn
 from .onednn import gelu_linear, linear
 from .pola_attention import _capturing_graph
 
-__all__ = ["depthwise_conv2d", "depthwise_conv_gelu_linear", "plus_depthwise_conv"]
+__all__ = ["conv2d_gelu", "depthwise_conv2d", "depthwise_conv_gelu_linear", "fold_batch_norm", "plus_depthwise_conv"]
 
 _CONV_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_convolution_pointwise", None)
 
@@ -130,3 +131,35 @@ def plus_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
         return x + F.conv2d(x, weight, bias, padding=padding, groups=channels)
     identity = F.pad(weight.new_ones(1, 1, 1, 1), (padding,) * 4)
     return depthwise_conv2d(x, weight + identity, bias)
+
+
+def fold_batch_norm(weight: torch.Tensor, bias: torch.Tensor | None, mean: torch.Tensor, var: torch.Tensor,
+                    gamma: torch.Tensor | None, beta: torch.Tensor | None, eps: float):
+    """A conv's (weight, bias) with an eval-mode BatchNorm that follows it folded in: one conv gives
+    ``BN(conv(x))``. The weight is returned channels-last (the layout oneDNN reads for channels-last inputs;
+    a contiguous weight is re-laid out on every call)."""
+    scale = torch.rsqrt(var + eps)
+    if gamma is not None:
+        scale = scale * gamma
+    folded = (weight * scale.view(-1, *([1] * (weight.dim() - 1)))).contiguous(memory_format=torch.channels_last)
+    shift = -mean * scale if bias is None else (bias - mean) * scale
+    return folded, shift if beta is None else shift + beta
+
+
+def conv2d_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, stride, padding,
+                gelu: bool) -> torch.Tensor:
+    """``F.conv2d(x, weight, bias, stride, padding)`` (dense, dilation 1), then GELU if ``gelu``.
+
+    Without gradients on float32 channels-last CPU maps GELU is a post-op of oneDNN's convolution (no pass
+    of its own); elsewhere it is ``F.conv2d`` and ``F.gelu``.
+    """
+    stride, padding = list(torch.nn.modules.utils._pair(stride)), list(torch.nn.modules.utils._pair(padding))
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if (not needs_grad and _CONV_POINTWISE is not None and onednn._ENABLED and not is_fx_symbolic_tracing()
+            and not _capturing_graph() and not torch.is_autocast_enabled("cpu") and x.device.type == "cpu"
+            and x.dim() == 4 and _is_dense_channels_last(x)
+            and all(t is None or t.dtype == torch.float32 for t in (x, weight, bias))):
+        return _CONV_POINTWISE.default(x, weight, bias, padding, stride, [1, 1], 1, "gelu" if gelu else "none", [],
+                                       "none" if gelu else "")
+    out = F.conv2d(x, weight, bias, stride, padding)
+    return F.gelu(out) if gelu else out

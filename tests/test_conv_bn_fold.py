@@ -1,0 +1,108 @@
+"""PolaFormer++'s stem and PatchMerging at inference: conv + BatchNorm folded into one conv, GELU fused."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import polaformer.models.polapp as polapp
+from polaformer.ops import conv2d_gelu, fold_batch_norm
+
+
+def _randomise_norms(model, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            with torch.no_grad():
+                m.running_mean.copy_(0.2 * torch.randn(m.num_features, generator=gen))
+                m.running_var.copy_(0.5 + torch.rand(m.num_features, generator=gen))
+                m.weight.copy_(1 + 0.2 * torch.randn(m.num_features, generator=gen))
+                m.bias.copy_(0.2 * torch.randn(m.num_features, generator=gen))
+    return model
+
+
+@pytest.mark.parametrize("bias,affine", [(True, True), (False, True), (True, False)])
+def test_fold_batch_norm_equals_conv_then_norm_in_float64(bias, affine):
+    torch.manual_seed(0)
+    conv = nn.Conv2d(6, 10, 3, stride=2, padding=1, bias=bias).double()
+    bn = _randomise_norms(nn.BatchNorm2d(10, affine=affine).double().eval()) if affine else nn.BatchNorm2d(
+        10, affine=False).double().eval()
+    if not affine:
+        bn.running_mean.normal_(std=0.2)
+        bn.running_var.uniform_(0.5, 1.5)
+    x = torch.randn(2, 6, 9, 11, dtype=torch.float64)
+    weight, shift = fold_batch_norm(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight, bn.bias,
+                                    bn.eps)
+    assert weight.is_contiguous(memory_format=torch.channels_last)
+    with torch.no_grad():
+        torch.testing.assert_close(F.conv2d(x, weight, shift, 2, 1), bn(conv(x)), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gelu", [False, True])
+def test_conv2d_gelu_fused_and_plain_paths_agree(gelu):
+    torch.manual_seed(0)
+    x = torch.randn(2, 8, 15, 13).contiguous(memory_format=torch.channels_last)
+    weight, bias = torch.randn(12, 8, 3, 3) / 8, torch.randn(12)
+    ref = F.conv2d(x.double(), weight.double(), bias.double(), 2, 1)
+    ref = F.gelu(ref) if gelu else ref
+    with torch.no_grad():
+        fused = conv2d_gelu(x, weight, bias, 2, 1, gelu)  # oneDNN with GELU as a post-op
+    torch.testing.assert_close(fused.double(), ref, rtol=1e-5, atol=1e-5)
+    plain = conv2d_gelu(x.double(), weight.double(), bias.double(), (2, 2), (1, 1), gelu)  # float64: F.conv2d
+    torch.testing.assert_close(plain, ref, rtol=1e-12, atol=1e-12)
+
+
+@pytest.fixture
+def model():
+    return _randomise_norms(polapp.POLA_b0(num_classes=10)).eval()
+
+
+def _count_folds(monkeypatch):
+    calls = []
+    real = polapp._folded_conv
+    monkeypatch.setattr(polapp, "_folded_conv", lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1])
+    return calls
+
+
+def test_inference_folds_the_stem_and_mergings_and_gives_the_unfolded_output(model, monkeypatch):
+    calls = _count_folds(monkeypatch)
+    x = torch.randn(2, 3, 96, 96)
+    with torch.no_grad():
+        folded = model(x)
+    assert len(calls) == 7  # four stem convs, three PatchMergings
+    unfolded = model(x)  # gradients wanted: each module on its own
+    assert len(calls) == 7
+    torch.testing.assert_close(folded, unfolded.detach(), rtol=1e-4, atol=1e-5)
+    with torch.no_grad():
+        reference = copy.deepcopy(model).double()(x.double())  # float64: no folding
+    torch.testing.assert_close(folded.double(), reference, rtol=1e-4, atol=1e-5)
+
+
+def test_folded_weights_follow_changes_to_the_sources(model):
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        before = model(x)
+        stem_norm = model.patch_embed.proj[1]
+        stem_norm.running_var.mul_(4.0)  # in place: a new version
+        after = model(x)
+        torch.testing.assert_close(after, model.train().eval().double()(x.double()).float(), rtol=1e-4, atol=1e-5)
+    assert not torch.allclose(before, after)
+    model.float()
+    other = _randomise_norms(polapp.POLA_b0(num_classes=10), seed=1).eval()
+    model.load_state_dict(other.state_dict())
+    with torch.no_grad():
+        torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-6)
+
+
+def test_training_mode_and_a_changed_stem_run_unfolded(model, monkeypatch):
+    calls = _count_folds(monkeypatch)
+    x = torch.randn(2, 3, 64, 64)
+    with torch.no_grad():
+        model.train()(x)  # BatchNorm on batch statistics
+    assert calls == []
+    model.eval()
+    model.patch_embed.proj[2] = nn.GELU(approximate="tanh")
+    with torch.no_grad():
+        model(x)
+    assert len(calls) == 3  # the mergings only
