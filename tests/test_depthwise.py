@@ -231,3 +231,24 @@ def test_fused_local_branch_kernel_names_bad_arguments():
         kernels.dwconv_add_gate(out, v, g, taps[:4], bias, 1, 3, 3, 3)
     with pytest.raises(RuntimeError, match="unit channel stride"):
         kernels.dwconv_add_gate(out, v.transpose(1, 2).contiguous().transpose(1, 2), g, taps, bias, 1, 3, 3, 3)
+
+
+@needs_kernel
+@pytest.mark.parametrize("prefix,k,grid,channels", [(0, 5, (7, 9), 40), (1, 3, (5, 6), 19), (0, 5, (1, 1), 16)])
+def test_branch_and_gate_with_a_per_channel_conv_matches_the_plain_ops(prefix, k, grid, channels):
+    from polaformer.layers import branch_and_gate
+
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(channels, channels, k, padding=k // 2, groups=channels).double()
+    n = prefix + grid[0] * grid[1]
+    qkvg = torch.randn(2, n, 4 * channels, dtype=F64)
+    v, g = qkvg[..., 2 * channels:3 * channels], qkvg[..., 3 * channels:]
+    out = torch.randn(2, n, channels, dtype=F64)
+    local = conv(v[:, prefix:].reshape(2, *grid, channels).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
+    ref = torch.cat([out[:, :prefix], out[:, prefix:] + local], 1) * g
+    with torch.no_grad():
+        fused = branch_and_gate(out.clone(), v, g, conv, prefix, *grid)
+    torch.testing.assert_close(fused, ref.detach(), rtol=1e-12, atol=1e-12)
+    unfused = branch_and_gate(out.clone(), v, g, conv, prefix, *grid)  # with gradients: the plain ops
+    assert unfused.grad_fn is not None
+    torch.testing.assert_close(unfused, ref, rtol=1e-12, atol=1e-12)

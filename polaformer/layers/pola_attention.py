@@ -31,7 +31,7 @@ from ..ops.native import native_kernels
 from ..ops.pola_attention import _capturing_graph
 from .linear import Linear
 
-__all__ = ["PolaLinearAttention"]
+__all__ = ["PolaLinearAttention", "branch_and_gate"]
 
 
 def add_branch_and_gate(out: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, prefix: int = 0) -> torch.Tensor:
@@ -48,6 +48,42 @@ def add_branch_and_gate(out: torch.Tensor, branch: torch.Tensor, gate: torch.Ten
     else:
         out = out + branch
     return out * gate
+
+
+def _branch_kernels():
+    kernels = native_kernels()
+    return kernels if kernels is not None and hasattr(kernels, "dwconv_add_gate") else None
+
+
+def fuses_branch_and_gate(out: torch.Tensor, v: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor) -> bool:
+    """Whether ``(out + depthwise_conv(v)) · g`` can run as one native pass (:func:`branch_and_gate`): no
+    gradient wanted, no graph capture, CPU float32/64, a fresh contiguous ``out``, ``v`` and ``g`` with a unit
+    channel stride, and the native kernels built."""
+    tensors = (out, v, g, weight, bias)
+    return not (_capturing_graph() or out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64)
+                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+                or any(t.dtype != out.dtype for t in tensors) or not out.is_contiguous()
+                or v.stride(-1) != 1 or g.stride(-1) != 1 or _branch_kernels() is None)
+
+
+def branch_and_gate(out: torch.Tensor, v: torch.Tensor, g: torch.Tensor, conv: nn.Conv2d, prefix: int,
+                    height: int, width: int) -> torch.Tensor:
+    """``(out + conv(v)) · g`` for (B, prefix + H·W, C) tokens, ``conv`` a "same" depthwise conv over the grid
+    tokens of ``v`` (the prefix tokens are only gated); ``out`` must be the attention's fresh output.
+
+    Without gradients this is one native pass that reads ``v`` and ``g`` where the projection wrote them
+    (token rows, a unit channel stride) and updates ``out`` in place (:func:`fuses_branch_and_gate`);
+    otherwise a channels-last copy of ``v``, the conv, the add and the gate.
+    """
+    k = conv.kernel_size[0]
+    if conv.bias is not None and fuses_branch_and_gate(out, v, g, conv.weight, conv.bias):
+        taps = conv.weight.view(conv.weight.shape[0], k * k).t().contiguous()
+        _branch_kernels().dwconv_add_gate(out, v, g, taps, conv.bias, prefix, height, width, k)
+        return out
+    grid = tokens_to_map(v[:, prefix:], height, width).contiguous(memory_format=torch.channels_last)
+    local = depthwise_conv2d(grid, conv.weight, conv.bias).flatten(2).transpose(1, 2)
+    return add_branch_and_gate(out, local, g, prefix)
 
 
 class PolaLinearAttention(nn.Module):
@@ -157,23 +193,13 @@ class PolaLinearAttention(nn.Module):
         return q, k, v, g
 
     def _local_branch_fused(self, out, v, g, prefix, height, width) -> bool:
-        """Without gradients, ``out ← (out + dwc(v)) · g`` in one native pass that reads ``v`` and ``g`` where the
-        projection wrote them; returns whether it ran. Elsewhere (gradients, graph capture, no native build,
-        other dtypes) the layer takes the unfused path."""
-        tensors = (out, v, g, self.dwc.weight, self.dwc.bias)
-        if (self.dwc.bias is None or _capturing_graph() or out.device.type != "cpu"
-                or out.dtype not in (torch.float32, torch.float64)
-                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-                or any(t.dtype != out.dtype for t in tensors) or not out.is_contiguous()
-                or v.stride(-1) != 1 or g.stride(-1) != 1):
-            return False
-        kernels = native_kernels()
-        if kernels is None or not hasattr(kernels, "dwconv_add_gate"):
-            return False
         k = self.dwc.kernel_size[0]
+        weight, bias = self.dwc.weight, self.dwc.bias
+        if bias is None or not fuses_branch_and_gate(out, v, g, weight, bias):
+            return False
         # each tap's weights over all channels (the head_dim kernels repeated per head), (K·K, C)
-        taps = self.dwc.weight.view(self.head_dim, k * k).t().repeat(1, self.num_heads)
-        kernels.dwconv_add_gate(out, v, g, taps, self.dwc.bias.repeat(self.num_heads), prefix, height, width, k)
+        taps = weight.view(self.head_dim, k * k).t().repeat(1, self.num_heads)
+        _branch_kernels().dwconv_add_gate(out, v, g, taps, bias.repeat(self.num_heads), prefix, height, width, k)
         return True
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:

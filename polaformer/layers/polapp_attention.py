@@ -12,7 +12,6 @@ from torch import nn
 
 from ..ops import (
     apply_rope,
-    depthwise_conv2d,
     pacs_linear_attention,
     pacs_temperature,
     rope_2d,
@@ -20,7 +19,7 @@ from ..ops import (
     tokens_to_map,
 )
 from .linear import Linear
-from .pola_attention import add_branch_and_gate
+from .pola_attention import branch_and_gate
 
 __all__ = ["RoPE2d", "PacsLinearAttention", "RopeSoftmaxAttention"]
 
@@ -65,12 +64,6 @@ def _check_map(x: torch.Tensor, dim: int, sin: torch.Tensor) -> None:
         raise ValueError(f"RoPE tables cover {sin.shape[0]} positions, the map has {x.shape[2]}x{x.shape[3]}")
 
 
-def _dense_map(t: torch.Tensor, height: int, width: int) -> torch.Tensor:
-    """Tokens (B, H·W, C), here a strided slice of a projection, as a dense channels-last (B, C, H, W)
-    map: oneDNN's depthwise conv runs several times slower on the strided view."""
-    return tokens_to_map(t, height, width).contiguous(memory_format=torch.channels_last)
-
-
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     b, n, c = t.shape
     return t.reshape(b, n, heads, c // heads).transpose(1, 2)
@@ -105,7 +98,6 @@ class PacsLinearAttention(nn.Module):
         b, c, h, w = x.shape
         tokens = x.flatten(2).transpose(1, 2)
         q, k, v, g = self.qkvg(tokens).reshape(b, h * w, 4, c).unbind(2)
-        lepe = depthwise_conv2d(_dense_map(v, h, w), self.lepe.weight, self.lepe.bias)
         heads = self.num_heads
         out = pacs_linear_attention(
             _split_heads(q, heads),
@@ -117,7 +109,7 @@ class PacsLinearAttention(nn.Module):
             cos,
         )
         out = out.transpose(1, 2).reshape(b, h * w, c)  # a view: the op writes token-major memory
-        return tokens_to_map(self.proj(add_branch_and_gate(out, lepe.flatten(2).transpose(1, 2), g)), h, w)
+        return tokens_to_map(self.proj(branch_and_gate(out, v, g, self.lepe, 0, h, w)), h, w)
 
 
 class RopeSoftmaxAttention(nn.Module):
@@ -139,10 +131,9 @@ class RopeSoftmaxAttention(nn.Module):
         b, c, h, w = x.shape
         tokens = x.flatten(2).transpose(1, 2)
         q, k, v, o = self.qkvo(tokens).reshape(b, h * w, 4, c).unbind(2)
-        lepe = depthwise_conv2d(_dense_map(v, h, w), self.lepe.weight, self.lepe.bias)
         heads = self.num_heads
         q = apply_rope(_split_heads(q, heads), sin, cos)
         k = apply_rope(_split_heads(k, heads), sin, cos)
         out = F.scaled_dot_product_attention(q, k, _split_heads(v, heads))
-        out = out.transpose(1, 2).reshape(b, h * w, c) + lepe.flatten(2).transpose(1, 2)
-        return tokens_to_map(self.proj(out * o), h, w)
+        out = out.transpose(1, 2).reshape(b, h * w, c)
+        return tokens_to_map(self.proj(branch_and_gate(out, v, o, self.lepe, 0, h, w)), h, w)
