@@ -19,7 +19,8 @@ SHAPES = [(7, 5, 3), (196, 192, 768), (50, 300, 260), (1030, 48, 680)]
 
 @pytest.fixture
 def onednn_calls(monkeypatch):
-    """Counts the calls that reach oneDNN's kernel."""
+    """Counts the calls that reach oneDNN's kernel, under the narrow policy (the counts below assume it)."""
+    monkeypatch.setattr(onednn, "_POLICY", onednn.NARROW)
     calls = []
     real, real_binary = onednn._OP, onednn._OP_BINARY
 
@@ -286,3 +287,64 @@ def test_gelu_linear_matches_float64(grad, onednn_calls):
         for a, r in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves64, g.double())):
             _close32(a, r)
         assert onednn_calls == ["none", "mul"]
+
+
+# --- the policy: which products run on oneDNN, chosen per machine ---------------------------------
+
+def test_policy_is_wide_only_where_mkl_is_clearly_slower():
+    assert onednn._policy_from_timings(2.0e-4, 1.0e-4) is onednn.WIDE
+    assert onednn._policy_from_timings(1.2e-4, 1.0e-4) is onednn.NARROW
+    assert onednn._policy_from_timings(0.8e-4, 1.0e-4) is onednn.NARROW
+
+
+@pytest.mark.parametrize("forced", ["narrow", "wide", " Wide "])
+def test_policy_can_be_forced_by_the_environment(forced, monkeypatch):
+    monkeypatch.setattr(onednn, "_POLICY", None)
+    monkeypatch.setenv("POLAFORMER_ONEDNN", forced)
+    monkeypatch.setattr(onednn, "_measure_policy", lambda: pytest.fail("measured although forced"))
+    assert onednn.policy().name == forced.strip().lower()
+
+
+def test_policy_is_measured_once(monkeypatch):
+    monkeypatch.setattr(onednn, "_POLICY", None)
+    monkeypatch.delenv("POLAFORMER_ONEDNN", raising=False)
+    chosen = onednn._measure_policy()
+    assert chosen in (onednn.NARROW, onednn.WIDE)
+    measured = []
+    monkeypatch.setattr(onednn, "_measure_policy", lambda: measured.append(1) or onednn.WIDE)
+    assert onednn.policy() is onednn.WIDE and onednn.policy() is onednn.WIDE and measured == [1]
+
+
+def test_policies_differ_in_the_sizes_they_take():
+    # DeiT-T's qkv projection at batch 1: 197 x 192 -> 576 (21.8M multiply-adds)
+    assert onednn.WIDE.prefers_onednn(197, 192, 576) and not onednn.NARROW.prefers_onednn(197, 192, 576)
+    assert not onednn.WIDE.prefers_onednn(49, 32, 128)
+    assert onednn.NARROW.prefers_onednn(392, 192, 768) and onednn.NARROW.prefers_onednn(49, 384, 1536)
+
+
+# (tokens, in, out): both orientations of the weight's product, and the small ones left to MKL
+WEIGHT_GRAD_SHAPES = [(197, 768, 192), (197, 192, 768), (3136, 32, 128), (392, 48, 300), (4, 512, 1024), (60, 8, 9)]
+
+
+@pytest.mark.parametrize("tokens,inner,outer", WEIGHT_GRAD_SHAPES)
+def test_wide_policy_weight_gradient_matches_float64(tokens, inner, outer, onednn_calls, monkeypatch):
+    monkeypatch.setattr(onednn, "_POLICY", onednn.WIDE)
+    gen = torch.Generator().manual_seed(3)
+    x, g = torch.randn(tokens, inner, generator=gen), torch.randn(tokens, outer, generator=gen)
+    grad_w = onednn._weight_grad(g, x)
+    assert grad_w.shape == (outer, inner) and grad_w.is_contiguous()  # the layout AccumulateGrad keeps
+    _close32(grad_w, g.double().t() @ x.double())
+    on_onednn = tokens >= 8 and tokens * inner * outer >= onednn.WIDE.min_macs_weight_grad
+    assert onednn_calls == (["none"] if on_onednn else [])
+
+
+def test_wide_policy_runs_every_product_of_a_layer_on_onednn(onednn_calls, monkeypatch):
+    monkeypatch.setattr(onednn, "_POLICY", onednn.WIDE)
+    x, w, b = (t.requires_grad_() for t in _inputs(197, 192, 576, lead=(1,)))  # DeiT-T's qkv at batch 1
+    out = linear(x, w, b)
+    grads = torch.autograd.grad(out, (x, w, b), torch.ones_like(out))
+    assert onednn_calls == ["none", "none", "none"]  # forward, input gradient, weight gradient
+    ref = [t.detach().double().requires_grad_() for t in (x, w, b)]
+    out64 = F.linear(*ref)
+    for a, r in zip(grads, torch.autograd.grad(out64, ref, torch.ones_like(out64))):
+        _close32(a, r)

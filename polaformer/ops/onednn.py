@@ -4,22 +4,38 @@ torch runs ``F.linear`` on the CPU as MKL's GEMM after copying the bias into the
 a pass of its own over the hidden activations. oneDNN's matmul (the one ``torch.compile`` uses for
 frozen CPU graphs, ``torch.ops.mkldnn._linear_pointwise``) adds the bias and applies GELU to each
 output tile while it is still in cache, and its kernels are faster for most transformer shapes
-(measured on an AVX-512 host, 2 threads, docs/benchmarks.md: 1.03-1.83x for the model zoo's products
-of 2^25 multiply-adds or more, slower for small products, which stay on MKL). The GELU of a PVT
-stage-1 MLP alone moves 100 MB per batch of 8 images, so fusing it is most of the gain at inference.
+(docs/benchmarks.md). The GELU of a PVT stage-1 MLP alone moves 100 MB per batch of 8 images, so fusing
+it is most of the gain at inference.
+
+How much faster oneDNN is depends on the CPU, so the sizes from which it is used (:class:`Policy`) are
+chosen once per process by timing one product on both (:func:`policy`):
+
+- ``narrow``: where both libraries run the CPU's widest vector code (Intel; AMD Zen 4, whose AVX-512 is
+  executed as two 256-bit halves), oneDNN's ~10 us per call loses on small products. It takes the
+  forward and the input's gradient from 2^25 multiply-adds (2^22 with an inner dimension of 256 or
+  more: 1.03-1.83x there, 0.76-1.08x below), and the weight's gradient stays on MKL.
+- ``wide``: where MKL runs half as fast as oneDNN (MKL's AVX-512 kernels are for Intel CPUs only, so on
+  an AMD Zen 5, which executes AVX-512 at full width, MKL's AVX2 code reaches ~210 GFLOP/s on 2 cores
+  and oneDNN ~470), oneDNN takes every product of 2^21 multiply-adds or more, the weight's gradient
+  from 2^23.
+
+``POLAFORMER_ONEDNN=0`` turns the path off, ``=narrow`` or ``=wide`` skips the measurement.
 
 Both kernels compute the same IEEE float32 products (oneDNN's default math mode is strict): outputs
 differ from ``F.linear`` by rounding only, and by nothing under float64, where torch's own kernel
 runs. The oneDNN path is taken for float32 CPU tensors outside autocast and graph capture, when the
 product is large enough to win (:func:`_prefers_onednn`); everything else runs ``F.linear`` (and
 ``F.gelu``), so exporters and compilers see plain ops. With gradients the forward and the input's
-gradient run on oneDNN and the weight's gradient on MKL; GELU (at any size, after MKL's product where
+gradient run on oneDNN, and the weight's gradient where the policy says so; GELU (at any size, after MKL's product where
 that is too small for oneDNN) is then a native pass that also writes its slope over the pre-activation
 (its backward is then one multiply, or none at all in :func:`mlp`).
 """
 from __future__ import annotations
 
+import logging
 import os
+import time
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -32,12 +48,11 @@ except ImportError:  # older torch: only the flag that torch.export sets as well
 from .native import native_kernels
 from .pola_attention import _capturing_graph
 
-__all__ = ["gelu_linear", "linear", "mlp", "onednn_linear_available"]
+__all__ = ["Policy", "gelu_linear", "linear", "mlp", "onednn_linear_available", "policy"]
+
+log = logging.getLogger(__name__)
 
 _ACTIVATIONS = (None, "gelu")
-# Products smaller than this (multiply-adds) run faster on MKL: oneDNN's per-call cost is ~10 us.
-_MIN_MACS_WIDE_K = 1 << 22  # inner dimension >= 256
-_MIN_MACS = 1 << 25
 
 
 def _onednn_op(overload: str):
@@ -61,9 +76,81 @@ def onednn_linear_available() -> bool:
 _ENABLED = onednn_linear_available()
 
 
+@dataclass(frozen=True)
+class Policy:
+    """From how many multiply-adds a product runs on oneDNN rather than MKL (see the module docstring)."""
+
+    name: str
+    min_macs: int  # the forward and the input's gradient
+    min_macs_wide_inner: int  # the same with an inner dimension of 256 or more
+    min_macs_weight_grad: int | None  # None: the weight's gradient always on MKL
+
+    def prefers_onednn(self, rows: int, inner: int, outer: int) -> bool:
+        macs = rows * inner * outer
+        return macs >= self.min_macs or (inner >= 256 and macs >= self.min_macs_wide_inner)
+
+
+NARROW = Policy("narrow", min_macs=1 << 25, min_macs_wide_inner=1 << 22, min_macs_weight_grad=None)
+WIDE = Policy("wide", min_macs=1 << 21, min_macs_wide_inner=1 << 21, min_macs_weight_grad=1 << 23)
+# MKL's time over oneDNN's for the probe product from which the wide policy applies
+_WIDE_FROM_RATIO = 1.5
+_POLICY: Policy | None = None
+
+
+def _policy_from_timings(mkl_seconds: float, onednn_seconds: float) -> Policy:
+    return WIDE if mkl_seconds >= _WIDE_FROM_RATIO * onednn_seconds else NARROW
+
+
+def _measure_policy() -> Policy:
+    """Times one (256 x 256)·(256 x 256) product on MKL and on oneDNN (best of 7 each, interleaved, ~3 ms)."""
+    gen = torch.Generator().manual_seed(0)
+    a, w = torch.randn(256, 256, generator=gen), torch.randn(256, 256, generator=gen)
+    best = {"mkl": float("inf"), "onednn": float("inf")}
+    runs = {"mkl": lambda: torch.mm(a, w.t()), "onednn": lambda: _OP(a, w, None, "none", [], "")}
+    with torch.no_grad():
+        for i in range(9):
+            for name, run in runs.items():
+                start = time.perf_counter()
+                run()
+                if i >= 2:  # the first runs create oneDNN's primitive and warm the caches
+                    best[name] = min(best[name], time.perf_counter() - start)
+    chosen = _policy_from_timings(best["mkl"], best["onednn"])
+    log.info("oneDNN policy %r: a 256^3 product takes %.0f us on MKL, %.0f us on oneDNN", chosen.name,
+             best["mkl"] * 1e6, best["onednn"] * 1e6)
+    return chosen
+
+
+def policy() -> Policy:
+    """This process's :class:`Policy`: ``POLAFORMER_ONEDNN=narrow`` or ``=wide`` if set, else measured once."""
+    global _POLICY
+    if _POLICY is None:
+        forced = os.environ.get("POLAFORMER_ONEDNN", "").strip().lower()
+        if forced in ("narrow", "wide"):
+            _POLICY = NARROW if forced == "narrow" else WIDE
+        else:
+            _POLICY = _measure_policy()
+    return _POLICY
+
+
 def _prefers_onednn(rows: int, inner: int, outer: int) -> bool:
-    macs = rows * inner * outer
-    return macs >= _MIN_MACS or (inner >= 256 and macs >= _MIN_MACS_WIDE_K)
+    return policy().prefers_onednn(rows, inner, outer)
+
+
+def _weight_grad(grad_rows: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
+    """``gᵀ x``, (out, in), for the output's gradient ``g`` (T, out) and the input ``x`` (T, in) as rows.
+
+    On oneDNN where the policy says so. oneDNN reads both operands transposed; which of the two products
+    ``gᵀ x`` or ``(xᵀ g)ᵀ`` is faster depends on the shape (up to 5x apart, docs/benchmarks.md): the one
+    whose output rows are the narrower side, except that ``xᵀ g`` (then copied to the weight's layout)
+    pays only for many tokens."""
+    tokens, inner = x_rows.shape
+    outer = grad_rows.shape[1]
+    threshold = policy().min_macs_weight_grad if _ENABLED else None
+    if threshold is None or tokens < 8 or tokens * inner * outer < threshold:
+        return torch.mm(grad_rows.t(), x_rows)
+    if inner < outer and tokens >= 4 * inner:
+        return _OP(x_rows.t(), grad_rows.t(), None, "none", [], "").t().contiguous()
+    return _OP(grad_rows.t(), x_rows.t(), None, "none", [], "")
 
 
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
@@ -84,12 +171,12 @@ def _float32_weights(weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
 
 def _linear_grads(grad_rows, x, weight, needs, has_bias, onednn=True):
     """Gradients of ``x Wᵀ + b`` from the output's gradient as rows: ``g W`` on oneDNN (MKL for a product too
-    small for oneDNN to win, ``onednn=False``), ``gᵀ x`` on MKL (faster for that transposed product,
-    docs/benchmarks.md), the bias's as the column sums."""
+    small for oneDNN to win, ``onednn=False``), ``gᵀ x`` by :func:`_weight_grad`, the bias's as the column
+    sums."""
     grad_x = None
     if needs[0]:
         grad_x = (_OP(grad_rows, weight.t(), None, "none", [], "") if onednn else torch.mm(grad_rows, weight)).view(x.shape)
-    grad_w = torch.mm(grad_rows.t(), x.reshape(-1, x.shape[-1])) if needs[1] else None
+    grad_w = _weight_grad(grad_rows, x.reshape(-1, x.shape[-1])) if needs[1] else None
     grad_b = grad_rows.sum(0) if has_bias and needs[2] else None
     return grad_x, grad_w, grad_b
 
@@ -189,7 +276,7 @@ class _OnednnMlp(torch.autograd.Function):
         needs = ctx.needs_input_grad
         grad_rows = grad.reshape(-1, grad.shape[-1])
         activated, slope = activated.view(-1, activated.shape[-1]), slope.view(-1, slope.shape[-1])
-        grad_w2 = torch.mm(grad_rows.t(), activated) if needs[3] else None
+        grad_w2 = _weight_grad(grad_rows, activated) if needs[3] else None
         grad_b2 = grad_rows.sum(0) if ctx.has_bias[1] and needs[4] else None
         grad_x = grad_w1 = grad_b1 = None
         if needs[0] or needs[1] or needs[2]:
@@ -236,7 +323,7 @@ class _GeluLinear(torch.autograd.Function):
         if needs[0]:
             grad_h = _OP_BINARY(grad_rows, slope.view(-1, slope.shape[-1]), weight.t(), None, "mul").view(slope.shape)
         if needs[1]:
-            grad_w = torch.mm(grad_rows.t(), activated.view(-1, activated.shape[-1]))
+            grad_w = _weight_grad(grad_rows, activated.view(-1, activated.shape[-1]))
         if ctx.has_bias and needs[2]:
             grad_b = grad_rows.sum(0)
         return grad_h, grad_w, grad_b, None
