@@ -371,6 +371,76 @@ def test_pacs_backward_kernels_match_torch_ops(native, rope):
     assert torch.isnan(native.pacs_key_backward(nan_k, phi_k, grad_phi_k, rope)[0, 0, 0, 0])
 
 
+@pytest.mark.parametrize("dv", [2, 20, 38])
+def test_pacs_output_grad_matches_torch_ops(native, dv):
+    b, h, n, half = 2, 3, 7, dv // 2
+    grad_out, out = _x((b, h, n, dv), token_major=True, seed=5), _x((b, h, n, dv), seed=6)
+    denom = _x((b, h, 2, n, 1), seed=7).abs_().add_(0.5)
+    g_num, g_den = native.pacs_output_grad(grad_out, out, denom)
+    assert g_num.is_contiguous() and g_num.shape == (b, h, 2, n, half) and g_den.shape == (b, h, 2, n, 1)
+    streams = lambda t: t.unflatten(-1, (2, half)).transpose(2, 3)  # (B, H, 2, N, dv/2)
+    ref_num = streams(grad_out) / denom
+    torch.testing.assert_close(g_num, ref_num, rtol=0, atol=0)  # the same division
+    torch.testing.assert_close(g_den, -(ref_num * streams(out)).sum(-1, keepdim=True), rtol=1e-14, atol=1e-15)
+    with pytest.raises(RuntimeError, match="dv"):
+        native.pacs_output_grad(grad_out[..., :1], out[..., :1], denom)
+
+
+@pytest.mark.parametrize("rope", [False, True])
+def test_pacs_fused_backward_kernels_match_torch_ops(native, rope):
+    """The query kernel with the rotation, normaliser term and key-mean gradient folded in, and the key
+    kernel with the rotation and key-mean term, against the torch ops they replace."""
+    b, h, n, d = 2, 3, 300, 10  # more tokens than one reduction chunk
+    q, k = _x((b, h, n, d), token_major=True), _x((b, h, n, d), seed=1)
+    temps = torch.rand(1, h, 2, 1, 2 * d, dtype=F64)
+    p_q = native.pacs_halves(q, rope, False)[0]
+    phi_q = native.pacs_exp_features(p_q, temps)[0]
+    grad_num, den = _x(tuple(phi_q.shape), seed=2), _x((b, h, 2, n, 1), seed=3)
+    key_means = _x((b, h, 2, 2 * d), seed=4)
+    tables = None
+    if rope:
+        sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), 15, 20)
+        tables = pa._arrange_rope_tables(sin, cos)
+    grad_phi = grad_num if tables is None else pa._rotate(grad_num, *tables, transpose=True)
+    grad_phi = grad_phi + den * key_means.unsqueeze(3)
+    ref_q, ref_t = native.pacs_query_backward(q, p_q, phi_q, grad_phi.contiguous(), temps, rope, True)
+    grad_q, grad_t, grad_km = native.pacs_query_backward(q, p_q, phi_q, grad_num, temps, rope, True, den, key_means,
+                                                         *(tables or (None, None)))
+    torch.testing.assert_close(grad_q, ref_q, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_t, ref_t, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad_km, (phi_q * den).sum(3), rtol=1e-12, atol=1e-12)
+
+    phi_k = native.pacs_halves(k, rope, True)[0]
+    grad_k_num, mean_grad = _x(tuple(phi_k.shape), seed=8), _x((b, h, 2 * d), seed=9)
+    key_tables = (None, None) if tables is None else tuple(t[:1] for t in tables)
+    grad_phi_k = grad_k_num if tables is None else pa._rotate(grad_k_num, *(t[0] for t in tables), transpose=True)
+    ref_k = native.pacs_key_backward(k, phi_k, (grad_phi_k + mean_grad.unsqueeze(2)).contiguous(), rope)
+    torch.testing.assert_close(native.pacs_key_backward(k, phi_k, grad_k_num, rope, *key_tables, mean_grad), ref_k,
+                               rtol=1e-13, atol=1e-13)
+    with pytest.raises(RuntimeError, match="together"):
+        native.pacs_query_backward(q, p_q, phi_q, grad_num, temps, rope, True, den)
+
+
+def test_pacs_backward_takes_the_fused_native_path(native, monkeypatch):
+    """Without padding or rescaling the backward runs on the fused kernels, and gives the torch-op gradients."""
+    from polaformer.ops import pacs_linear_attention
+
+    b, h, side, d = 2, 2, 6, 8
+    sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), side, side)
+    leaves = [_x((b, h, side * side, d), seed=i).requires_grad_() for i in range(3)]
+    temps = [torch.rand(1, h, 1, 2 * d, dtype=F64, requires_grad=True) for _ in range(2)]
+    calls = []
+    real = pa._pacs_backward_native
+    monkeypatch.setattr(pa, "_pacs_backward_native", lambda *a: calls.append(1) or real(*a))
+    out = pacs_linear_attention(*leaves, *temps, sin, cos)
+    grads = torch.autograd.grad(out, leaves + temps, torch.ones_like(out))
+    assert calls == [1]
+    ref = _torch_op(lambda: torch.autograd.grad(pacs_linear_attention(*leaves, *temps, sin, cos), leaves + temps,
+                                                torch.ones_like(out)))
+    for a, r in zip(grads, ref):
+        torch.testing.assert_close(a, r, rtol=1e-11, atol=1e-12)
+
+
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_pacs_op_with_native_kernels_equals_reference_forward_and_backward(native, rope, masked):

@@ -338,6 +338,27 @@ inline void rotate_row(const T* f, const T* c, const T* s, int64_t d, T* out) {
   }
 }
 
+// The transpose of rotate_row (the rotation's backward): E' = E·c_E + O·s_O, O' = O·c_O + E·s_E.
+template <typename T>
+inline void rotate_row_transposed(const T* f, const T* c, const T* s, int64_t d, T* out) {
+  using V = Vectorized<T>;
+  const int64_t p = d / 2;
+  for (int64_t h = 0; h < 2; ++h) {
+    const int64_t e = h * d, o = e + p;
+    int64_t i = 0;
+    for (; i + V::size() <= p; i += V::size()) {
+      const V fe = V::loadu(f + e + i), fo = V::loadu(f + o + i);
+      (fe * V::loadu(c + e + i) + fo * V::loadu(s + o + i)).store(out + e + i);
+      (fo * V::loadu(c + o + i) + fe * V::loadu(s + e + i)).store(out + o + i);
+    }
+    for (; i < p; ++i) {
+      const T fe = f[e + i], fo = f[o + i];
+      out[e + i] = fe * c[e + i] + fo * s[o + i];
+      out[o + i] = fo * c[o + i] + fe * s[e + i];
+    }
+  }
+}
+
 // RoPE tables (S, N, 2d) in kernel order with unit stride along channels and any stream/token strides.
 struct Tables {
   const void* cos = nullptr;
@@ -455,21 +476,36 @@ inline void pacs_unrelu_row(const T* xr, const T* gk, int64_t d, bool rope, T* o
 }
 
 // Key backward: grad_k from grad_phi_k through phi = exp(halves) - 1 (d phi = (phi + 1) d halves).
+// With tables (stream 0 of (S, N, 2d)), grad_phi arrives in the rotated space and is rotated back first; with
+// mean_grad (B, H, 2d) contiguous, that row is added (the key mean's gradient, the same for every key).
 template <typename T>
 void pacs_key_backward_kernel(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope,
-                              at::Tensor& grad_k) {
+                              at::Tensor& grad_k, const Tables* tables = nullptr, const T* mean_grad = nullptr) {
+  using V = Vectorized<T>;
   const Rows krows(k), grows(grad_phi);
-  const int64_t d = k.size(3), total = k.size(0) * k.size(1) * k.size(2);
+  const int64_t d = k.size(3), w = 2 * d, tokens = k.size(2), total = k.size(0) * k.size(1) * tokens;
   const T* kp = k.data_ptr<T>();
   const T* fp = phi.data_ptr<T>();  // contiguous (B, H, M, 2d)
   const T* gp = grad_phi.data_ptr<T>();
   T* out = grad_k.data_ptr<T>();  // contiguous (B, H, M, d)
   at::parallel_for(0, total, grain(4 * d), [&](int64_t begin, int64_t end) {
-    std::vector<T> g(2 * d);
+    std::vector<T> g(w);
+    const V one(T(1));
     for (int64_t r = begin; r < end; ++r) {
       const T* gr = gp + grows.offset(r);
-      const T* fr = fp + r * 2 * d;
-      for (int64_t i = 0; i < 2 * d; ++i) g[i] = gr[i] * (fr[i] + T(1));
+      if (tables) {
+        rotate_row_transposed<T>(gr, tables->c<T>(0, r % tokens), tables->s<T>(0, r % tokens), d, g.data());
+        gr = g.data();
+      }
+      const T* mg = mean_grad ? mean_grad + (r / tokens) * w : nullptr;
+      const T* fr = fp + r * w;
+      int64_t i = 0;
+      for (; i + V::size() <= w; i += V::size()) {
+        V gv = V::loadu(gr + i);
+        if (mg) gv = gv + V::loadu(mg + i);
+        (gv * (V::loadu(fr + i) + one)).store(g.data() + i);
+      }
+      for (; i < w; ++i) g[i] = (mg ? gr[i] + mg[i] : gr[i]) * (fr[i] + T(1));
       pacs_unrelu_row<T>(kp + krows.offset(r), g.data(), d, rope, out + r * d);
     }
   });
@@ -478,10 +514,21 @@ void pacs_key_backward_kernel(const at::Tensor& k, const at::Tensor& phi, const 
 // Query backward without row rescaling: with g_s = grad_phi_q[s] ⊙ (phi_q[s] + 1),
 // grad_q = unrelu(Σ_s g_s ⊙ t_s) and grad_t[s] = Σ_tokens g_s ⊙ p_q (in fixed chunks of tokens, then
 // over the chunks: independent of the thread count).
+// Fused form (Den given): grad_phi_q[s] = rotᵀ(grad_num[s]) + den[s]·km[s], from the numerators' gradient in
+// the rotated space (tables optional), each row's normaliser gradient den (B, H, 2, N, 1) and the key means
+// km (B, H, 2, 2d) contiguous; grad_km[s] = Σ_tokens den[s]·phi_q[s] is summed in the same chunks.
+template <typename T>
+struct QueryDen {
+  const T* den;
+  const T* key_means;
+  const Tables* tables;  // nullptr: no rotation
+  T* km_chunks;          // (B·H, chunks, 2, 2d)
+};
+
 template <typename T>
 void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, const at::Tensor& phi,
                                 const at::Tensor& grad_phi, const at::Tensor& temps, bool rope, at::Tensor& grad_q,
-                                at::Tensor* grad_t_chunks, int64_t chunk) {
+                                at::Tensor* grad_t_chunks, int64_t chunk, const QueryDen<T>* fused = nullptr) {
   using V = Vectorized<T>;
   const Rows qrows(q);
   const int64_t d = q.size(3), w = 2 * d, n = q.size(2), bh_count = q.size(0) * q.size(1);
@@ -494,12 +541,14 @@ void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, cons
   T* out = grad_q.data_ptr<T>();
   T* acc_all = grad_t_chunks ? grad_t_chunks->data_ptr<T>() : nullptr;  // (B·H, chunks, 2, 2d)
   at::parallel_for(0, bh_count * chunks, std::max<int64_t>(1, grain(8 * w) / chunk), [&](int64_t begin, int64_t end) {
-    std::vector<T> gsum(w);
+    std::vector<T> gsum(w), rotated(fused ? w : 0);
     const V one(T(1));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, first = (task % chunks) * chunk, last = std::min(n, first + chunk);
       T* acc = acc_all ? acc_all + task * 2 * w : nullptr;
       if (acc) std::fill(acc, acc + 2 * w, T(0));
+      T* km_acc = fused ? fused->km_chunks + task * 2 * w : nullptr;
+      if (km_acc) std::fill(km_acc, km_acc + 2 * w, T(0));
       for (int64_t t = first; t < last; ++t) {
         const T* pr = pp + (bh * n + t) * w;
         std::fill(gsum.begin(), gsum.end(), T(0));
@@ -509,19 +558,89 @@ void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, cons
           const T* gr = gp + row * w;
           const T* tr = tp + (bh * 2 + s) * w;
           T* as = acc ? acc + s * w : nullptr;
+          const T* km = nullptr;
+          T* ka = nullptr;
+          V den_v(T(0));
+          T den = T(0);
+          if (fused) {
+            if (fused->tables) {
+              rotate_row_transposed<T>(gr, fused->tables->template c<T>(s, t), fused->tables->template s<T>(s, t), d, rotated.data());
+              gr = rotated.data();
+            }
+            km = fused->key_means + (bh * 2 + s) * w;
+            ka = km_acc + s * w;
+            den = fused->den[row];
+            den_v = V(den);
+          }
           int64_t c = 0;
           for (; c + V::size() <= w; c += V::size()) {
-            const V g = V::loadu(gr + c) * (V::loadu(fr + c) + one);
+            const V f = V::loadu(fr + c);
+            V gin = V::loadu(gr + c);
+            if (km) {
+              gin = at::vec::fmadd(den_v, V::loadu(km + c), gin);
+              at::vec::fmadd(den_v, f, V::loadu(ka + c)).store(ka + c);
+            }
+            const V g = gin * (f + one);
             (V::loadu(gsum.data() + c) + g * V::loadu(tr + c)).store(gsum.data() + c);
             if (as) (V::loadu(as + c) + g * V::loadu(pr + c)).store(as + c);
           }
           for (; c < w; ++c) {
-            const T g = gr[c] * (fr[c] + T(1));
+            T gin = gr[c];
+            if (km) {
+              gin = den * km[c] + gin;
+              ka[c] = den * fr[c] + ka[c];
+            }
+            const T g = gin * (fr[c] + T(1));
             gsum[c] += g * tr[c];
             if (as) as[c] += g * pr[c];
           }
         }
         pacs_unrelu_row<T>(qp + qrows.offset(bh * n + t), gsum.data(), d, rope, out + (bh * n + t) * d);
+      }
+    }
+  });
+}
+
+// The gradient at the PaCS products' output: per stream s, g_num[s] = dO[s] / z[s] and g_den[s] = -Σ g_num[s]·O[s],
+// for dO and O (B, H, N, dv) with unit channel stride (the same-sign stream on the first dv/2 channels) and the
+// normalisers z (B, H, 2, N, 1) contiguous. g_num (B, H, 2, N, dv/2) and g_den (B, H, 2, N, 1) are written
+// contiguous, the layout the products that follow read fastest.
+template <typename T>
+void pacs_output_grad_kernel(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& denom,
+                             at::Tensor& g_num, at::Tensor& g_den) {
+  using V = Vectorized<T>;
+  const Rows grows(grad_out), orows(out);
+  const int64_t n = out.size(2), dv = out.size(3), half = dv / 2, total = out.size(0) * out.size(1) * n;
+  const T* gp = grad_out.data_ptr<T>();
+  const T* op = out.data_ptr<T>();
+  const T* zp = denom.data_ptr<T>();
+  T* np = g_num.data_ptr<T>();
+  T* dp = g_den.data_ptr<T>();
+  at::parallel_for(0, total, grain(2 * dv), [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t bh = r / n, t = r % n;
+      const T* gr = gp + grows.offset(r);
+      const T* orow = op + orows.offset(r);
+      for (int64_t s = 0; s < 2; ++s) {
+        const int64_t row = (bh * 2 + s) * n + t;
+        const T z = zp[row];
+        T* dst = np + row * half;
+        const T* src = gr + s * half;
+        const T* o = orow + s * half;
+        const V zv(z);
+        V acc(T(0));
+        int64_t c = 0;
+        for (; c + V::size() <= half; c += V::size()) {
+          const V q = V::loadu(src + c) / zv;
+          q.store(dst + c);
+          acc = at::vec::fmadd(q, V::loadu(o + c), acc);
+        }
+        T sum = lane_sum(acc);
+        for (; c < half; ++c) {
+          dst[c] = src[c] / z;
+          sum += dst[c] * o[c];
+        }
+        dp[row] = -sum;
       }
     }
   });
@@ -951,35 +1070,90 @@ std::vector<at::Tensor> pacs_exp_features(const at::Tensor& p, const at::Tensor&
   return {phi, num};
 }
 
-at::Tensor pacs_key_backward(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope) {
+at::Tensor pacs_key_backward(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope,
+                             const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross,
+                             const c10::optional<at::Tensor>& mean_grad) {
   check_rows(k, "k");
   check_rows(grad_phi, "grad_phi");
-  TORCH_CHECK(phi.is_contiguous(), "phi must be contiguous");
+  TORCH_CHECK(phi.is_contiguous() && phi.sizes() == grad_phi.sizes(), "phi must be contiguous, of grad_phi's shape");
+  TORCH_CHECK(phi.size(3) == 2 * k.size(3) && phi.size(2) == k.size(2), "phi must be (B, H, M, 2d) for k (B, H, M, d)");
+  check_tables(cos, cross, 1, k.size(2), 2 * k.size(3), k);
+  TORCH_CHECK(!cos || k.size(3) % 2 == 0, "RoPE needs an even head_dim");
+  at::Tensor mg;
+  if (mean_grad) {
+    TORCH_CHECK(mean_grad->scalar_type() == k.scalar_type(), "mean_grad and k dtypes differ");
+    mg = mean_grad->expand({k.size(0), k.size(1), 2 * k.size(3)}).contiguous();
+  }
+  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
   auto grad_k = at::empty(k.sizes(), k.options());
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "pacs_key_backward", [&] {
-    pacs_key_backward_kernel<scalar_t>(k, phi, grad_phi, rope, grad_k);
+    pacs_key_backward_kernel<scalar_t>(k, phi, grad_phi, rope, grad_k, cos ? &tables : nullptr,
+                                       mean_grad ? mg.data_ptr<scalar_t>() : nullptr);
   });
   return grad_k;
 }
 
+// Without den: grad_phi is the features' gradient. With den (B, H, 2, N, 1) and key_means (B, H, 2, 2d),
+// grad_phi is the rotated numerators' gradient (rotated back with the tables, if given), each row's
+// normaliser gradient den times the stream's key mean is added, and the key means' gradient
+// Σ_tokens den·phi (B, H, 2, 2d) is returned third.
 std::vector<at::Tensor> pacs_query_backward(const at::Tensor& q, const at::Tensor& p_q, const at::Tensor& phi,
                                             const at::Tensor& grad_phi, const at::Tensor& temps, bool rope,
-                                            bool need_temp_grad) {
+                                            bool need_temp_grad, const c10::optional<at::Tensor>& den,
+                                            const c10::optional<at::Tensor>& key_means,
+                                            const c10::optional<at::Tensor>& cos,
+                                            const c10::optional<at::Tensor>& cross) {
   check_rows(q, "q");
   TORCH_CHECK(p_q.is_contiguous() && phi.is_contiguous() && grad_phi.is_contiguous(),
               "p_q, phi and grad_phi must be contiguous");
-  const auto t = temps.expand({q.size(0), q.size(1), 2, 1, 2 * q.size(3)}).contiguous();
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), w = 2 * q.size(3);
+  TORCH_CHECK(phi.sizes() == grad_phi.sizes() && phi.dim() == 5 && phi.size(2) == 2 && phi.size(3) == n &&
+                  phi.size(4) == w && p_q.numel() == b * h * n * w,
+              "phi and grad_phi must be (B, H, 2, N, 2d), p_q (B, H, N, 2d)");
+  TORCH_CHECK(den.has_value() == key_means.has_value(), "pass den and key_means together");
+  TORCH_CHECK(den || !cos, "the RoPE tables go with den");
+  check_tables(cos, cross, 2, n, w, q);
+  const auto t = temps.expand({b, h, 2, 1, w}).contiguous();
   auto grad_q = at::empty(q.sizes(), q.options());
-  const int64_t chunk = 256, chunks = (q.size(2) + chunk - 1) / chunk;
-  at::Tensor partial =
-      need_temp_grad ? at::empty({q.size(0), q.size(1), chunks, 2, 2 * q.size(3)}, q.options()) : at::Tensor();
+  const int64_t chunk = 256, chunks = (n + chunk - 1) / chunk;
+  at::Tensor partial = need_temp_grad ? at::empty({b, h, chunks, 2, w}, q.options()) : at::Tensor();
+  at::Tensor dz, km, km_partial;
+  if (den) {
+    TORCH_CHECK(den->scalar_type() == q.scalar_type() && key_means->scalar_type() == q.scalar_type(),
+                "den, key_means and q dtypes differ");
+    dz = den->expand({b, h, 2, n, 1}).contiguous();
+    km = key_means->expand({b, h, 2, w}).contiguous();
+    km_partial = at::empty({b, h, chunks, 2, w}, q.options());
+  }
+  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pacs_query_backward", [&] {
+    QueryDen<scalar_t> fused{den ? dz.data_ptr<scalar_t>() : nullptr, den ? km.data_ptr<scalar_t>() : nullptr,
+                             cos ? &tables : nullptr, den ? km_partial.data_ptr<scalar_t>() : nullptr};
     pacs_query_backward_kernel<scalar_t>(q, p_q, phi, grad_phi, t, rope, grad_q, need_temp_grad ? &partial : nullptr,
-                                         chunk);
+                                         chunk, den ? &fused : nullptr);
   });
   // (B, H, chunks, 2, 2d) -> (B, H, 2, 1, 2d), the temperatures' layout
   at::Tensor grad_t = need_temp_grad ? partial.sum(2).unsqueeze(3) : at::Tensor();
+  if (den) return {grad_q, grad_t, km_partial.sum(2)};
   return {grad_q, grad_t};
+}
+
+// See pacs_output_grad_kernel; returns (g_num, g_den).
+std::vector<at::Tensor> pacs_output_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& denom) {
+  check_rows(grad_out, "grad_out");
+  check_rows(out, "out");
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(3) % 2 == 0, "grad_out and out must be (B, H, N, dv), dv even");
+  TORCH_CHECK(denom.is_contiguous() && denom.numel() == 2 * out.size(0) * out.size(1) * out.size(2),
+              "denom must be contiguous (B, H, 2, N, 1)");
+  TORCH_CHECK(grad_out.scalar_type() == out.scalar_type() && denom.scalar_type() == out.scalar_type(),
+              "grad_out, out and denom dtypes differ");
+  const int64_t b = out.size(0), h = out.size(1), n = out.size(2), half = out.size(3) / 2;
+  auto g_num = at::empty({b, h, 2, n, half}, out.options());
+  auto g_den = at::empty({b, h, 2, n, 1}, out.options());
+  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "pacs_output_grad", [&] {
+    pacs_output_grad_kernel<scalar_t>(grad_out, out, denom, g_num, g_den);
+  });
+  return {g_num, g_den};
 }
 
 // GELU of x and its slope at x; with in_place, the slope is written over x (dense) and only GELU returned.
@@ -1082,8 +1256,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams, rotated, and normalisers",
         py::arg("p"), py::arg("temps"), py::arg("cos") = py::none(), py::arg("cross") = py::none(),
         py::arg("key_means") = py::none(), py::arg("eps") = 0.0);
-  m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
-  m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
+  m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1", py::arg("k"),
+        py::arg("phi"), py::arg("grad_phi"), py::arg("rope"), py::arg("cos") = py::none(), py::arg("cross") = py::none(),
+        py::arg("mean_grad") = py::none());
+  m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures (and key means)",
+        py::arg("q"), py::arg("p_q"), py::arg("phi"), py::arg("grad_phi"), py::arg("temps"), py::arg("rope"),
+        py::arg("need_temp_grad"), py::arg("den") = py::none(), py::arg("key_means") = py::none(),
+        py::arg("cos") = py::none(), py::arg("cross") = py::none());
+  m.def("pacs_output_grad", &pacs_output_grad, "gradients of the PaCS numerators and normalisers");
   m.def("gelu_with_slope", &gelu_with_slope, "GELU of x and its slope at x (written over x if in_place)",
         py::arg("x"), py::arg("in_place"));
   m.def("depthwise_weight_grad", &depthwise_weight_grad, "weight and bias gradients of a depthwise conv");

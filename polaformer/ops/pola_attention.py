@@ -732,6 +732,11 @@ class _PacsAttention(torch.autograd.Function):
         row_scale = rest.pop(0) if ctx.has_scale else None
         keep, m = (rest.pop(0), rest.pop(0)) if ctx.has_keep else (None, ctx.eps_m)
         tables = rest if ctx.rope else None
+        native = _native_for(q)
+        if (native is not None and row_scale is None and keep is None and q.stride(-1) == 1 and k.stride(-1) == 1
+                and hasattr(native, "pacs_output_grad")):
+            return _pacs_backward_native(ctx, native, grad_out, q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs,
+                                         k_means, denom, out, m, tables)
         d = q.shape[-1]
         half = v.shape[-1] // 2
         b, h, n = q.shape[:3]
@@ -791,6 +796,43 @@ class _PacsAttention(torch.autograd.Function):
         grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape) if need_temps else None  # (tb, th, 2, 1, 2d)
         return (grad_q, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
                 None, None, None, None, None)
+
+
+def _pacs_backward_native(ctx, native, grad_out, q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means,
+                          denom, out, m, tables):
+    """:class:`_PacsAttention`'s backward on the native kernels (no row rescaling, no key padding).
+
+    Every elementwise step rides in a kernel that already reads the rows: the output gradient over the
+    normalisers in one pass (written contiguous for the products), the transposed RoPE rotation, the
+    normaliser's gradient term and the key means' gradient in the query kernel, the key side's rotation and
+    key-mean term in the key kernel. What is left are the five products.
+    """
+    d = q.shape[-1]
+    needs = ctx.needs_input_grad
+    # (B, H, N, dv) rows of the token-major output and of its gradient
+    out_rows = out.permute(0, 1, 3, 2, 4).flatten(-2)
+    g_num, g_den = native.pacs_output_grad(grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), out_rows,
+                                           denom)
+    grad_num = torch.matmul(g_num, kvs.transpose(-2, -1))  # (B, H, 2, N, 2d), in the rotated space
+    grad_kvs = torch.matmul(q_num.transpose(-2, -1), g_num)  # (B, H, 2, 2d, dv/2)
+    need_temps = needs[3] or needs[4]
+    cos, cross = tables if tables is not None else (None, None)
+    grad_q, grad_temps, grad_k_means = native.pacs_query_backward(q, p_q, phi_q, grad_num, temps, ctx.rope, need_temps,
+                                                                  g_den, k_means.squeeze(-1), cos, cross)
+    # back to the key layout: the opposite stream's rows (and key mean) are swapped
+    swapped = torch.cat([grad_kvs[:, :, 1, d:], grad_kvs[:, :, 1, :d]], -2)
+    grad_kv = torch.cat([grad_kvs[:, :, 0], swapped], -1).div_(m)  # (B, H, 2d, dv)
+    opposite = grad_k_means[:, :, 1]
+    grad_k_mean = torch.cat([opposite[..., d:], opposite[..., :d]], -1).add_(grad_k_means[:, :, 0]).div_(m)
+    grad_v = torch.matmul(k_num, grad_kv) if needs[2] else None
+    grad_k = None
+    if needs[1]:
+        grad_k_num = torch.matmul(v, grad_kv.transpose(-2, -1))
+        key_tables = (cos[:1], cross[:1]) if tables is not None else (None, None)
+        grad_k = native.pacs_key_backward(k, phi_k, grad_k_num, ctx.rope, *key_tables, grad_k_mean)
+    grad_temps = _sum_to(grad_temps, temps.shape) if need_temps else None
+    return (grad_q if needs[0] else None, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
+            None, None, None, None, None)
 
 
 def _pacs_temperature_grads(ctx, grad_temps, d, device):
