@@ -237,21 +237,22 @@ def _products_only(q, k, v, *args, **kwargs):
 @contextlib.contextmanager
 def cores_replaced(linear, softmax=None):
     """Our models with the Pola and PaCS cores replaced by ``linear`` and, if given, the softmax cores (SDPA
-    and Swin's window op) by ``softmax``."""
+    and the explicit softmax op of Swin's windows and PolaFormer++'s softmax blocks) by ``softmax``."""
     import polaformer.layers.pola_attention as pola_layer
     import polaformer.layers.polapp_attention as polapp_layer
     import polaformer.layers.window_attention as window_layer
 
     saved = (pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention,
-             window_layer.window_softmax_attention)
+             window_layer.window_softmax_attention, polapp_layer.window_softmax_attention)
     pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = linear
     if softmax is not None:
-        F.scaled_dot_product_attention = window_layer.window_softmax_attention = softmax
+        F.scaled_dot_product_attention = softmax
+        window_layer.window_softmax_attention = polapp_layer.window_softmax_attention = softmax
     try:
         yield
     finally:
         (pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention,
-         window_layer.window_softmax_attention) = saved
+         window_layer.window_softmax_attention, polapp_layer.window_softmax_attention) = saved
 
 
 def with_cores(step, linear, softmax=None):

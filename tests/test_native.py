@@ -504,3 +504,33 @@ def test_the_build_lock_is_cleared_only_where_its_existence_blocks(existence_loc
         assert native_mod._build() == "built"
     assert lock.exists() is not existence_lock
     assert ("did not finish" in caplog.text) is existence_lock
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_rotate_pairs_matches_apply_rope_forward_and_backward(native, dtype):
+    from polaformer.ops import apply_rope, rotate_pairs
+
+    b, h, side, d = 2, 3, 7, 36  # d: two AVX-512 float64 vectors and a tail
+    sin, cos = (t.to(dtype) for t in rope_2d(rope_angles(d * h, h, dtype=F64), side, side))
+    x = _x((b, h, side * side, d), dtype=dtype, token_major=True).requires_grad_()  # the layer's strided heads
+    out, ref = rotate_pairs(x, sin, cos), apply_rope(x, sin, cos)
+    assert out.is_contiguous() and out.grad_fn is not None and "RotatePairs" in type(out.grad_fn).__name__
+    tol = dict(rtol=1e-14, atol=1e-15) if dtype == F64 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(out, ref, **tol)
+    grad = torch.randn(out.shape, dtype=dtype).transpose(1, 2).contiguous().transpose(1, 2)  # strided gradient
+    torch.testing.assert_close(torch.autograd.grad(out, x, grad)[0], torch.autograd.grad(ref, x, grad)[0], **tol)
+    with pytest.raises(RuntimeError, match="even"):
+        native.rope_pairs(x.detach()[..., :3], sin[:, :3].contiguous(), cos[:, :3].contiguous())
+
+
+def test_rotate_pairs_falls_back_where_the_kernel_does_not_apply(native):
+    from polaformer.ops import apply_rope, rotate_pairs
+
+    sin, cos = rope_2d(rope_angles(16, 2, dtype=F64), 3, 3)
+    x = _x((1, 2, 9, 8))
+    trainable = cos.clone().requires_grad_()  # tables that take gradients: the autograd formula
+    out = rotate_pairs(x, sin, trainable)
+    assert "RotatePairs" not in type(out.grad_fn).__name__
+    torch.testing.assert_close(out, apply_rope(x, sin, cos), rtol=0, atol=0)
+    graph = torch.fx.symbolic_trace(lambda t: rotate_pairs(t, sin, cos))
+    torch.testing.assert_close(graph(x), apply_rope(x, sin, cos), rtol=1e-14, atol=1e-15)

@@ -78,6 +78,22 @@ def test_cpu_eager_calls_skip_sdpa_and_the_rest_take_it(monkeypatch):
     torch.testing.assert_close(out, _reference(q, k, v, bias, 0.3), rtol=1e-12, atol=1e-12)
 
 
+def test_without_a_bias_many_long_windows_take_sdpa(monkeypatch):
+    calls = []
+    sdpa = F.scaled_dot_product_attention
+    monkeypatch.setattr(ws.F, "scaled_dot_product_attention", lambda *a, **kw: calls.append(1) or sdpa(*a, **kw))
+    q, k, v, _ = _inputs(b=2, h=2, n=100, groups=0, grad=False)  # 40k logits
+    window_softmax_attention(q, k, v)
+    assert calls == []
+    monkeypatch.setattr(ws, "_MAX_EXPLICIT_LOGITS_WITHOUT_BIAS", 30_000)
+    out = window_softmax_attention(q, k, v)
+    assert calls == [1]
+    torch.testing.assert_close(out, _reference(q, k, v, None, 16 ** -0.5), rtol=1e-12, atol=1e-12)
+    q, k, v, _ = _inputs(b=20, h=2, n=49, groups=0, grad=False)  # short windows stay explicit at any count
+    window_softmax_attention(q, k, v)
+    assert calls == [1]
+
+
 def test_bad_shapes_are_named():
     q, k, v, bias = _inputs(grad=False)
     with pytest.raises(ValueError, match="G dividing the 8 windows"):

@@ -144,7 +144,9 @@ class _FoldedConvBn:
 def _folds(x: torch.Tensor, *pairs) -> bool:
     """Whether (conv, BatchNorm) pairs may run folded: BatchNorm in eval mode with running statistics, plain
     dense convs, no gradient wanted, eager CPU float32 (elsewhere each module runs on its own)."""
-    if x.device.type != "cpu" or x.dtype != torch.float32 or _capturing_graph() or is_fx_symbolic_tracing():
+    if _capturing_graph() or is_fx_symbolic_tracing():  # first: under FX, x is a proxy
+        return False
+    if x.device.type != "cpu" or x.dtype != torch.float32:
         return False
     for conv, bn in pairs:
         if (bn.training or bn.running_mean is None or bn.running_var is None or conv.groups != 1

@@ -23,7 +23,7 @@ from .layout import tokens_to_map
 from .onednn import gelu_linear, linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
-from .rope import apply_rope, rope_2d, rope_angles
+from .rope import apply_rope, rope_2d, rope_angles, rotate_pairs
 from .window_softmax import window_softmax_attention
 
 __all__ = [
@@ -56,6 +56,7 @@ __all__ = [
     "resample_grid_table",
     "rope_2d",
     "rope_angles",
+    "rotate_pairs",
     "softmax_attention_weights",
     "tokens_to_map",
     "window_softmax_attention",

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["rope_angles", "rope_2d", "apply_rope"]
+__all__ = ["rope_angles", "rope_2d", "apply_rope", "rotate_pairs"]
 
 
 def rope_angles(embed_dim: int, num_heads: int, base: float = 10000.0, dtype=torch.float32,
@@ -42,3 +42,40 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
     even, odd = x[..., 0::2], x[..., 1::2]
     rotated = torch.stack([-odd, even], dim=-1).flatten(-2)
     return x * cos + rotated * sin
+
+
+class _RotatePairs(torch.autograd.Function):
+    """:func:`apply_rope` in one native pass, and its backward (the transposed rotation) in another."""
+
+    @staticmethod
+    def forward(ctx, x, sin, cos, kernels):
+        ctx.save_for_backward(sin, cos)
+        ctx.kernels = kernels
+        return kernels.rope_pairs(x, sin, cos, False)
+
+    @staticmethod
+    def backward(ctx, grad):
+        sin, cos = ctx.saved_tensors
+        grad = grad if grad.stride(-1) == 1 else grad.contiguous()
+        return ctx.kernels.rope_pairs(grad, sin, cos, True), None, None, None
+
+
+def rotate_pairs(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` for (B, H, N, d) ``x``, the same values up to rounding: on the CPU one native pass over
+    ``x`` forward and one backward, instead of a stack, a negation and three elementwise passes (and their
+    backward); the result is contiguous there. Elsewhere (graph capture, autocast, other devices or dtypes,
+    tables that take gradients) it is :func:`apply_rope`."""
+    from .native import native_kernels
+    from .onednn import is_fx_symbolic_tracing
+    from .pola_attention import _capturing_graph
+
+    if is_fx_symbolic_tracing():  # sizes are proxies: no checks
+        return apply_rope(x, sin, cos)
+    if (x.dim() == 4 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1
+            and x.shape[-1] % 2 == 0 and sin.dtype == cos.dtype == x.dtype and sin.shape == cos.shape == x.shape[-2:]
+            and sin.is_contiguous() and cos.is_contiguous() and not (sin.requires_grad or cos.requires_grad)
+            and not _capturing_graph() and not torch.is_autocast_enabled("cpu")):
+        kernels = native_kernels()
+        if kernels is not None and hasattr(kernels, "rope_pairs"):
+            return _RotatePairs.apply(x, sin, cos, kernels)
+    return apply_rope(x, sin, cos)
