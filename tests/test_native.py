@@ -371,76 +371,6 @@ def test_pacs_backward_kernels_match_torch_ops(native, rope):
     assert torch.isnan(native.pacs_key_backward(nan_k, phi_k, grad_phi_k, rope)[0, 0, 0, 0])
 
 
-@pytest.mark.parametrize("dv", [2, 20, 38])
-def test_pacs_output_grad_matches_torch_ops(native, dv):
-    b, h, n, half = 2, 3, 7, dv // 2
-    grad_out, out = _x((b, h, n, dv), token_major=True, seed=5), _x((b, h, n, dv), seed=6)
-    denom = _x((b, h, 2, n, 1), seed=7).abs_().add_(0.5)
-    g_num, g_den = native.pacs_output_grad(grad_out, out, denom)
-    assert g_num.is_contiguous() and g_num.shape == (b, h, 2, n, half) and g_den.shape == (b, h, 2, n, 1)
-    streams = lambda t: t.unflatten(-1, (2, half)).transpose(2, 3)  # (B, H, 2, N, dv/2)
-    ref_num = streams(grad_out) / denom
-    torch.testing.assert_close(g_num, ref_num, rtol=0, atol=0)  # the same division
-    torch.testing.assert_close(g_den, -(ref_num * streams(out)).sum(-1, keepdim=True), rtol=1e-14, atol=1e-15)
-    with pytest.raises(RuntimeError, match="dv"):
-        native.pacs_output_grad(grad_out[..., :1], out[..., :1], denom)
-
-
-@pytest.mark.parametrize("rope", [False, True])
-def test_pacs_fused_backward_kernels_match_torch_ops(native, rope):
-    """The query kernel with the rotation, normaliser term and key-mean gradient folded in, and the key
-    kernel with the rotation and key-mean term, against the torch ops they replace."""
-    b, h, n, d = 2, 3, 300, 10  # more tokens than one reduction chunk
-    q, k = _x((b, h, n, d), token_major=True), _x((b, h, n, d), seed=1)
-    temps = torch.rand(1, h, 2, 1, 2 * d, dtype=F64)
-    p_q = native.pacs_halves(q, rope, False)[0]
-    phi_q = native.pacs_exp_features(p_q, temps)[0]
-    grad_num, den = _x(tuple(phi_q.shape), seed=2), _x((b, h, 2, n, 1), seed=3)
-    key_means = _x((b, h, 2, 2 * d), seed=4)
-    tables = None
-    if rope:
-        sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), 15, 20)
-        tables = pa._arrange_rope_tables(sin, cos)
-    grad_phi = grad_num if tables is None else pa._rotate(grad_num, *tables, transpose=True)
-    grad_phi = grad_phi + den * key_means.unsqueeze(3)
-    ref_q, ref_t = native.pacs_query_backward(q, p_q, phi_q, grad_phi.contiguous(), temps, rope, True)
-    grad_q, grad_t, grad_km = native.pacs_query_backward(q, p_q, phi_q, grad_num, temps, rope, True, den, key_means,
-                                                         *(tables or (None, None)))
-    torch.testing.assert_close(grad_q, ref_q, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad_t, ref_t, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(grad_km, (phi_q * den).sum(3), rtol=1e-12, atol=1e-12)
-
-    phi_k = native.pacs_halves(k, rope, True)[0]
-    grad_k_num, mean_grad = _x(tuple(phi_k.shape), seed=8), _x((b, h, 2 * d), seed=9)
-    key_tables = (None, None) if tables is None else tuple(t[:1] for t in tables)
-    grad_phi_k = grad_k_num if tables is None else pa._rotate(grad_k_num, *(t[0] for t in tables), transpose=True)
-    ref_k = native.pacs_key_backward(k, phi_k, (grad_phi_k + mean_grad.unsqueeze(2)).contiguous(), rope)
-    torch.testing.assert_close(native.pacs_key_backward(k, phi_k, grad_k_num, rope, *key_tables, mean_grad), ref_k,
-                               rtol=1e-13, atol=1e-13)
-    with pytest.raises(RuntimeError, match="together"):
-        native.pacs_query_backward(q, p_q, phi_q, grad_num, temps, rope, True, den)
-
-
-def test_pacs_backward_takes_the_fused_native_path(native, monkeypatch):
-    """Without padding or rescaling the backward runs on the fused kernels, and gives the torch-op gradients."""
-    from polaformer.ops import pacs_linear_attention
-
-    b, h, side, d = 2, 2, 6, 8
-    sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), side, side)
-    leaves = [_x((b, h, side * side, d), seed=i).requires_grad_() for i in range(3)]
-    temps = [torch.rand(1, h, 1, 2 * d, dtype=F64, requires_grad=True) for _ in range(2)]
-    calls = []
-    real = pa._pacs_backward_native
-    monkeypatch.setattr(pa, "_pacs_backward_native", lambda *a: calls.append(1) or real(*a))
-    out = pacs_linear_attention(*leaves, *temps, sin, cos)
-    grads = torch.autograd.grad(out, leaves + temps, torch.ones_like(out))
-    assert calls == [1]
-    ref = _torch_op(lambda: torch.autograd.grad(pacs_linear_attention(*leaves, *temps, sin, cos), leaves + temps,
-                                                torch.ones_like(out)))
-    for a, r in zip(grads, ref):
-        torch.testing.assert_close(a, r, rtol=1e-11, atol=1e-12)
-
-
 @pytest.mark.parametrize("rope", [False, True])
 @pytest.mark.parametrize("masked", [False, True])
 def test_pacs_op_with_native_kernels_equals_reference_forward_and_backward(native, rope, masked):
@@ -461,6 +391,92 @@ def test_pacs_op_with_native_kernels_equals_reference_forward_and_backward(nativ
     leaves = (q, k, v, t_same, t_opp)
     for a, r in zip(torch.autograd.grad(fast, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
         torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("case", ["rope", "plain", "cross", "long", "narrow"])
+def test_fused_pacs_op_equals_reference_forward_and_backward(native, case, monkeypatch):
+    """The per-row fused kernels (the path the layers take) against the O(N²) reference in float64: RoPE or
+    not, other key counts, more tokens than one reduction chunk, widths with vector tails, token-major
+    (strided) q, k, v as the layers pass them."""
+    from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention
+
+    b, h, n, m, d, dv = {"rope": (2, 3, 30, 30, 8, 10), "plain": (2, 2, 13, 13, 6, 4),
+                         "cross": (2, 2, 9, 21, 8, 6), "long": (1, 2, 600, 600, 16, 8),
+                         "narrow": (3, 1, 7, 7, 18, 2)}[case]
+    gen = torch.Generator().manual_seed(21)
+    q = torch.randn(b, n, h, d, generator=gen, dtype=F64).transpose(1, 2).requires_grad_()
+    k, v = (torch.randn(b, m, h, c, generator=gen, dtype=F64).transpose(1, 2).requires_grad_() for c in (d, dv))
+    t_same, t_opp = (torch.rand(1, h, 1, 2 * d, generator=gen, dtype=F64).requires_grad_() for _ in range(2))
+    sin = cos = None
+    if case == "rope":
+        sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), 5, 6)
+    elif case == "long":
+        sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), 20, 30)
+    backward_calls = []
+    real = pa._pacs_backward_fused
+    monkeypatch.setattr(pa, "_pacs_backward_fused", lambda *a: backward_calls.append(1) or real(*a))
+    leaves = (q, k, v, t_same, t_opp)
+    fast = pacs_linear_attention(*leaves, sin, cos)
+    ref = naive_pacs_linear_attention(*leaves, sin, cos)
+    torch.testing.assert_close(fast, ref, rtol=1e-10, atol=1e-12)
+    grad = torch.randn(ref.shape, generator=gen, dtype=F64)
+    for a, r in zip(torch.autograd.grad(fast, leaves, grad), torch.autograd.grad(ref, leaves, grad)):
+        torch.testing.assert_close(a, r, rtol=1e-9, atol=1e-11)
+    assert backward_calls == [1]
+    with torch.no_grad():
+        torch.testing.assert_close(pacs_linear_attention(*leaves, sin, cos), ref, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_pacs_op_does_not_depend_on_thread_count(native):
+    from polaformer.ops import pacs_linear_attention
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 2, 700, 8, generator=gen).requires_grad_() for _ in range(3))
+    temps = [torch.rand(1, 2, 1, 16, generator=gen).requires_grad_() for _ in range(2)]
+    grad = torch.randn(2, 2, 700, 8, generator=gen)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for count in (1, 2, 3):
+            torch.set_num_threads(count)
+            out = pacs_linear_attention(q, k, v, *temps)
+            results.append((out, *torch.autograd.grad(out, (q, k, v, *temps), grad)))
+    finally:
+        torch.set_num_threads(threads)
+    for other in results[1:]:
+        for a, b in zip(results[0], other):
+            assert torch.equal(a, b)
+
+
+def test_fused_pacs_op_hands_overflow_to_the_rescaling_path(native):
+    """Products that overflow float32 (features near its largest value) make the fused forward report
+    non-finite values; the op then takes the path that rescales each query row by a power of two, and gives
+    the float64 result."""
+    from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention
+
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(1, 1, 6, 4, generator=gen)
+    q[0, 0, 2, 1] = 89.0  # exp(0.99 · 89) = 2e38 is finite in float32; its products with S are not
+    k, v = torch.randn(1, 1, 6, 4, generator=gen), 100 * torch.randn(1, 1, 6, 4, generator=gen)
+    t_same, t_opp = torch.full((1, 1, 1, 8), 0.99), torch.full((1, 1, 1, 8), 0.97)
+    results, finite = native.pacs_fused_forward(q, k, v, pa._pacs_stacked_temperatures(t_same, t_opp, 4, False,
+                                                                                        q.device))
+    assert not finite
+    out = pacs_linear_attention(q, k, v, t_same, t_opp)
+    ref = naive_pacs_linear_attention(q.double(), k.double(), v.double(), t_same.double(), t_opp.double())
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_fused_pacs_kernels_reject_malformed_inputs(native):
+    q = torch.randn(1, 2, 5, 4)
+    temps = torch.rand(1, 2, 2, 1, 8)
+    with pytest.raises(RuntimeError, match="even value width"):
+        native.pacs_fused_forward(q, q, q[..., :3], temps)
+    with pytest.raises(RuntimeError, match="batch and heads"):
+        native.pacs_fused_forward(q, q[:, :1], q[:, :1], temps)
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        native.pacs_fused_forward(q, q.double(), q, temps)
 
 
 def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):

@@ -9,9 +9,11 @@
 #include <torch/extension.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -37,6 +39,12 @@ void check_rows(const at::Tensor& t, const char* name) {
 
 // Rows per parallel task: about 16k elements, so that small calls stay on one thread.
 int64_t grain(int64_t width) { return std::max<int64_t>(1, (int64_t{1} << 14) / std::max<int64_t>(width, 1)); }
+
+// The sum of a vector's lanes by halving shuffles (a fixed order, not the lanes').
+template <typename T>
+inline T tree_sum(const Vectorized<T>& v) {
+  return at::vec::vec_reduce_all<T>([](const Vectorized<T>& a, const Vectorized<T>& b) { return a + b; }, v);
+}
 
 // The sum of a vector's lanes, in lane order.
 template <typename T>
@@ -468,7 +476,28 @@ void pacs_exp_kernel(const at::Tensor& p, const at::Tensor& temps, at::Tensor& p
 // gives NaN (the torch-op version's sign(NaN) = 0 would hide it).
 template <typename T>
 inline void pacs_unrelu_row(const T* xr, const T* gk, int64_t d, bool rope, T* out) {
-  for (int64_t i = 0; i < d; ++i) {
+  using V = Vectorized<T>;
+  constexpr int64_t S = V::size();
+  const V zero(T(0));
+  auto pick = [&](const V& x, const V& pos, const V& neg) {
+    const V chosen = V::blendv(V::blendv(zero, pos, x > zero), zero - neg, x < zero);
+    return V::blendv(chosen, x, x != x);
+  };
+  int64_t i = 0;
+  if (!rope) {
+    for (; i + S <= d; i += S) pick(V::loadu(xr + i), V::loadu(gk + i), V::loadu(gk + d + i)).store(out + i);
+  } else if (d % (2 * S) == 0) {
+    const int64_t p = d / 2;
+    for (int64_t c = 0; c < d; c += 2 * S) {  // kernel positions j and p + j hold channels 2j and 2j + 1
+      const int64_t j = c / 2;
+      const auto pos = at::vec::interleave2(V::loadu(gk + j), V::loadu(gk + p + j));
+      const auto neg = at::vec::interleave2(V::loadu(gk + d + j), V::loadu(gk + d + p + j));
+      pick(V::loadu(xr + c), pos.first, neg.first).store(out + c);
+      pick(V::loadu(xr + c + S), pos.second, neg.second).store(out + c + S);
+    }
+    return;
+  }
+  for (; i < d; ++i) {
     const int64_t c = pacs_source(i, d, rope);
     const T xv = xr[c];
     out[c] = xv > T(0) ? gk[i] : (xv < T(0) ? -gk[d + i] : (xv == T(0) ? T(0) : xv));
@@ -476,36 +505,21 @@ inline void pacs_unrelu_row(const T* xr, const T* gk, int64_t d, bool rope, T* o
 }
 
 // Key backward: grad_k from grad_phi_k through phi = exp(halves) - 1 (d phi = (phi + 1) d halves).
-// With tables (stream 0 of (S, N, 2d)), grad_phi arrives in the rotated space and is rotated back first; with
-// mean_grad (B, H, 2d) contiguous, that row is added (the key mean's gradient, the same for every key).
 template <typename T>
 void pacs_key_backward_kernel(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope,
-                              at::Tensor& grad_k, const Tables* tables = nullptr, const T* mean_grad = nullptr) {
-  using V = Vectorized<T>;
+                              at::Tensor& grad_k) {
   const Rows krows(k), grows(grad_phi);
-  const int64_t d = k.size(3), w = 2 * d, tokens = k.size(2), total = k.size(0) * k.size(1) * tokens;
+  const int64_t d = k.size(3), total = k.size(0) * k.size(1) * k.size(2);
   const T* kp = k.data_ptr<T>();
   const T* fp = phi.data_ptr<T>();  // contiguous (B, H, M, 2d)
   const T* gp = grad_phi.data_ptr<T>();
   T* out = grad_k.data_ptr<T>();  // contiguous (B, H, M, d)
   at::parallel_for(0, total, grain(4 * d), [&](int64_t begin, int64_t end) {
-    std::vector<T> g(w);
-    const V one(T(1));
+    std::vector<T> g(2 * d);
     for (int64_t r = begin; r < end; ++r) {
       const T* gr = gp + grows.offset(r);
-      if (tables) {
-        rotate_row_transposed<T>(gr, tables->c<T>(0, r % tokens), tables->s<T>(0, r % tokens), d, g.data());
-        gr = g.data();
-      }
-      const T* mg = mean_grad ? mean_grad + (r / tokens) * w : nullptr;
-      const T* fr = fp + r * w;
-      int64_t i = 0;
-      for (; i + V::size() <= w; i += V::size()) {
-        V gv = V::loadu(gr + i);
-        if (mg) gv = gv + V::loadu(mg + i);
-        (gv * (V::loadu(fr + i) + one)).store(g.data() + i);
-      }
-      for (; i < w; ++i) g[i] = (mg ? gr[i] + mg[i] : gr[i]) * (fr[i] + T(1));
+      const T* fr = fp + r * 2 * d;
+      for (int64_t i = 0; i < 2 * d; ++i) g[i] = gr[i] * (fr[i] + T(1));
       pacs_unrelu_row<T>(kp + krows.offset(r), g.data(), d, rope, out + r * d);
     }
   });
@@ -514,21 +528,10 @@ void pacs_key_backward_kernel(const at::Tensor& k, const at::Tensor& phi, const 
 // Query backward without row rescaling: with g_s = grad_phi_q[s] ⊙ (phi_q[s] + 1),
 // grad_q = unrelu(Σ_s g_s ⊙ t_s) and grad_t[s] = Σ_tokens g_s ⊙ p_q (in fixed chunks of tokens, then
 // over the chunks: independent of the thread count).
-// Fused form (Den given): grad_phi_q[s] = rotᵀ(grad_num[s]) + den[s]·km[s], from the numerators' gradient in
-// the rotated space (tables optional), each row's normaliser gradient den (B, H, 2, N, 1) and the key means
-// km (B, H, 2, 2d) contiguous; grad_km[s] = Σ_tokens den[s]·phi_q[s] is summed in the same chunks.
-template <typename T>
-struct QueryDen {
-  const T* den;
-  const T* key_means;
-  const Tables* tables;  // nullptr: no rotation
-  T* km_chunks;          // (B·H, chunks, 2, 2d)
-};
-
 template <typename T>
 void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, const at::Tensor& phi,
                                 const at::Tensor& grad_phi, const at::Tensor& temps, bool rope, at::Tensor& grad_q,
-                                at::Tensor* grad_t_chunks, int64_t chunk, const QueryDen<T>* fused = nullptr) {
+                                at::Tensor* grad_t_chunks, int64_t chunk) {
   using V = Vectorized<T>;
   const Rows qrows(q);
   const int64_t d = q.size(3), w = 2 * d, n = q.size(2), bh_count = q.size(0) * q.size(1);
@@ -541,14 +544,12 @@ void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, cons
   T* out = grad_q.data_ptr<T>();
   T* acc_all = grad_t_chunks ? grad_t_chunks->data_ptr<T>() : nullptr;  // (B·H, chunks, 2, 2d)
   at::parallel_for(0, bh_count * chunks, std::max<int64_t>(1, grain(8 * w) / chunk), [&](int64_t begin, int64_t end) {
-    std::vector<T> gsum(w), rotated(fused ? w : 0);
+    std::vector<T> gsum(w);
     const V one(T(1));
     for (int64_t task = begin; task < end; ++task) {
       const int64_t bh = task / chunks, first = (task % chunks) * chunk, last = std::min(n, first + chunk);
       T* acc = acc_all ? acc_all + task * 2 * w : nullptr;
       if (acc) std::fill(acc, acc + 2 * w, T(0));
-      T* km_acc = fused ? fused->km_chunks + task * 2 * w : nullptr;
-      if (km_acc) std::fill(km_acc, km_acc + 2 * w, T(0));
       for (int64_t t = first; t < last; ++t) {
         const T* pr = pp + (bh * n + t) * w;
         std::fill(gsum.begin(), gsum.end(), T(0));
@@ -558,39 +559,14 @@ void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, cons
           const T* gr = gp + row * w;
           const T* tr = tp + (bh * 2 + s) * w;
           T* as = acc ? acc + s * w : nullptr;
-          const T* km = nullptr;
-          T* ka = nullptr;
-          V den_v(T(0));
-          T den = T(0);
-          if (fused) {
-            if (fused->tables) {
-              rotate_row_transposed<T>(gr, fused->tables->template c<T>(s, t), fused->tables->template s<T>(s, t), d, rotated.data());
-              gr = rotated.data();
-            }
-            km = fused->key_means + (bh * 2 + s) * w;
-            ka = km_acc + s * w;
-            den = fused->den[row];
-            den_v = V(den);
-          }
           int64_t c = 0;
           for (; c + V::size() <= w; c += V::size()) {
-            const V f = V::loadu(fr + c);
-            V gin = V::loadu(gr + c);
-            if (km) {
-              gin = at::vec::fmadd(den_v, V::loadu(km + c), gin);
-              at::vec::fmadd(den_v, f, V::loadu(ka + c)).store(ka + c);
-            }
-            const V g = gin * (f + one);
+            const V g = V::loadu(gr + c) * (V::loadu(fr + c) + one);
             (V::loadu(gsum.data() + c) + g * V::loadu(tr + c)).store(gsum.data() + c);
             if (as) (V::loadu(as + c) + g * V::loadu(pr + c)).store(as + c);
           }
           for (; c < w; ++c) {
-            T gin = gr[c];
-            if (km) {
-              gin = den * km[c] + gin;
-              ka[c] = den * fr[c] + ka[c];
-            }
-            const T g = gin * (fr[c] + T(1));
+            const T g = gr[c] * (fr[c] + T(1));
             gsum[c] += g * tr[c];
             if (as) as[c] += g * pr[c];
           }
@@ -601,47 +577,554 @@ void pacs_query_backward_kernel(const at::Tensor& q, const at::Tensor& p_q, cons
   });
 }
 
-// The gradient at the PaCS products' output: per stream s, g_num[s] = dO[s] / z[s] and g_den[s] = -Σ g_num[s]·O[s],
-// for dO and O (B, H, N, dv) with unit channel stride (the same-sign stream on the first dv/2 channels) and the
-// normalisers z (B, H, 2, N, 1) contiguous. g_num (B, H, 2, N, dv/2) and g_den (B, H, 2, N, 1) are written
-// contiguous, the layout the products that follow read fastest.
+// ---- PaCS attention fused per row -----------------------------------------------------------------------
+// The whole PaCS op without key padding, for any B, H, N, M: every feature row is made in registers where it
+// is used and never written out. Forward: one pass over the keys forms S = φkᵀv (with RoPE: of the rotated
+// keys) and Σφk, one pass over the queries forms both streams' features, normalisers, products with S and
+// quotients. Backward: the same two passes, recomputing the features (cheaper than storing and re-reading
+// them). Sums over tokens are kept per fixed chunk of tokens and added in chunk order, so results do not
+// depend on the number of threads. Layouts as in _PacsAttention (pola_attention.py): features in kernel
+// order, the opposite stream's S rows and key mean swapped.
+
+constexpr int64_t kPacsChunk = 256;
+
+// y[0:n] += a·x[0:n]
 template <typename T>
-void pacs_output_grad_kernel(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& denom,
-                             at::Tensor& g_num, at::Tensor& g_den) {
+inline void axpy(T a, const T* x, T* y, int64_t n) {
   using V = Vectorized<T>;
-  const Rows grows(grad_out), orows(out);
-  const int64_t n = out.size(2), dv = out.size(3), half = dv / 2, total = out.size(0) * out.size(1) * n;
-  const T* gp = grad_out.data_ptr<T>();
-  const T* op = out.data_ptr<T>();
-  const T* zp = denom.data_ptr<T>();
-  T* np = g_num.data_ptr<T>();
-  T* dp = g_den.data_ptr<T>();
-  at::parallel_for(0, total, grain(2 * dv), [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const int64_t bh = r / n, t = r % n;
-      const T* gr = gp + grows.offset(r);
-      const T* orow = op + orows.offset(r);
-      for (int64_t s = 0; s < 2; ++s) {
-        const int64_t row = (bh * 2 + s) * n + t;
-        const T z = zp[row];
-        T* dst = np + row * half;
-        const T* src = gr + s * half;
-        const T* o = orow + s * half;
-        const V zv(z);
-        V acc(T(0));
-        int64_t c = 0;
-        for (; c + V::size() <= half; c += V::size()) {
-          const V q = V::loadu(src + c) / zv;
-          q.store(dst + c);
-          acc = at::vec::fmadd(q, V::loadu(o + c), acc);
-        }
-        T sum = lane_sum(acc);
-        for (; c < half; ++c) {
-          dst[c] = src[c] / z;
-          sum += dst[c] * o[c];
-        }
-        dp[row] = -sum;
+  const V av(a);
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) at::vec::fmadd(av, V::loadu(x + i), V::loadu(y + i)).store(y + i);
+  for (; i < n; ++i) y[i] += a * x[i];
+}
+
+// Σ a[i]·b[i]
+template <typename T>
+inline T dot_row(const T* a, const T* b, int64_t n) {
+  using V = Vectorized<T>;
+  V acc(T(0));
+  int64_t i = 0;
+  for (; i + V::size() <= n; i += V::size()) acc = at::vec::fmadd(V::loadu(a + i), V::loadu(b + i), acc);
+  T sum = tree_sum(acc);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+// out[0:n] = Σ_k x[k]·mat[k·ld + 0:n], the sums in registers (four partial sums per vector, so that the
+// multiply-adds do not wait on each other).
+template <typename T>
+inline void vec_mat(const T* x, const T* mat, int64_t kdim, int64_t n, int64_t ld, T* out) {
+  using V = Vectorized<T>;
+  constexpr int64_t S = V::size();
+  int64_t j = 0;
+  for (; j + 2 * S <= n; j += 2 * S) {
+    V a[4] = {V(T(0)), V(T(0)), V(T(0)), V(T(0))}, b[4] = {V(T(0)), V(T(0)), V(T(0)), V(T(0))};
+    int64_t k = 0;
+    for (; k + 4 <= kdim; k += 4) {
+      for (int u = 0; u < 4; ++u) {
+        const V xv(x[k + u]);
+        const T* row = mat + (k + u) * ld + j;
+        a[u] = at::vec::fmadd(xv, V::loadu(row), a[u]);
+        b[u] = at::vec::fmadd(xv, V::loadu(row + S), b[u]);
       }
+    }
+    for (; k < kdim; ++k) {
+      const V xv(x[k]);
+      a[0] = at::vec::fmadd(xv, V::loadu(mat + k * ld + j), a[0]);
+      b[0] = at::vec::fmadd(xv, V::loadu(mat + k * ld + j + S), b[0]);
+    }
+    ((a[0] + a[1]) + (a[2] + a[3])).store(out + j);
+    ((b[0] + b[1]) + (b[2] + b[3])).store(out + j + S);
+  }
+  for (; j + S <= n; j += S) {
+    V a[4] = {V(T(0)), V(T(0)), V(T(0)), V(T(0))};
+    int64_t k = 0;
+    for (; k + 4 <= kdim; k += 4)
+      for (int u = 0; u < 4; ++u) a[u] = at::vec::fmadd(V(x[k + u]), V::loadu(mat + (k + u) * ld + j), a[u]);
+    for (; k < kdim; ++k) a[0] = at::vec::fmadd(V(x[k]), V::loadu(mat + k * ld + j), a[0]);
+    ((a[0] + a[1]) + (a[2] + a[3])).store(out + j);
+  }
+  for (; j < n; ++j) {
+    T sum = T(0);
+    for (int64_t k = 0; k < kdim; ++k) sum += x[k] * mat[k * ld + j];
+    out[j] = sum;
+  }
+}
+
+// out[r][0:n] = Σ_k x[r][k]·mat[k·ld + 0:n] for R rows at once: each row of mat, loaded once, serves all R.
+template <typename T, int R>
+inline void vec_mat_rows(const T* const* x, const T* mat, int64_t kdim, int64_t n, int64_t ld, T* const* out) {
+  using V = Vectorized<T>;
+  constexpr int64_t S = V::size();
+  int64_t j = 0;
+  for (; j + 2 * S <= n; j += 2 * S) {
+    V a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = b[r] = V(T(0));
+    for (int64_t k = 0; k < kdim; ++k) {
+      const V m0 = V::loadu(mat + k * ld + j), m1 = V::loadu(mat + k * ld + j + S);
+      for (int r = 0; r < R; ++r) {
+        const V xv(x[r][k]);
+        a[r] = at::vec::fmadd(xv, m0, a[r]);
+        b[r] = at::vec::fmadd(xv, m1, b[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      a[r].store(out[r] + j);
+      b[r].store(out[r] + j + S);
+    }
+  }
+  for (; j + S <= n; j += S) {  // one vector wide: even and odd k in separate sums, 2R independent chains
+    V a[R], b[R];
+    for (int r = 0; r < R; ++r) a[r] = b[r] = V(T(0));
+    int64_t k = 0;
+    for (; k + 2 <= kdim; k += 2) {
+      const V m0 = V::loadu(mat + k * ld + j), m1 = V::loadu(mat + (k + 1) * ld + j);
+      for (int r = 0; r < R; ++r) {
+        a[r] = at::vec::fmadd(V(x[r][k]), m0, a[r]);
+        b[r] = at::vec::fmadd(V(x[r][k + 1]), m1, b[r]);
+      }
+    }
+    if (k < kdim) {
+      const V m0 = V::loadu(mat + k * ld + j);
+      for (int r = 0; r < R; ++r) a[r] = at::vec::fmadd(V(x[r][k]), m0, a[r]);
+    }
+    for (int r = 0; r < R; ++r) (a[r] + b[r]).store(out[r] + j);
+  }
+  for (; j < n; ++j)
+    for (int r = 0; r < R; ++r) {
+      T sum = T(0);
+      for (int64_t k = 0; k < kdim; ++k) sum += x[r][k] * mat[k * ld + j];
+      out[r][j] = sum;
+    }
+}
+
+// vec_mat for a group of 1-4 rows
+template <typename T>
+inline void vec_mat_group(int rows, const T* const* x, const T* mat, int64_t kdim, int64_t n, int64_t ld,
+                          T* const* out) {
+  switch (rows) {
+    case 4: return vec_mat_rows<T, 4>(x, mat, kdim, n, ld, out);
+    case 3: return vec_mat_rows<T, 3>(x, mat, kdim, n, ld, out);
+    case 2: return vec_mat_rows<T, 2>(x, mat, kdim, n, ld, out);
+    case 1: return vec_mat<T>(x[0], mat, kdim, n, ld, out[0]);
+    default: return;
+  }
+}
+
+// acc[k·n + 0:n] += Σ_{r < R} x[r][k]·y[r][0:n]: a rank-R update of a (kdim × n) sum. The rows of y stay in
+// registers and each element of acc is loaded and stored once for the whole group.
+template <typename T, int R>
+inline void outer_acc_rows(const T* const* x, const T* const* y, int64_t kdim, int64_t n, T* acc) {
+  using V = Vectorized<T>;
+  constexpr int64_t S = V::size();
+  int64_t j = 0;
+  for (; j + 2 * S <= n; j += 2 * S) {
+    V y0[R], y1[R];
+    for (int r = 0; r < R; ++r) {
+      y0[r] = V::loadu(y[r] + j);
+      y1[r] = V::loadu(y[r] + j + S);
+    }
+    for (int64_t k = 0; k < kdim; ++k) {
+      T* a = acc + k * n + j;
+      V s0 = V::loadu(a), s1 = V::loadu(a + S);
+      for (int r = 0; r < R; ++r) {
+        const V xv(x[r][k]);
+        s0 = at::vec::fmadd(xv, y0[r], s0);
+        s1 = at::vec::fmadd(xv, y1[r], s1);
+      }
+      s0.store(a);
+      s1.store(a + S);
+    }
+  }
+  for (; j + S <= n; j += S) {
+    V y0[R];
+    for (int r = 0; r < R; ++r) y0[r] = V::loadu(y[r] + j);
+    for (int64_t k = 0; k < kdim; ++k) {
+      T* a = acc + k * n + j;
+      V s0 = V::loadu(a);
+      for (int r = 0; r < R; ++r) s0 = at::vec::fmadd(V(x[r][k]), y0[r], s0);
+      s0.store(a);
+    }
+  }
+  for (; j < n; ++j)
+    for (int64_t k = 0; k < kdim; ++k)
+      for (int r = 0; r < R; ++r) acc[k * n + j] += x[r][k] * y[r][j];
+}
+
+template <typename T>
+inline void outer_acc(const T* const* x, const T* const* y, int rows, int64_t kdim, int64_t n, T* acc) {
+  switch (rows) {
+    case 4: return outer_acc_rows<T, 4>(x, y, kdim, n, acc);
+    case 3: return outer_acc_rows<T, 3>(x, y, kdim, n, acc);
+    case 2: return outer_acc_rows<T, 2>(x, y, kdim, n, acc);
+    case 1: return outer_acc_rows<T, 1>(x, y, kdim, n, acc);
+    default: return;
+  }
+}
+
+// [relu(x) ; relu(-x)] of one row, in kernel order (pacs_halves_kernel without the exp); with RoPE the even and
+// odd channels are split by whole vectors where the row allows it.
+template <typename T>
+inline void relu_halves_row(const T* xr, int64_t d, bool rope, T* out) {
+  using V = Vectorized<T>;
+  const V zero(T(0));
+  int64_t i = 0;
+  if (!rope) {
+    for (; i + V::size() <= d; i += V::size()) {
+      const V x = V::loadu(xr + i);
+      at::vec::maximum(x, zero).store(out + i);
+      at::vec::maximum(zero - x, zero).store(out + d + i);
+    }
+  } else if (d % (2 * V::size()) == 0) {
+    const int64_t p = d / 2;
+    for (int64_t c = 0; c < d; c += 2 * V::size()) {
+      const auto parts = at::vec::deinterleave2(V::loadu(xr + c), V::loadu(xr + c + V::size()));
+      const int64_t at_ = c / 2;  // channel 2j goes to j, channel 2j + 1 to p + j
+      at::vec::maximum(parts.first, zero).store(out + at_);
+      at::vec::maximum(parts.second, zero).store(out + p + at_);
+      at::vec::maximum(zero - parts.first, zero).store(out + d + at_);
+      at::vec::maximum(zero - parts.second, zero).store(out + d + p + at_);
+    }
+    return;
+  }
+  for (; i < d; ++i) {
+    const T x = xr[pacs_source(i, d, rope)];
+    out[i] = x > T(0) || x != x ? x : T(0);
+    out[d + i] = x < T(0) || x != x ? -x : T(0);
+  }
+}
+
+// phi = exp(p ⊙ t) - 1 (t = nullptr: exp(p) - 1), returning phi·km when km is given.
+template <typename T>
+inline T exp_row(const T* p, const T* t, int64_t w, T* phi, const T* km) {
+  using V = Vectorized<T>;
+  const V one(T(1));
+  V dot(T(0));
+  int64_t c = 0;
+  for (; c + V::size() <= w; c += V::size()) {
+    V x = V::loadu(p + c);
+    if (t) x = x * V::loadu(t + c);
+    const V f = x.exp() - one;
+    f.store(phi + c);
+    if (km) dot = at::vec::fmadd(f, V::loadu(km + c), dot);
+  }
+  T sum = km ? tree_sum(dot) : T(0);
+  for (; c < w; ++c) {
+    phi[c] = std::exp(t ? p[c] * t[c] : p[c]) - T(1);
+    if (km) sum += phi[c] * km[c];
+  }
+  return sum;
+}
+
+// Per (b, h): S rows and key sums of a chunk of keys, added into kv (w × dv) and ks (w), four keys at a time.
+// phi and num hold 4 rows of w each.
+template <typename T>
+void pacs_key_chunk(const T* kp, const Rows& krows, const T* vp, const Rows& vrows, int64_t bh, int64_t first,
+                    int64_t last, int64_t d, int64_t dv, bool rope, const Tables* tables, T* kv, T* ks, T* phi,
+                    T* num) {
+  const int64_t w = 2 * d, m = krows.tokens;
+  const T* kn[4];
+  const T* vr[4];
+  for (int64_t t0 = first; t0 < last; t0 += 4) {
+    const int rows = static_cast<int>(std::min<int64_t>(4, last - t0));
+    for (int r = 0; r < rows; ++r) {
+      const int64_t t = t0 + r;
+      T* f = phi + r * w;
+      T* nr = num + r * w;
+      relu_halves_row<T>(kp + krows.offset(bh * m + t), d, rope, nr);
+      exp_row<T>(nr, nullptr, w, f, nullptr);
+      kn[r] = f;
+      if (tables) {
+        rotate_row<T>(f, tables->c<T>(0, t), tables->s<T>(0, t), d, nr);
+        kn[r] = nr;
+      }
+      axpy<T>(T(1), f, ks, w);
+      vr[r] = vp + vrows.offset(bh * m + t);
+    }
+    outer_acc<T>(kn, vr, rows, w, dv, kv);
+  }
+}
+
+// Sums chunks (bh, chunks, size) in chunk order into (bh, size), times scale.
+template <typename T>
+void sum_chunks(const T* partial, int64_t bh_count, int64_t chunks, int64_t size, T scale, T* out) {
+  at::parallel_for(0, bh_count, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      T* o = out + bh * size;
+      std::fill(o, o + size, T(0));
+      for (int64_t j = 0; j < chunks; ++j) {
+        const T* src = partial + (bh * chunks + j) * size;
+        for (int64_t i = 0; i < size; ++i) o[i] += src[i];
+      }
+      for (int64_t i = 0; i < size; ++i) o[i] /= scale;
+    }
+  });
+}
+
+template <typename T>
+bool pacs_fused_forward_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const T* temps,
+                               const Tables* tables, T eps, at::Tensor& out_tok, at::Tensor& denom, at::Tensor& kvs,
+                               at::Tensor& k_means) {
+  const Rows qrows(q), krows(k), vrows(v);
+  const int64_t heads = q.size(1), n = q.size(2), m = k.size(2), d = q.size(3), w = 2 * d, dv = v.size(3),
+                half = dv / 2, bh_count = q.size(0) * heads;
+  const bool rope = tables != nullptr;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  // keys: S = φkᵀv / m and the key mean, per chunk then in chunk order
+  const int64_t chunks = (m + kPacsChunk - 1) / kPacsChunk;
+  auto partial = at::zeros({bh_count, chunks, w * dv + w}, q.options());
+  T* pp = partial.data_ptr<T>();
+  at::parallel_for(0, bh_count * chunks, 1, [&](int64_t begin, int64_t end) {
+    std::vector<T> phi(4 * w), num(4 * w);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / chunks, first = (task % chunks) * kPacsChunk;
+      T* kv = pp + task * (w * dv + w);
+      pacs_key_chunk<T>(kp, krows, vp, vrows, bh, first, std::min(m, first + kPacsChunk), d, dv, rope, tables, kv,
+                        kv + w * dv, phi.data(), num.data());
+    }
+  });
+  auto sums = at::empty({bh_count, w * dv + w}, q.options());
+  sum_chunks<T>(pp, bh_count, chunks, w * dv + w, static_cast<T>(m), sums.data_ptr<T>());
+  // both streams' right-hand sides: the opposite stream's rows swapped (kvs (BH, 2, w, half), km (BH, 2, w))
+  T* sp = sums.data_ptr<T>();
+  T* kvsp = kvs.data_ptr<T>();
+  T* kmp = k_means.data_ptr<T>();
+  for (int64_t bh = 0; bh < bh_count; ++bh) {
+    const T* kv = sp + bh * (w * dv + w);
+    const T* km = kv + w * dv;
+    for (int64_t c = 0; c < w; ++c) {
+      const int64_t swapped = (c + d) % w;
+      std::copy(kv + c * dv, kv + c * dv + half, kvsp + (bh * 2 * w + c) * half);
+      std::copy(kv + swapped * dv + half, kv + swapped * dv + dv, kvsp + (bh * 2 * w + w + c) * half);
+      kmp[bh * 2 * w + c] = km[c];
+      kmp[bh * 2 * w + w + c] = km[swapped];
+    }
+  }
+  // queries: features, normalisers, numerators and quotients of both streams, four rows at a time
+  T* op = out_tok.data_ptr<T>();  // (B, N, H, dv)
+  T* zp = denom.data_ptr<T>();    // (B, H, 2, N)
+  std::atomic<bool> finite{true};
+  at::parallel_for(0, bh_count * n, grain(8 * w), [&](int64_t begin, int64_t end) {
+    using V = Vectorized<T>;
+    std::vector<T> p(4 * w), phi(4 * w), num(4 * w), acc(4 * half);
+    // x - x is 0 for finite x and NaN otherwise: the sum of these over the thread's rows tells whether all were
+    V probe(T(0));
+    T probe_tail = T(0);
+    for (int64_t r0 = begin; r0 < end;) {
+      const int64_t bh = r0 / n, t0 = r0 % n;
+      const int rows = static_cast<int>(std::min<int64_t>({4, end - r0, n - t0}));
+      for (int i = 0; i < rows; ++i) relu_halves_row<T>(qp + qrows.offset(r0 + i), d, rope, p.data() + i * w);
+      for (int64_t s = 0; s < 2; ++s) {
+        const T* km = kmp + (bh * 2 + s) * w;
+        const T* xs[4];
+        T* sums[4];
+        T z[4];
+        for (int i = 0; i < rows; ++i) {
+          T* f = phi.data() + i * w;
+          z[i] = exp_row<T>(p.data() + i * w, temps + (bh * 2 + s) * w, w, f, km) + eps;
+          xs[i] = f;
+          if (rope) {
+            rotate_row<T>(f, tables->c<T>(s, t0 + i), tables->s<T>(s, t0 + i), d, num.data() + i * w);
+            xs[i] = num.data() + i * w;
+          }
+          sums[i] = acc.data() + i * half;
+        }
+        vec_mat_group<T>(rows, xs, kvsp + (bh * 2 + s) * w * half, w, half, half, sums);
+        for (int i = 0; i < rows; ++i) {
+          const int64_t t = t0 + i;
+          zp[(bh * 2 + s) * n + t] = z[i];
+          T* o = op + ((bh / heads) * n * heads + t * heads + bh % heads) * dv + s * half;
+          divide_range<T>(sums[i], 0, half, z[i], o);
+          probe_tail += z[i] - z[i];
+          int64_t j = 0;
+          for (; j + V::size() <= half; j += V::size()) {
+            const V x = V::loadu(o + j);
+            probe = probe + (x - x);
+          }
+          for (; j < half; ++j) probe_tail += o[j] - o[j];
+        }
+      }
+      r0 += rows;
+    }
+    if (tree_sum(probe) + probe_tail != T(0)) finite = false;
+  });
+  return finite;
+}
+
+template <typename T>
+void pacs_fused_backward_kernel(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                const at::Tensor& v, const T* temps, const Tables* tables, const T* kvs,
+                                const T* k_means, const T* denom, const at::Tensor& out, T m, at::Tensor& grad_q,
+                                at::Tensor& grad_k, at::Tensor& grad_v, T* grad_temps) {
+  const Rows qrows(q), krows(k), vrows(v), grows(grad_out), orows(out);
+  const int64_t n = q.size(2), mk = k.size(2), d = q.size(3), w = 2 * d, dv = v.size(3), half = dv / 2,
+                bh_count = q.size(0) * q.size(1);
+  const bool rope = tables != nullptr;
+  const T* qp = q.data_ptr<T>();
+  const T* kp = k.data_ptr<T>();
+  const T* vp = v.data_ptr<T>();
+  const T* gp = grad_out.data_ptr<T>();
+  const T* outp = out.data_ptr<T>();
+  // kvsᵀ per stream, (BH, 2, half, w): the numerators' gradient is then a sum of whole feature-wide rows
+  auto kvs_t = at::empty({bh_count, 2, half, w}, q.options());
+  T* kvtp = kvs_t.data_ptr<T>();
+  for (int64_t i = 0; i < bh_count * 2; ++i)
+    for (int64_t c = 0; c < w; ++c)
+      for (int64_t j = 0; j < half; ++j) kvtp[(i * half + j) * w + c] = kvs[(i * w + c) * half + j];
+  // queries: per chunk, the gradients of S (both streams), of the key means and of the temperatures
+  const int64_t chunks = (n + kPacsChunk - 1) / kPacsChunk, size = 2 * w * half + 2 * w + 2 * w;
+  auto partial = at::zeros({bh_count, chunks, size}, q.options());
+  T* pp = partial.data_ptr<T>();
+  T* gq = grad_q.data_ptr<T>();
+  at::parallel_for(0, bh_count * chunks, 1, [&](int64_t begin, int64_t end) {
+    using V = Vectorized<T>;
+    std::vector<T> p(4 * w), phi(4 * w), num(4 * w), grad_num(4 * w), grad_phi(w), gsum(4 * w), g_num(4 * half);
+    const V one(T(1));
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t bh = task / chunks, first = (task % chunks) * kPacsChunk, last = std::min(n, first + kPacsChunk);
+      T* g_kvs = pp + task * size;       // (2, w, half)
+      T* g_km = g_kvs + 2 * w * half;    // (2, w)
+      T* g_t = g_km + 2 * w;             // (2, w)
+      for (int64_t t0 = first; t0 < last; t0 += 4) {
+        const int rows = static_cast<int>(std::min<int64_t>(4, last - t0));
+        for (int i = 0; i < rows; ++i) relu_halves_row<T>(qp + qrows.offset(bh * n + t0 + i), d, rope, p.data() + i * w);
+        std::fill(gsum.begin(), gsum.end(), T(0));
+        for (int64_t s = 0; s < 2; ++s) {
+          const T* ts = temps + (bh * 2 + s) * w;
+          const T* km = k_means + (bh * 2 + s) * w;
+          const T* qn[4];
+          const T* gn[4];
+          T* grads[4];
+          T g_den[4];
+          for (int i = 0; i < rows; ++i) {
+            const int64_t t = t0 + i, r = bh * n + t;
+            T* f = phi.data() + i * w;
+            exp_row<T>(p.data() + i * w, ts, w, f, nullptr);
+            qn[i] = f;
+            if (rope) {
+              rotate_row<T>(f, tables->c<T>(s, t), tables->s<T>(s, t), d, num.data() + i * w);
+              qn[i] = num.data() + i * w;
+            }
+            T* g = g_num.data() + i * half;
+            divide_range<T>(gp + grows.offset(r) + s * half, 0, half, denom[(bh * 2 + s) * n + t], g);
+            g_den[i] = -dot_row<T>(g, outp + orows.offset(r) + s * half, half);
+            gn[i] = g;
+            grads[i] = grad_num.data() + i * w;
+          }
+          // dL/d(rotated features) = kvs · g_num; dL/dS += q_numᵀ g_num
+          vec_mat_group<T>(rows, gn, kvtp + (bh * 2 + s) * half * w, half, w, w, grads);
+          outer_acc<T>(qn, gn, rows, w, half, g_kvs + s * w * half);
+          T* gkm = g_km + s * w;
+          T* gts = g_t + s * w;
+          for (int i = 0; i < rows; ++i) {
+            const T* gphi = grads[i];
+            if (rope) {
+              rotate_row_transposed<T>(grads[i], tables->c<T>(s, t0 + i), tables->s<T>(s, t0 + i), d, grad_phi.data());
+              gphi = grad_phi.data();
+            }
+            const T* f = phi.data() + i * w;
+            const T* pr = p.data() + i * w;
+            T* gs = gsum.data() + i * w;
+            const V den(g_den[i]);
+            int64_t c = 0;
+            for (; c + V::size() <= w; c += V::size()) {
+              const V fv = V::loadu(f + c);
+              at::vec::fmadd(den, fv, V::loadu(gkm + c)).store(gkm + c);
+              const V g = at::vec::fmadd(den, V::loadu(km + c), V::loadu(gphi + c)) * (fv + one);
+              (V::loadu(gs + c) + g * V::loadu(ts + c)).store(gs + c);
+              (V::loadu(gts + c) + g * V::loadu(pr + c)).store(gts + c);
+            }
+            for (; c < w; ++c) {
+              gkm[c] = g_den[i] * f[c] + gkm[c];
+              const T g = (g_den[i] * km[c] + gphi[c]) * (f[c] + T(1));
+              gs[c] += g * ts[c];
+              gts[c] += g * pr[c];
+            }
+          }
+        }
+        for (int i = 0; i < rows; ++i) {
+          const int64_t r = bh * n + t0 + i;
+          pacs_unrelu_row<T>(qp + qrows.offset(r), gsum.data() + i * w, d, rope, gq + r * d);
+        }
+      }
+    }
+  });
+  auto sums = at::empty({bh_count, size}, q.options());
+  sum_chunks<T>(pp, bh_count, chunks, size, T(1), sums.data_ptr<T>());
+  T* sp = sums.data_ptr<T>();
+  // back to the key layout: grad S (BH, w, dv) = [S_same | swapped S_opp] / m, the key mean's likewise; and
+  // grad Sᵀ (BH, dv, w) for the keys' gradient
+  auto gkv = at::empty({bh_count, w, dv}, q.options()), gkv_t = at::empty({bh_count, dv, w}, q.options()),
+       gkm = at::empty({bh_count, w}, q.options());
+  T* gkvp = gkv.data_ptr<T>();
+  T* gkvtp = gkv_t.data_ptr<T>();
+  T* gkmp = gkm.data_ptr<T>();
+  for (int64_t bh = 0; bh < bh_count; ++bh) {
+    const T* g_kvs = sp + bh * size;
+    const T* g_km = g_kvs + 2 * w * half;
+    const T* g_t = g_km + 2 * w;
+    for (int64_t c = 0; c < w; ++c) {
+      const int64_t swapped = (c + d) % w;  // row c of the key layout is row (c + d) mod w of the opposite stream
+      for (int64_t j = 0; j < half; ++j) {
+        const T same = g_kvs[c * half + j] / m, opposite = g_kvs[(w + swapped) * half + j] / m;
+        gkvp[(bh * w + c) * dv + j] = same;
+        gkvp[(bh * w + c) * dv + half + j] = opposite;
+        gkvtp[(bh * dv + j) * w + c] = same;
+        gkvtp[(bh * dv + half + j) * w + c] = opposite;
+      }
+      gkmp[bh * w + c] = (g_km[c] + g_km[w + swapped]) / m;
+    }
+    if (grad_temps) std::copy(g_t, g_t + 2 * w, grad_temps + bh * 2 * w);
+  }
+  // keys and values, four rows at a time (no sums over tokens)
+  T* gk = grad_k.data_ptr<T>();
+  T* gv = grad_v.data_ptr<T>();
+  at::parallel_for(0, bh_count * mk, grain(8 * w), [&](int64_t begin, int64_t end) {
+    using V = Vectorized<T>;
+    std::vector<T> p(w), phi(4 * w), num(4 * w), grad_num(4 * w), grad_phi(w);
+    const V one(T(1));
+    for (int64_t r0 = begin; r0 < end;) {
+      const int64_t bh = r0 / mk, t0 = r0 % mk;
+      const int rows = static_cast<int>(std::min<int64_t>({4, end - r0, mk - t0}));
+      const T* kn[4];
+      const T* vr[4];
+      T* gvr[4];
+      T* grads[4];
+      for (int i = 0; i < rows; ++i) {
+        const int64_t r = r0 + i;
+        T* f = phi.data() + i * w;
+        relu_halves_row<T>(kp + krows.offset(r), d, rope, p.data());
+        exp_row<T>(p.data(), nullptr, w, f, nullptr);
+        kn[i] = f;
+        if (rope) {
+          rotate_row<T>(f, tables->c<T>(0, t0 + i), tables->s<T>(0, t0 + i), d, num.data() + i * w);
+          kn[i] = num.data() + i * w;
+        }
+        vr[i] = vp + vrows.offset(r);
+        gvr[i] = gv + r * dv;
+        grads[i] = grad_num.data() + i * w;
+      }
+      // dL/dv = k_numᵀ grad S; dL/d(rotated features) = grad S · v
+      vec_mat_group<T>(rows, kn, gkvp + bh * w * dv, w, dv, dv, gvr);
+      vec_mat_group<T>(rows, vr, gkvtp + bh * dv * w, dv, w, w, grads);
+      const T* mg = gkmp + bh * w;
+      for (int i = 0; i < rows; ++i) {
+        const T* gphi = grads[i];
+        if (rope) {
+          rotate_row_transposed<T>(grads[i], tables->c<T>(0, t0 + i), tables->s<T>(0, t0 + i), d, grad_phi.data());
+          gphi = grad_phi.data();
+        }
+        const T* f = phi.data() + i * w;
+        T* g = num.data() + i * w;  // the rotated features are no longer needed
+        int64_t c = 0;
+        for (; c + V::size() <= w; c += V::size())
+          ((V::loadu(gphi + c) + V::loadu(mg + c)) * (V::loadu(f + c) + one)).store(g + c);
+        for (; c < w; ++c) g[c] = (gphi[c] + mg[c]) * (f[c] + T(1));
+        pacs_unrelu_row<T>(kp + krows.offset(r0 + i), g, d, rope, gk + (r0 + i) * d);
+      }
+      r0 += rows;
     }
   });
 }
@@ -1101,90 +1584,35 @@ std::vector<at::Tensor> pacs_exp_features(const at::Tensor& p, const at::Tensor&
   return {phi, num};
 }
 
-at::Tensor pacs_key_backward(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope,
-                             const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross,
-                             const c10::optional<at::Tensor>& mean_grad) {
+at::Tensor pacs_key_backward(const at::Tensor& k, const at::Tensor& phi, const at::Tensor& grad_phi, bool rope) {
   check_rows(k, "k");
   check_rows(grad_phi, "grad_phi");
-  TORCH_CHECK(phi.is_contiguous() && phi.sizes() == grad_phi.sizes(), "phi must be contiguous, of grad_phi's shape");
-  TORCH_CHECK(phi.size(3) == 2 * k.size(3) && phi.size(2) == k.size(2), "phi must be (B, H, M, 2d) for k (B, H, M, d)");
-  check_tables(cos, cross, 1, k.size(2), 2 * k.size(3), k);
-  TORCH_CHECK(!cos || k.size(3) % 2 == 0, "RoPE needs an even head_dim");
-  at::Tensor mg;
-  if (mean_grad) {
-    TORCH_CHECK(mean_grad->scalar_type() == k.scalar_type(), "mean_grad and k dtypes differ");
-    mg = mean_grad->expand({k.size(0), k.size(1), 2 * k.size(3)}).contiguous();
-  }
-  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  TORCH_CHECK(phi.is_contiguous(), "phi must be contiguous");
   auto grad_k = at::empty(k.sizes(), k.options());
   AT_DISPATCH_FLOATING_TYPES(k.scalar_type(), "pacs_key_backward", [&] {
-    pacs_key_backward_kernel<scalar_t>(k, phi, grad_phi, rope, grad_k, cos ? &tables : nullptr,
-                                       mean_grad ? mg.data_ptr<scalar_t>() : nullptr);
+    pacs_key_backward_kernel<scalar_t>(k, phi, grad_phi, rope, grad_k);
   });
   return grad_k;
 }
 
-// Without den: grad_phi is the features' gradient. With den (B, H, 2, N, 1) and key_means (B, H, 2, 2d),
-// grad_phi is the rotated numerators' gradient (rotated back with the tables, if given), each row's
-// normaliser gradient den times the stream's key mean is added, and the key means' gradient
-// Σ_tokens den·phi (B, H, 2, 2d) is returned third.
 std::vector<at::Tensor> pacs_query_backward(const at::Tensor& q, const at::Tensor& p_q, const at::Tensor& phi,
                                             const at::Tensor& grad_phi, const at::Tensor& temps, bool rope,
-                                            bool need_temp_grad, const c10::optional<at::Tensor>& den,
-                                            const c10::optional<at::Tensor>& key_means,
-                                            const c10::optional<at::Tensor>& cos,
-                                            const c10::optional<at::Tensor>& cross) {
+                                            bool need_temp_grad) {
   check_rows(q, "q");
   TORCH_CHECK(p_q.is_contiguous() && phi.is_contiguous() && grad_phi.is_contiguous(),
               "p_q, phi and grad_phi must be contiguous");
-  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), w = 2 * q.size(3);
-  TORCH_CHECK(phi.sizes() == grad_phi.sizes() && phi.dim() == 5 && phi.size(2) == 2 && phi.size(3) == n &&
-                  phi.size(4) == w && p_q.numel() == b * h * n * w,
-              "phi and grad_phi must be (B, H, 2, N, 2d), p_q (B, H, N, 2d)");
-  TORCH_CHECK(den.has_value() == key_means.has_value(), "pass den and key_means together");
-  TORCH_CHECK(den || !cos, "the RoPE tables go with den");
-  check_tables(cos, cross, 2, n, w, q);
-  const auto t = temps.expand({b, h, 2, 1, w}).contiguous();
+  const auto t = temps.expand({q.size(0), q.size(1), 2, 1, 2 * q.size(3)}).contiguous();
   auto grad_q = at::empty(q.sizes(), q.options());
-  const int64_t chunk = 256, chunks = (n + chunk - 1) / chunk;
-  at::Tensor partial = need_temp_grad ? at::empty({b, h, chunks, 2, w}, q.options()) : at::Tensor();
-  at::Tensor dz, km, km_partial;
-  if (den) {
-    TORCH_CHECK(den->scalar_type() == q.scalar_type() && key_means->scalar_type() == q.scalar_type(),
-                "den, key_means and q dtypes differ");
-    dz = den->expand({b, h, 2, n, 1}).contiguous();
-    km = key_means->expand({b, h, 2, w}).contiguous();
-    km_partial = at::empty({b, h, chunks, 2, w}, q.options());
-  }
-  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  const int64_t chunk = 256, chunks = (q.size(2) + chunk - 1) / chunk;
+  at::Tensor partial =
+      need_temp_grad ? at::empty({q.size(0), q.size(1), chunks, 2, 2 * q.size(3)}, q.options()) : at::Tensor();
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pacs_query_backward", [&] {
-    QueryDen<scalar_t> fused{den ? dz.data_ptr<scalar_t>() : nullptr, den ? km.data_ptr<scalar_t>() : nullptr,
-                             cos ? &tables : nullptr, den ? km_partial.data_ptr<scalar_t>() : nullptr};
     pacs_query_backward_kernel<scalar_t>(q, p_q, phi, grad_phi, t, rope, grad_q, need_temp_grad ? &partial : nullptr,
-                                         chunk, den ? &fused : nullptr);
+                                         chunk);
   });
   // (B, H, chunks, 2, 2d) -> (B, H, 2, 1, 2d), the temperatures' layout
   at::Tensor grad_t = need_temp_grad ? partial.sum(2).unsqueeze(3) : at::Tensor();
-  if (den) return {grad_q, grad_t, km_partial.sum(2)};
   return {grad_q, grad_t};
-}
-
-// See pacs_output_grad_kernel; returns (g_num, g_den).
-std::vector<at::Tensor> pacs_output_grad(const at::Tensor& grad_out, const at::Tensor& out, const at::Tensor& denom) {
-  check_rows(grad_out, "grad_out");
-  check_rows(out, "out");
-  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(3) % 2 == 0, "grad_out and out must be (B, H, N, dv), dv even");
-  TORCH_CHECK(denom.is_contiguous() && denom.numel() == 2 * out.size(0) * out.size(1) * out.size(2),
-              "denom must be contiguous (B, H, 2, N, 1)");
-  TORCH_CHECK(grad_out.scalar_type() == out.scalar_type() && denom.scalar_type() == out.scalar_type(),
-              "grad_out, out and denom dtypes differ");
-  const int64_t b = out.size(0), h = out.size(1), n = out.size(2), half = out.size(3) / 2;
-  auto g_num = at::empty({b, h, 2, n, half}, out.options());
-  auto g_den = at::empty({b, h, 2, n, 1}, out.options());
-  AT_DISPATCH_FLOATING_TYPES(out.scalar_type(), "pacs_output_grad", [&] {
-    pacs_output_grad_kernel<scalar_t>(grad_out, out, denom, g_num, g_den);
-  });
-  return {g_num, g_den};
 }
 
 // See rope_pairs_kernel; returns a new contiguous (B, H, N, d) tensor.
@@ -1202,6 +1630,83 @@ at::Tensor rope_pairs(const at::Tensor& x, const at::Tensor& sin, const at::Tens
     rope_pairs_kernel<scalar_t>(x, sin.data_ptr<scalar_t>(), cos.data_ptr<scalar_t>(), inverse, out.data_ptr<scalar_t>());
   });
   return out;
+}
+
+// The fused PaCS op (see pacs_fused_forward_kernel): q (B, H, N, d), k (B, H, M, d), v (B, H, M, dv) with unit
+// channel stride, temps (…, 2, 1, 2d) stacked in kernel order, RoPE tables (2, N, 2d) or none. Returns
+// ([out (B, N, H, dv), denom (B, H, 2, N), kvs (B, H, 2, 2d, dv/2), key means (B, H, 2, 2d)], all finite):
+// where a value is not finite, the caller redoes the op with its rows rescaled.
+void check_pacs_fused(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const c10::optional<at::Tensor>& cos, const c10::optional<at::Tensor>& cross) {
+  check_rows(q, "q");
+  check_rows(k, "k");
+  check_rows(v, "v");
+  TORCH_CHECK(k.size(0) == q.size(0) && v.size(0) == q.size(0) && k.size(1) == q.size(1) && v.size(1) == q.size(1),
+              "q, k and v must share batch and heads");
+  TORCH_CHECK(k.size(3) == q.size(3) && v.size(2) == k.size(2) && v.size(3) % 2 == 0 && k.size(2) > 0,
+              "k must match q's head_dim, v k's tokens, with an even value width");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(), "q, k and v dtypes differ");
+  check_tables(cos, cross, 2, q.size(2), 2 * q.size(3), q);
+  TORCH_CHECK(!cos || (q.size(3) % 2 == 0 && k.size(2) == q.size(2)), "RoPE needs an even head_dim and M == N");
+}
+
+std::tuple<std::vector<at::Tensor>, bool> pacs_fused_forward(const at::Tensor& q, const at::Tensor& k,
+                                                             const at::Tensor& v, const at::Tensor& temps,
+                                                             const c10::optional<at::Tensor>& cos,
+                                                             const c10::optional<at::Tensor>& cross, double eps) {
+  check_pacs_fused(q, k, v, cos, cross);
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), w = 2 * q.size(3), dv = v.size(3);
+  TORCH_CHECK(temps.scalar_type() == q.scalar_type(), "temps and q dtypes differ");
+  const auto t = temps.expand({b, h, 2, 1, w}).contiguous();
+  auto out = at::empty({b, n, h, dv}, q.options());
+  auto denom = at::empty({b, h, 2, n}, q.options());
+  auto kvs = at::empty({b, h, 2, w, dv / 2}, q.options());
+  auto k_means = at::empty({b, h, 2, w}, q.options());
+  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  bool finite = true;
+  if (q.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pacs_fused_forward", [&] {
+      finite = pacs_fused_forward_kernel<scalar_t>(q, k, v, t.data_ptr<scalar_t>(), cos ? &tables : nullptr,
+                                                   static_cast<scalar_t>(eps), out, denom, kvs, k_means);
+    });
+  }
+  return {{out, denom, kvs, k_means}, finite};
+}
+
+// Gradients of q, k, v (contiguous) and, if asked, of the stacked temperatures (B, H, 2, 1, 2d), from the
+// output's gradient and what pacs_fused_forward returned (out as (B, H, N, dv) rows); m: the number of keys.
+std::vector<at::Tensor> pacs_fused_backward(const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                                            const at::Tensor& v, const at::Tensor& temps,
+                                            const c10::optional<at::Tensor>& cos,
+                                            const c10::optional<at::Tensor>& cross, const at::Tensor& kvs,
+                                            const at::Tensor& k_means, const at::Tensor& denom, const at::Tensor& out,
+                                            bool need_temp_grad) {
+  check_pacs_fused(q, k, v, cos, cross);
+  check_rows(grad_out, "grad_out");
+  check_rows(out, "out");
+  const int64_t b = q.size(0), h = q.size(1), n = q.size(2), w = 2 * q.size(3), dv = v.size(3);
+  TORCH_CHECK(grad_out.sizes() == out.sizes() && out.size(0) == b && out.size(1) == h && out.size(2) == n &&
+                  out.size(3) == dv, "grad_out and out must be (B, H, N, dv)");
+  TORCH_CHECK(kvs.is_contiguous() && kvs.numel() == b * h * w * dv && k_means.is_contiguous() &&
+                  k_means.numel() == 2 * b * h * w && denom.is_contiguous() && denom.numel() == 2 * b * h * n,
+              "kvs, k_means and denom must be pacs_fused_forward's");
+  for (const auto* x : {&grad_out, &temps, &kvs, &k_means, &denom, &out})
+    TORCH_CHECK(x->scalar_type() == q.scalar_type(), "all tensors must have q's dtype");
+  const auto t = temps.expand({b, h, 2, 1, w}).contiguous();
+  auto grad_q = at::empty(q.sizes(), q.options());
+  auto grad_k = at::empty(k.sizes(), k.options());
+  auto grad_v = at::empty(v.sizes(), v.options());
+  at::Tensor grad_t = need_temp_grad ? at::empty({b, h, 2, 1, w}, q.options()) : at::Tensor();
+  const Tables tables = cos ? Tables(*cos, *cross) : Tables();
+  if (q.numel() > 0) {
+    AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "pacs_fused_backward", [&] {
+      pacs_fused_backward_kernel<scalar_t>(grad_out, q, k, v, t.data_ptr<scalar_t>(), cos ? &tables : nullptr,
+                                           kvs.data_ptr<scalar_t>(), k_means.data_ptr<scalar_t>(),
+                                           denom.data_ptr<scalar_t>(), out, static_cast<scalar_t>(k.size(2)), grad_q,
+                                           grad_k, grad_v, need_temp_grad ? grad_t.data_ptr<scalar_t>() : nullptr);
+    });
+  }
+  return {grad_q, grad_k, grad_v, grad_t};
 }
 
 // GELU of x and its slope at x; with in_place, the slope is written over x (dense) and only GELU returned.
@@ -1304,14 +1809,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pacs_exp_features", &pacs_exp_features, "exp(p * t) - 1 for both streams, rotated, and normalisers",
         py::arg("p"), py::arg("temps"), py::arg("cos") = py::none(), py::arg("cross") = py::none(),
         py::arg("key_means") = py::none(), py::arg("eps") = 0.0);
-  m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1", py::arg("k"),
-        py::arg("phi"), py::arg("grad_phi"), py::arg("rope"), py::arg("cos") = py::none(), py::arg("cross") = py::none(),
-        py::arg("mean_grad") = py::none());
-  m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures (and key means)",
-        py::arg("q"), py::arg("p_q"), py::arg("phi"), py::arg("grad_phi"), py::arg("temps"), py::arg("rope"),
-        py::arg("need_temp_grad"), py::arg("den") = py::none(), py::arg("key_means") = py::none(),
-        py::arg("cos") = py::none(), py::arg("cross") = py::none());
-  m.def("pacs_output_grad", &pacs_output_grad, "gradients of the PaCS numerators and normalisers");
+  m.def("pacs_key_backward", &pacs_key_backward, "gradient of the keys through exp(halves) - 1");
+  m.def("pacs_query_backward", &pacs_query_backward, "gradients of the queries and temperatures");
+  m.def("pacs_fused_forward", &pacs_fused_forward, "the PaCS op without key padding, features made per row",
+        py::arg("q"), py::arg("k"), py::arg("v"), py::arg("temps"), py::arg("cos") = py::none(),
+        py::arg("cross") = py::none(), py::arg("eps") = 1e-6);
+  m.def("pacs_fused_backward", &pacs_fused_backward, "its backward, the features recomputed per row");
   m.def("gelu_with_slope", &gelu_with_slope, "GELU of x and its slope at x (written over x if in_place)",
         py::arg("x"), py::arg("in_place"));
   m.def("rope_pairs", &rope_pairs, "RoPE on adjacent channel pairs (or its transpose, inverse=True)", py::arg("x"),

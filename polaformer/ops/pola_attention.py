@@ -680,12 +680,28 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
             return phi_q, q_num, denom, row_scale
 
 
+def _pacs_fused(q, k, v, temps, tables, eps, keep):
+    """The whole op on the native fused kernel (no key padding, unit channel strides, native kernels built):
+    ``(out memory (B, N, H, dv), denom, kvs, k_means)``, or None where it does not apply or a value came out
+    non-finite (the caller's path then rescales the rows)."""
+    native = _native_for(q)
+    if (native is None or keep is not None or not hasattr(native, "pacs_fused_forward")
+            or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
+        return None
+    cos, cross = tables if tables is not None else (None, None)
+    results, finite = native.pacs_fused_forward(q, k, v, temps, cos, cross, eps)
+    return results if finite else None
+
+
 def _pacs_attention_no_grad(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
     """:class:`_PacsAttention`'s forward for a call that needs no gradient, the queries by blocks of tokens
     (see :func:`_pola_attention_no_grad`); each block decides its own rescaling, as rows do."""
     rope = sin is not None
     temps = _pacs_stacked_temperatures(temp_same, temp_opposite, q.shape[-1], rope, q.device)
     tables = _pacs_rope_tables(sin, cos) if rope else None
+    fused = _pacs_fused(q, k, v, temps, tables, eps, keep)
+    if fused is not None:
+        return fused[0].transpose(1, 2)
     _, _, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
     out_tok, out = _pacs_output(q, v)
     n, d = q.shape[-2:]
@@ -713,30 +729,33 @@ class _PacsAttention(torch.autograd.Function):
         rope = sin is not None
         temps = _pacs_stacked_temperatures(temp_same, temp_opposite, q.shape[-1], rope, q.device)
         tables = _pacs_rope_tables(sin, cos) if rope else None
+        ctx.rope, ctx.temp_shapes = rope, (temp_same.shape, temp_opposite.shape)
+        fused = _pacs_fused(q, k, v, temps, tables, eps, keep)
+        ctx.fused = fused is not None
+        if ctx.fused:  # the backward recomputes the features from q and k
+            out_tok, denom, kvs, k_means = fused
+            ctx.save_for_backward(q, k, v, temps, kvs, k_means, denom, out_tok, *(tables or ()))
+            return out_tok.transpose(1, 2)
         phi_k, k_num, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
         p_q = _relu_halves(q, rope)  # (B, H, N, 2d)
         out_tok, out = _pacs_output(q, v)
         phi_q, q_num, denom, row_scale = _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out)
 
-        ctx.rope, ctx.eps_m = rope, (m if keep is None else None)
+        ctx.eps_m = m if keep is None else None
         ctx.save_for_backward(q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out,
                               *(t for t in (row_scale, keep, None if keep is None else m) if t is not None),
                               *(tables or ()))
         ctx.has_scale, ctx.has_keep = row_scale is not None, keep is not None
-        ctx.temp_shapes = (temp_same.shape, temp_opposite.shape)
         return out_tok.flatten(-2).transpose(1, 2)
 
     @staticmethod
     def backward(ctx, grad_out):
+        if ctx.fused:
+            return _pacs_backward_fused(ctx, grad_out)
         q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out, *rest = ctx.saved_tensors
         row_scale = rest.pop(0) if ctx.has_scale else None
         keep, m = (rest.pop(0), rest.pop(0)) if ctx.has_keep else (None, ctx.eps_m)
         tables = rest if ctx.rope else None
-        native = _native_for(q)
-        if (native is not None and row_scale is None and keep is None and q.stride(-1) == 1 and k.stride(-1) == 1
-                and hasattr(native, "pacs_output_grad")):
-            return _pacs_backward_native(ctx, native, grad_out, q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs,
-                                         k_means, denom, out, m, tables)
         d = q.shape[-1]
         half = v.shape[-1] // 2
         b, h, n = q.shape[:3]
@@ -798,41 +817,18 @@ class _PacsAttention(torch.autograd.Function):
                 None, None, None, None, None)
 
 
-def _pacs_backward_native(ctx, native, grad_out, q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means,
-                          denom, out, m, tables):
-    """:class:`_PacsAttention`'s backward on the native kernels (no row rescaling, no key padding).
-
-    Every elementwise step rides in a kernel that already reads the rows: the output gradient over the
-    normalisers in one pass (written contiguous for the products), the transposed RoPE rotation, the
-    normaliser's gradient term and the key means' gradient in the query kernel, the key side's rotation and
-    key-mean term in the key kernel. What is left are the five products.
-    """
-    d = q.shape[-1]
+def _pacs_backward_fused(ctx, grad_out):
+    """:class:`_PacsAttention`'s backward after the fused forward: one native call, the features recomputed."""
+    q, k, v, temps, kvs, k_means, denom, out_tok, *tables = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    # (B, H, N, dv) rows of the token-major output and of its gradient
-    out_rows = out.permute(0, 1, 3, 2, 4).flatten(-2)
-    g_num, g_den = native.pacs_output_grad(grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), out_rows,
-                                           denom)
-    grad_num = torch.matmul(g_num, kvs.transpose(-2, -1))  # (B, H, 2, N, 2d), in the rotated space
-    grad_kvs = torch.matmul(q_num.transpose(-2, -1), g_num)  # (B, H, 2, 2d, dv/2)
     need_temps = needs[3] or needs[4]
-    cos, cross = tables if tables is not None else (None, None)
-    grad_q, grad_temps, grad_k_means = native.pacs_query_backward(q, p_q, phi_q, grad_num, temps, ctx.rope, need_temps,
-                                                                  g_den, k_means.squeeze(-1), cos, cross)
-    # back to the key layout: the opposite stream's rows (and key mean) are swapped
-    swapped = torch.cat([grad_kvs[:, :, 1, d:], grad_kvs[:, :, 1, :d]], -2)
-    grad_kv = torch.cat([grad_kvs[:, :, 0], swapped], -1).div_(m)  # (B, H, 2d, dv)
-    opposite = grad_k_means[:, :, 1]
-    grad_k_mean = torch.cat([opposite[..., d:], opposite[..., :d]], -1).add_(grad_k_means[:, :, 0]).div_(m)
-    grad_v = torch.matmul(k_num, grad_kv) if needs[2] else None
-    grad_k = None
-    if needs[1]:
-        grad_k_num = torch.matmul(v, grad_kv.transpose(-2, -1))
-        key_tables = (cos[:1], cross[:1]) if tables is not None else (None, None)
-        grad_k = native.pacs_key_backward(k, phi_k, grad_k_num, ctx.rope, *key_tables, grad_k_mean)
+    cos, cross = tables if tables else (None, None)
+    grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
+    grad_q, grad_k, grad_v, grad_temps = _native_for(q).pacs_fused_backward(
+        grad_out, q, k, v, temps, cos, cross, kvs, k_means, denom, out_tok.transpose(1, 2), need_temps)
     grad_temps = _sum_to(grad_temps, temps.shape) if need_temps else None
-    return (grad_q if needs[0] else None, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
-            None, None, None, None, None)
+    return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
+            *_pacs_temperature_grads(ctx, grad_temps, q.shape[-1], q.device), None, None, None, None, None)
 
 
 def _pacs_temperature_grads(ctx, grad_temps, d, device):
