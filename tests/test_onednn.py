@@ -201,8 +201,31 @@ def test_gelu_with_slope_matches_torchs_gelu_and_its_backward(dtype):
     torch.testing.assert_close(out.double(), F.gelu(x64), equal_nan=True, **tol)
     torch.testing.assert_close(slope.double(), torch.ops.aten.gelu_backward(torch.ones_like(x64), x64),
                                equal_nan=True, **tol)
-    with pytest.raises(RuntimeError, match="contiguous"):
-        kernels.gelu_with_slope(x.t(), in_place=False)
+    # any dense layout: a channels-last map gives its values in its own layout
+    cl = x[:999].reshape(1, 37, 27, 37).contiguous(memory_format=torch.channels_last)
+    out_cl, slope_cl = kernels.gelu_with_slope(cl, in_place=False)
+    assert out_cl.is_contiguous(memory_format=torch.channels_last)
+    torch.testing.assert_close(out_cl.double(), F.gelu(cl.double()), equal_nan=True, **tol)
+    with pytest.raises(RuntimeError, match="dense"):
+        kernels.gelu_with_slope(x[:, ::2], in_place=False)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last"])
+def test_gelu_with_gradients_keeps_the_slope_and_matches_float64(layout):
+    _kernels()
+    x = torch.randn(2, 16, 9, 7) * 3
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    x32, x64 = x.clone().requires_grad_(), x.double().requires_grad_()
+    out = onednn.gelu(x32)
+    assert out.grad_fn is not None and "Gelu" in type(out.grad_fn).__name__ and out.stride() == x.stride()
+    grad = torch.randn(x.shape)
+    ref = F.gelu(x64)
+    _close32(out.detach(), ref.detach())
+    _close32(torch.autograd.grad(out, x32, grad)[0], torch.autograd.grad(ref, x64, grad.double())[0])
+    with torch.no_grad():  # no gradient wanted: torch's GELU
+        torch.testing.assert_close(onednn.gelu(x), F.gelu(x), rtol=0, atol=0)
+    torch.testing.assert_close(onednn.gelu(x64.detach()), F.gelu(x64.detach()), rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("rows,inner,outer", SHAPES)

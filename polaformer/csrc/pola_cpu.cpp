@@ -1710,8 +1710,9 @@ std::vector<at::Tensor> pacs_fused_backward(const at::Tensor& grad_out, const at
 }
 
 // GELU of x and its slope at x; with in_place, the slope is written over x (dense) and only GELU returned.
+// x may be in any dense layout (channels-last maps too): the outputs take x's strides.
 std::vector<at::Tensor> gelu_with_slope(at::Tensor x, bool in_place) {
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous(), "x must be a contiguous CPU tensor");
+  TORCH_CHECK(x.device().is_cpu() && x.is_non_overlapping_and_dense(), "x must be a dense CPU tensor (any layout)");
   auto out = at::empty_like(x);
   auto slope = in_place ? x : at::empty_like(x);
   AT_DISPATCH_FLOATING_TYPES(x.scalar_type(), "gelu_with_slope", [&] { gelu_with_slope_kernel<scalar_t>(x, out, slope); });

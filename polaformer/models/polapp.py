@@ -38,7 +38,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..compat import register_official
 from ..layers import Linear, PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
-from ..ops import conv2d_gelu, fold_batch_norm, linear, plus_depthwise_conv, tokens_to_map
+from ..ops import conv2d_gelu, fold_batch_norm, gelu, linear, plus_depthwise_conv, tokens_to_map
 from ..ops.onednn import is_fx_symbolic_tracing
 from ..ops.pola_attention import _capturing_graph
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
@@ -207,10 +207,16 @@ class ConvStem(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         layers = self._layers()
-        if layers is None or not _folds(x, *[(conv, bn) for conv, bn, _ in layers]):
+        if layers is None:
             return self.proj(x)
-        for (conv, bn, gelu), cache in zip(layers, self._folded):
-            x = _folded_conv(x, conv, bn, cache, gelu)
+        if not _folds(x, *[(conv, bn) for conv, bn, _ in layers]):
+            # GELU keeps its slope for the backward (a multiply instead of torch's gelu_backward)
+            for conv, bn, with_gelu in layers:
+                x = bn(conv(x))
+                x = gelu(x) if with_gelu else x
+            return x
+        for (conv, bn, with_gelu), cache in zip(layers, self._folded):
+            x = _folded_conv(x, conv, bn, cache, with_gelu)
         return x
 
 

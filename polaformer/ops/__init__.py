@@ -20,7 +20,7 @@ from .naive import (
 )
 from .conv import conv2d_gelu, depthwise_conv2d, depthwise_conv_gelu_linear, fold_batch_norm, plus_depthwise_conv
 from .layout import tokens_to_map
-from .onednn import gelu_linear, linear, mlp
+from .onednn import gelu, gelu_linear, linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles, rotate_pairs
@@ -34,6 +34,7 @@ __all__ = [
     "elu_feature",
     "focused_feature",
     "fold_batch_norm",
+    "gelu",
     "gelu_linear",
     "learnable_power",
     "linear",

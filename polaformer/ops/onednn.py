@@ -48,7 +48,7 @@ except ImportError:  # older torch: only the flag that torch.export sets as well
 from .native import native_kernels
 from .pola_attention import _capturing_graph
 
-__all__ = ["Policy", "gelu_linear", "linear", "mlp", "onednn_linear_available", "policy"]
+__all__ = ["Policy", "gelu", "gelu_linear", "linear", "mlp", "onednn_linear_available", "policy"]
 
 log = logging.getLogger(__name__)
 
@@ -234,6 +234,37 @@ def _gelu_kernels():
     """The native module if it has the GELU-with-slope kernel (an older cached build may not)."""
     kernels = native_kernels()
     return kernels if kernels is not None and hasattr(kernels, "gelu_with_slope") else None
+
+
+class _Gelu(torch.autograd.Function):
+    """GELU whose forward pass also writes its slope (one native pass, one ``exp`` for both), so that the
+    backward is one multiply instead of torch's ``gelu_backward``, which evaluates ``exp`` and ``erf`` again."""
+
+    @staticmethod
+    def forward(ctx, x, kernels):
+        out, slope = kernels.gelu_with_slope(x, in_place=False)
+        ctx.save_for_backward(slope)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (slope,) = ctx.saved_tensors
+        return grad * slope, None
+
+
+def gelu(x: torch.Tensor) -> torch.Tensor:
+    """``F.gelu(x)`` (the exact, erf form). With gradients on a contiguous or channels-last float CPU tensor and
+    the native kernels built, the forward also keeps GELU's slope for a one-multiply backward (:class:`_Gelu`);
+    elsewhere it is ``F.gelu``."""
+    if is_fx_symbolic_tracing() or _capturing_graph():  # first: under FX, x is a proxy
+        return F.gelu(x)
+    if (torch.is_grad_enabled() and x.requires_grad and x.device.type == "cpu"
+            and x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled("cpu")
+            and (x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last))):
+        kernels = _gelu_kernels()
+        if kernels is not None:
+            return _Gelu.apply(x, kernels)
+    return F.gelu(x)
 
 
 class _LinearGelu(torch.autograd.Function):

@@ -56,7 +56,8 @@ def window_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     _check(q, k, v, bias)
     b, h, n, d = q.shape
     scale = d ** -0.5 if scale is None else scale
-    large_without_bias = bias is None and n > _ALWAYS_EXPLICIT_TOKENS and b * h * n * n > _MAX_EXPLICIT_LOGITS_WITHOUT_BIAS
+    large_without_bias = (bias is None and n > _ALWAYS_EXPLICIT_TOKENS
+                          and b * h * n * n > _MAX_EXPLICIT_LOGITS_WITHOUT_BIAS)
     if q.device.type != "cpu" or n > _MAX_EXPLICIT_TOKENS or large_without_bias or dropout_p > 0 or _capturing_graph():
         mask = None
         if bias is not None:  # SDPA wants one mask row per window
