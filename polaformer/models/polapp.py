@@ -210,6 +210,8 @@ class ConvStem(nn.Module):
         if layers is None:
             return self.proj(x)
         if not _folds(x, *[(conv, bn) for conv, bn, _ in layers]):
+            if any(m._forward_hooks or m._forward_pre_hooks for m in self.proj):
+                return self.proj(x)
             # GELU keeps its slope for the backward (a multiply instead of torch's gelu_backward)
             for conv, bn, with_gelu in layers:
                 x = bn(conv(x))
