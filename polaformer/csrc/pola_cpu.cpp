@@ -326,45 +326,32 @@ inline int64_t pacs_source(int64_t i, int64_t d, bool rope) {
 
 // RoPE on one feature row in kernel order (see _rotate in pola_attention.py): per half, with E the first
 // and O the second quarter-block, E' = E·c_E + O·s_E and O' = O·c_O + E·s_O (s holds -sin at E, +sin at O).
-template <typename T>
+// Transposed (the rotation's backward): E' = E·c_E + O·s_O and O' = O·c_O + E·s_E.
+template <typename T, bool Transposed = false>
 inline void rotate_row(const T* f, const T* c, const T* s, int64_t d, T* out) {
   using V = Vectorized<T>;
   const int64_t p = d / 2;
   for (int64_t h = 0; h < 2; ++h) {
     const int64_t e = h * d, o = e + p;
+    const T* s_e = s + (Transposed ? o : e);  // the sines that multiply O into E'
+    const T* s_o = s + (Transposed ? e : o);  // and E into O'
     int64_t i = 0;
     for (; i + V::size() <= p; i += V::size()) {
       const V fe = V::loadu(f + e + i), fo = V::loadu(f + o + i);
-      (fe * V::loadu(c + e + i) + fo * V::loadu(s + e + i)).store(out + e + i);
-      (fo * V::loadu(c + o + i) + fe * V::loadu(s + o + i)).store(out + o + i);
+      (fe * V::loadu(c + e + i) + fo * V::loadu(s_e + i)).store(out + e + i);
+      (fo * V::loadu(c + o + i) + fe * V::loadu(s_o + i)).store(out + o + i);
     }
     for (; i < p; ++i) {
       const T fe = f[e + i], fo = f[o + i];
-      out[e + i] = fe * c[e + i] + fo * s[e + i];
-      out[o + i] = fo * c[o + i] + fe * s[o + i];
+      out[e + i] = fe * c[e + i] + fo * s_e[i];
+      out[o + i] = fo * c[o + i] + fe * s_o[i];
     }
   }
 }
 
-// The transpose of rotate_row (the rotation's backward): E' = E·c_E + O·s_O, O' = O·c_O + E·s_E.
 template <typename T>
 inline void rotate_row_transposed(const T* f, const T* c, const T* s, int64_t d, T* out) {
-  using V = Vectorized<T>;
-  const int64_t p = d / 2;
-  for (int64_t h = 0; h < 2; ++h) {
-    const int64_t e = h * d, o = e + p;
-    int64_t i = 0;
-    for (; i + V::size() <= p; i += V::size()) {
-      const V fe = V::loadu(f + e + i), fo = V::loadu(f + o + i);
-      (fe * V::loadu(c + e + i) + fo * V::loadu(s + o + i)).store(out + e + i);
-      (fo * V::loadu(c + o + i) + fe * V::loadu(s + e + i)).store(out + o + i);
-    }
-    for (; i < p; ++i) {
-      const T fe = f[e + i], fo = f[o + i];
-      out[e + i] = fe * c[e + i] + fo * s[o + i];
-      out[o + i] = fo * c[o + i] + fe * s[e + i];
-    }
-  }
+  rotate_row<T, true>(f, c, s, d, out);
 }
 
 // RoPE tables (S, N, 2d) in kernel order with unit stride along channels and any stream/token strides.
