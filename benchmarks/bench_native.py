@@ -19,7 +19,7 @@ from torch.utils import benchmark
 
 import polaformer.ops.pola_attention as attention_module
 from polaformer.ops import learnable_power, pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
-from polaformer.ops.native import native_kernels
+from polaformer.backends.cpu.native import native_kernels
 from polaformer.runtime import tune_cpu_allocator
 
 # (batch, heads, tokens, head_dim): PVT-T stage 1 and 3, Swin-T stage 1 windows, DeiT-T, PolaFormer++ B0 stage 1

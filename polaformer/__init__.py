@@ -2,8 +2,9 @@
 
 ``import polaformer.models`` registers the models with timm; :func:`load_checkpoint` loads
 weights (the authors' released checkpoints included) into a model without running code
-from the file.
+from the file; :func:`accelerate` swaps a model's modules for their fused CPU versions.
 """
+from .backends.cpu.accelerate import accelerate
 from .checkpoint import LoadResult, load_checkpoint
 
-__all__ = ["LoadResult", "load_checkpoint"]
+__all__ = ["LoadResult", "accelerate", "load_checkpoint"]

@@ -8,13 +8,15 @@ the official forward's arguments, so the authors' weights load strictly.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import Any
 
 from torch import nn
 
+from . import models  # noqa: F401  (the model families register their builders on import)
 from .layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention
+from .models.official import OFFICIAL_BUILDERS, register_official
 
-__all__ = ["from_official", "supported_official_classes"]
+__all__ = ["from_official", "register_official", "supported_official_classes"]
 
 
 class _OfficialSwinWindowAttention(PolaLinearAttention):
@@ -56,33 +58,16 @@ def _swin_attention(c: dict[str, Any]) -> nn.Module:
     )
 
 
-Builder = Callable[[dict[str, Any]], nn.Module]
-
-_BUILDERS: dict[tuple[str, str], Builder] = {
+OFFICIAL_BUILDERS.update({
     ("pvt", "PolaLinearAttention"): _pvt_attention,
     ("swin", "PolaLinearAttention"): _swin_attention,
     ("polapp", "PolaLinearAttention"): lambda c: PacsLinearAttention(c["dim"], c["num_heads"]),
     ("polapp", "VanillaSelfAttention"): lambda c: RopeSoftmaxAttention(c["dim"], c["num_heads"]),
-}
-
-
-def register_official(family: str, official_class: str) -> Callable[[Builder], Builder]:
-    """Decorator: ``builder(constructor_kwargs) -> module`` for an official class.
-
-    Model family files register their whole-model builders here, next to the model they build.
-    """
-
-    def decorate(builder: Builder) -> Builder:
-        _BUILDERS[(family, official_class)] = builder
-        return builder
-
-    return decorate
+})
 
 
 def supported_official_classes() -> list[tuple[str, str]]:
-    from . import models  # noqa: F401  (the model families register their builders on import)
-
-    return sorted(_BUILDERS)
+    return sorted(OFFICIAL_BUILDERS)
 
 
 def from_official(record: dict[str, Any]) -> nn.Module:
@@ -92,9 +77,7 @@ def from_official(record: dict[str, Any]) -> nn.Module:
         constructor = record["constructor"]
     except KeyError as err:
         raise ValueError(f"record lacks the field {err}; expected 'family', 'official_class' and 'constructor'")
-    from . import models  # noqa: F401
-
-    builder = _BUILDERS.get(key)
+    builder = OFFICIAL_BUILDERS.get(key)
     if builder is None:
         raise ValueError(f"no equivalent for official {key[1]!r} of family {key[0]!r}; supported: {supported_official_classes()}")
     return builder(constructor)

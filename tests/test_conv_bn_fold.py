@@ -1,4 +1,4 @@
-"""PolaFormer++'s stem and PatchMerging at inference: conv + BatchNorm folded into one conv, GELU fused."""
+"""accelerate(model, inference=True): PolaFormer++'s stem and PatchMerging convs with their BatchNorm folded in, GELU fused."""
 import copy
 
 import pytest
@@ -7,7 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import polaformer.models.polapp as polapp
-from polaformer.ops import conv2d_gelu, fold_batch_norm
+from polaformer import accelerate
+from polaformer.backends.cpu.conv import conv2d_gelu, fold_batch_norm
 
 
 def _randomise_norms(model, seed=0):
@@ -58,51 +59,29 @@ def model():
     return _randomise_norms(polapp.POLA_b0(num_classes=10)).eval()
 
 
-def _count_folds(monkeypatch):
-    calls = []
-    real = polapp._folded_conv
-    monkeypatch.setattr(polapp, "_folded_conv", lambda *a, **k: (calls.append(a[1]), real(*a, **k))[1])
-    return calls
-
-
-def test_inference_folds_the_stem_and_mergings_and_gives_the_unfolded_output(model, monkeypatch):
-    calls = _count_folds(monkeypatch)
+def test_inference_folding_gives_the_unfolded_output(model):
+    plain = copy.deepcopy(model)
+    accelerate(model, inference=True)
+    names = {type(m).__name__ for m in model.modules()}
+    assert "BatchNorm2d" in names  # only the head's norm, which follows a 1x1 conv, is left
+    assert sum(isinstance(m, nn.BatchNorm2d) for m in model.modules()) == 1
+    assert sum(type(m).__name__ == "FoldedConv2d" for m in model.modules()) == 7  # four stem convs, three mergings
     x = torch.randn(2, 3, 96, 96)
     with torch.no_grad():
         folded = model(x)
-    assert len(calls) == 7  # four stem convs, three PatchMergings
-    unfolded = model(x)  # gradients wanted: each module on its own
-    assert len(calls) == 7
-    torch.testing.assert_close(folded, unfolded.detach(), rtol=1e-4, atol=1e-5)
-    with torch.no_grad():
-        reference = copy.deepcopy(model).double()(x.double())  # float64: no folding
+        reference = plain.double()(x.double())
     torch.testing.assert_close(folded.double(), reference, rtol=1e-4, atol=1e-5)
 
 
-def test_folded_weights_follow_changes_to_the_sources(model):
-    x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
-        before = model(x)
-        stem_norm = model.patch_embed.proj[1]
-        stem_norm.running_var.mul_(4.0)  # in place: a new version
-        after = model(x)
-        torch.testing.assert_close(after, model.train().eval().double()(x.double()).float(), rtol=1e-4, atol=1e-5)
-    assert not torch.allclose(before, after)
-    model.float()
-    other = _randomise_norms(polapp.POLA_b0(num_classes=10), seed=1).eval()
-    model.load_state_dict(other.state_dict())
-    with torch.no_grad():
-        torch.testing.assert_close(model(x), other(x), rtol=1e-5, atol=1e-6)
+def test_inference_folding_refuses_a_model_in_training_mode(model):
+    with pytest.raises(ValueError, match="model.eval"):
+        accelerate(model.train(), inference=True)
 
 
-def test_training_mode_and_a_changed_stem_run_unfolded(model, monkeypatch):
-    calls = _count_folds(monkeypatch)
-    x = torch.randn(2, 3, 64, 64)
-    with torch.no_grad():
-        model.train()(x)  # BatchNorm on batch statistics
-    assert calls == []
-    model.eval()
-    model.patch_embed.proj[2] = nn.GELU(approximate="tanh")
-    with torch.no_grad():
-        model(x)
-    assert len(calls) == 3  # the mergings only
+def test_folded_model_drops_the_norm_keys_and_refuses_unfolded_weights_loudly(model):
+    plain_keys = set(model.state_dict())
+    folded = accelerate(copy.deepcopy(model), inference=True)
+    assert "patch_embed.proj.1.running_var" in plain_keys
+    assert "patch_embed.proj.1.running_var" not in folded.state_dict()
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        folded.load_state_dict(model.state_dict())

@@ -1,11 +1,14 @@
-"""polaformer.ops.depthwise_conv2d: F.conv2d's values and gradients, with the weight gradient from the native
+"""polaformer.backends.cpu.conv.depthwise_conv2d: F.conv2d's values and gradients, with the weight gradient from the native
 kernel where it applies (5×5 and larger, channels-last, with gradients)."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-import polaformer.ops.conv as conv_mod
-from polaformer.ops import depthwise_conv2d, plus_depthwise_conv
+import polaformer.backends.cpu.conv as conv_mod
+from polaformer import accelerate
+from polaformer.backends.cpu.conv import depthwise_conv2d, plus_depthwise_conv
 
 F64 = torch.float64
 needs_kernel = pytest.mark.skipif(conv_mod._weight_grad_kernels() is None, reason="native kernels not built here")
@@ -136,7 +139,7 @@ def test_a_large_3x3_map_takes_the_kernel():
 
 @pytest.mark.parametrize("dtype,grad", [(F64, True), (torch.float32, False), (torch.float32, True)])
 def test_depthwise_conv_gelu_linear_is_the_three_ops(dtype, grad):
-    from polaformer.ops import depthwise_conv_gelu_linear
+    from polaformer.backends.cpu.conv import depthwise_conv_gelu_linear
 
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 96, 24, 24, generator=gen, dtype=dtype).contiguous(memory_format=torch.channels_last)
@@ -185,7 +188,8 @@ def test_fused_local_branch_matches_the_plain_ops_in_float64(dim, heads, k, pref
     layer, out, v, g = _branch_case(dim, heads, k, prefix, grid)
     ref = _plain_local_branch(layer, out, v, g, prefix, *grid)
     with torch.no_grad():
-        assert layer._local_branch_fused(out, v, g, prefix, *grid)
+        fused = accelerate(layer).local_branch_and_gate(out, v, g, *grid)
+    assert fused is out  # the one-pass kernel writes into the attention's output
     torch.testing.assert_close(out, ref.detach(), rtol=1e-12, atol=1e-12)
 
 
@@ -193,8 +197,9 @@ def test_fused_local_branch_matches_the_plain_ops_in_float64(dim, heads, k, pref
 def test_fused_local_branch_in_float32_and_in_the_layer():
     layer, out, v, g = _branch_case(64, 2, 5, 1, (14, 14), dtype=torch.float32)
     ref = _plain_local_branch(layer.double(), out.double(), v.double(), g.double(), 1, 14, 14)
+    layer = accelerate(layer.float())
     with torch.no_grad():
-        assert layer.float()._local_branch_fused(out, v, g, 1, 14, 14)
+        assert layer.local_branch_and_gate(out, v, g, 14, 14) is out
     torch.testing.assert_close(out.double(), ref.detach(), rtol=1e-5, atol=1e-5)
     x = torch.randn(2, 197, 64)
     with torch.no_grad():
@@ -207,18 +212,19 @@ def test_fused_local_branch_in_float32_and_in_the_layer():
 
 def test_fused_local_branch_is_skipped_with_gradients_or_while_tracing(monkeypatch):
     layer, out, v, g = _branch_case(24, 3, 5, 0, (6, 7))
+    layer = accelerate(layer)
     v.requires_grad_()
-    assert not layer._local_branch_fused(out, v, g, 0, 6, 7)
-    import polaformer.layers.pola_attention as pola_layer
+    assert layer.local_branch_and_gate(out, v, g, 6, 7) is not out
+    import polaformer.backends.cpu.accelerate as accelerated
 
-    monkeypatch.setattr(pola_layer, "_capturing_graph", lambda: True)
+    monkeypatch.setattr(accelerated, "capturing", lambda: True)
     with torch.no_grad():
-        assert not layer._local_branch_fused(out, v.detach(), g, 0, 6, 7)
+        assert layer.local_branch_and_gate(out, v.detach(), g, 6, 7) is not out
 
 
 @needs_kernel
 def test_fused_local_branch_kernel_names_bad_arguments():
-    from polaformer.ops.native import native_kernels
+    from polaformer.backends.cpu.native import native_kernels
 
     kernels = native_kernels()
     out, v, g = torch.randn(1, 10, 8), torch.randn(1, 10, 8), torch.randn(1, 10, 8)
@@ -234,21 +240,22 @@ def test_fused_local_branch_kernel_names_bad_arguments():
 
 
 @needs_kernel
-@pytest.mark.parametrize("prefix,k,grid,channels", [(0, 5, (7, 9), 40), (1, 3, (5, 6), 19), (0, 5, (1, 1), 16)])
-def test_branch_and_gate_with_a_per_channel_conv_matches_the_plain_ops(prefix, k, grid, channels):
-    from polaformer.layers import branch_and_gate
+@pytest.mark.parametrize("layer_cls", ["PacsLinearAttention", "RopeSoftmaxAttention"])
+@pytest.mark.parametrize("grid,channels,heads", [((7, 9), 40, 2), ((5, 6), 24, 3), ((1, 1), 16, 2)])
+def test_lepe_branch_and_gate_of_the_accelerated_layers_matches_the_plain_layers(layer_cls, grid, channels, heads):
+    import polaformer.layers as layers
 
     torch.manual_seed(0)
-    conv = torch.nn.Conv2d(channels, channels, k, padding=k // 2, groups=channels).double()
-    n = prefix + grid[0] * grid[1]
+    plain = getattr(layers, layer_cls)(channels, heads).double()
+    fast = accelerate(copy.deepcopy(plain))
+    n = grid[0] * grid[1]
     qkvg = torch.randn(2, n, 4 * channels, dtype=F64)
     v, g = qkvg[..., 2 * channels:3 * channels], qkvg[..., 3 * channels:]
     out = torch.randn(2, n, channels, dtype=F64)
-    local = conv(v[:, prefix:].reshape(2, *grid, channels).permute(0, 3, 1, 2)).flatten(2).transpose(1, 2)
-    ref = torch.cat([out[:, :prefix], out[:, prefix:] + local], 1) * g
+    ref = plain.local_branch_and_gate(out.clone(), v, g, *grid)
     with torch.no_grad():
-        fused = branch_and_gate(out.clone(), v, g, conv, prefix, *grid)
+        fused = fast.local_branch_and_gate(out.clone(), v, g, *grid)
     torch.testing.assert_close(fused, ref.detach(), rtol=1e-12, atol=1e-12)
-    unfused = branch_and_gate(out.clone(), v, g, conv, prefix, *grid)  # with gradients: the plain ops
+    unfused = fast.local_branch_and_gate(out.clone(), v, g, *grid)  # with gradients: the conv, then add and gate
     assert unfused.grad_fn is not None
     torch.testing.assert_close(unfused, ref, rtol=1e-12, atol=1e-12)

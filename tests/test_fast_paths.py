@@ -1,8 +1,11 @@
 """Shortcuts of the fast paths (layouts, cached tables, the blocked no-gradient forward): same values as the plain forms, never stale."""
+import copy
+
 import pytest
 import torch
 from timm.models.pvt_v2 import MlpWithDepthwiseConv
 
+from polaformer import accelerate
 from polaformer.layers import RoPE2d
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
 from polaformer.ops import (
@@ -33,9 +36,9 @@ def test_depthwise_conv_mlp_equals_timms():
     theirs = MlpWithDepthwiseConv(8, 24).double()
     ours = DepthwiseConvMlp(8, 24).double()
     ours.load_state_dict(theirs.state_dict(), strict=True)
-    for batch in (1, 2):
+    for batch, model in ((1, ours), (2, ours), (1, accelerate(copy.deepcopy(ours))), (2, ours)):
         x = torch.randn(batch, 5 * 7, 8, dtype=F64, requires_grad=True)
-        a, b = ours(x, 5, 7), theirs(x, [5, 7])
+        a, b = model(x, 5, 7), theirs(x, [5, 7])
         torch.testing.assert_close(a, b, rtol=1e-13, atol=1e-14)
         ga, gb = torch.autograd.grad(a.square().sum(), x), torch.autograd.grad(b.square().sum(), x)
         torch.testing.assert_close(ga, gb, rtol=1e-13, atol=1e-14)
@@ -150,7 +153,7 @@ def test_pola_layer_gates_in_place_only_without_autograd(prefix, fused):
     from polaformer.layers import PolaLinearAttention
 
     torch.manual_seed(0)
-    layer = PolaLinearAttention(8, 2, fused_qkvg=fused, num_prefix_tokens=prefix).double()
+    layer = accelerate(PolaLinearAttention(8, 2, fused_qkvg=fused, num_prefix_tokens=prefix).double())
     x = torch.randn(2, prefix + 4 * 5, 8, dtype=F64)
     with torch.no_grad():
         fast = layer(x, 4, 5)
@@ -165,7 +168,7 @@ def test_pacs_layer_gates_in_place_only_without_autograd():
     from polaformer.layers import PacsLinearAttention
 
     torch.manual_seed(1)
-    layer = PacsLinearAttention(8, 2).double()
+    layer = accelerate(PacsLinearAttention(8, 2).double())
     sin, cos = RoPE2d(16, 2).double()(3, 4)
     x = torch.randn(2, 8, 3, 4, dtype=F64)
     with torch.no_grad():

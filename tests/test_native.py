@@ -1,11 +1,12 @@
-"""The fused CPU kernels (polaformer/csrc/pola_cpu.cpp) against the torch-op versions they replace."""
+"""The fused CPU kernels (polaformer/backends/cpu/csrc) against the torch-op versions they replace."""
 import logging
 import shutil
 
 import pytest
 import torch
 
-import polaformer.ops.native as native_mod
+import polaformer.backends.cpu.native as native_mod
+import polaformer.ops.dispatch as dispatch
 import polaformer.ops.pola_attention as pa
 from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
@@ -33,16 +34,16 @@ def native():
 @pytest.fixture
 def torch_ops(monkeypatch):
     """Runs the op's torch-op versions: the attention module sees no native kernels."""
-    monkeypatch.setattr(pa, "native_kernels", lambda: None)
+    monkeypatch.setattr(pa, "cpu_kernels", lambda x: None)
 
 
 def _torch_op(fn, *args, **kwargs):
-    original = pa.native_kernels
-    pa.native_kernels = lambda: None
+    original = pa.cpu_kernels
+    pa.cpu_kernels = lambda x: None
     try:
         return fn(*args, **kwargs)
     finally:
-        pa.native_kernels = original
+        pa.cpu_kernels = original
 
 
 def _x(shape, dtype=F64, seed=0, token_major=False):
@@ -208,7 +209,7 @@ def test_no_gradient_forward_is_one_native_call_only_where_that_applies(native, 
             calls.append(args[0].shape)
             return native.pola_forward_no_grad(*args)
 
-    monkeypatch.setattr(pa, "native_kernels", lambda: Spy())
+    monkeypatch.setattr(pa, "cpu_kernels", lambda x: Spy())
     q, k, v = (_x((2, 3, 9, 4), torch.float32, seed=s) for s in range(3))
     ref = naive_pola_linear_attention(q.double(), k.double(), v.double(), 2.5)
     mask = torch.zeros(2, 9, dtype=torch.bool)
@@ -261,7 +262,7 @@ def test_op_float32_native_equals_torch_ops(native, torch_ops):
     w = torch.randn(1, 4, 1, 32, generator=gen).requires_grad_()
     plain = pola_linear_attention(q, k, v, learnable_power(w, 4.0))
     plain_grads = torch.autograd.grad(plain.square().sum(), (q, k, v, w))
-    pa.native_kernels = native_mod.native_kernels  # back on, for the fused run
+    pa.cpu_kernels = dispatch.cpu_kernels  # back on, for the fused run
     fused = pola_linear_attention(q, k, v, learnable_power(w, 4.0))
     fused_grads = torch.autograd.grad(fused.square().sum(), (q, k, v, w))
     torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-6)
@@ -280,7 +281,7 @@ def test_switched_off_by_environment(monkeypatch):
 def test_unsupported_cpu_falls_back_to_torch_ops_with_a_warning(monkeypatch, caplog):
     monkeypatch.setattr(native_mod, "_state", {})
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "DEFAULT")
-    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
         assert native_mod.native_kernels() is None
     assert "not built for CPU capability DEFAULT" in caplog.text
     q, k, v = (torch.randn(1, 2, 10, 8, dtype=F64) for _ in range(3))
@@ -293,7 +294,7 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(native_mod, "_SOURCE", tmp_path / "broken.cpp")
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
-    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
         assert native_mod.native_kernels() is None
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert "build failed" in caplog.text
@@ -489,7 +490,7 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
     assert lock.exists()
     old = time.time() - 2 * native_mod._STALE_LOCK_SECONDS
     os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
         assert native_mod.clear_stale_build_lock(tmp_path)
     assert not lock.exists() and "did not finish" in caplog.text
     assert not native_mod.clear_stale_build_lock(tmp_path)  # nothing to remove
@@ -516,7 +517,7 @@ def test_the_build_lock_is_cleared_only_where_its_existence_blocks(existence_loc
         monkeypatch.setattr(cpp_extension, "FileBaton", object, raising=False)
     else:
         monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
-    with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
+    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
         assert native_mod._build() == "built"
     assert lock.exists() is not existence_lock
     assert ("did not finish" in caplog.text) is existence_lock

@@ -1,14 +1,23 @@
-"""The oneDNN linear path (polaformer.ops.onednn, polaformer.layers.Linear / Mlp): the same values and
-gradients as F.linear and timm's Mlp, taken only where it applies."""
+"""The oneDNN linear path (polaformer.backends.cpu.onednn; the nn.Linear and timm Mlp swaps of accelerate): the
+same values and gradients as F.linear and timm's Mlp, taken only where it applies."""
 import pytest
 import timm.layers
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import polaformer.ops.onednn as onednn
-from polaformer.layers import Linear, Mlp
-from polaformer.ops import linear
+import polaformer.backends.cpu.onednn as onednn
+from polaformer import accelerate
+from polaformer.backends.cpu.onednn import linear
+
+
+def Linear(*args, **kwargs):
+    return accelerate(nn.Linear(*args, **kwargs))
+
+
+def Mlp(*args, **kwargs):
+    return accelerate(timm.layers.Mlp(*args, **kwargs))
+
 
 pytestmark = pytest.mark.skipif(not onednn.onednn_linear_available(), reason="this torch has no oneDNN linear")
 

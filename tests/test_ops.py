@@ -238,7 +238,7 @@ def test_graph_capture_path_matches_naive_forward_and_backward(monkeypatch):
     """Under torch.compile / export / ONNX the op runs its functional form: it must be as exact."""
     import polaformer.ops.pola_attention as pola_ops
 
-    monkeypatch.setattr(pola_ops, "_capturing_graph", lambda: True)
+    monkeypatch.setattr(pola_ops, "capturing", lambda: True)
     q, k, v, w = pola_inputs(2, 3, 11, 7, 4, 6, seed=12)
     with torch.no_grad():
         q[0, 0, 0, 0] = 0.0  # |x|^p at 0: the gradients stay finite
@@ -262,7 +262,7 @@ def test_op_compiles_without_graph_breaks_forward_and_backward():
 
 @pytest.mark.parametrize("kernel_size", [3, 5])
 def test_plus_depthwise_conv_is_the_residual_sum_forward_and_backward(kernel_size):
-    from polaformer.ops import plus_depthwise_conv
+    from polaformer.backends.cpu.conv import plus_depthwise_conv
 
     conv = torch.nn.Conv2d(6, 6, kernel_size, padding=kernel_size // 2, groups=6).double()
     x = torch.randn(2, 6, 9, 7, dtype=F64, requires_grad=True)
@@ -278,7 +278,7 @@ def test_plus_depthwise_conv_is_the_residual_sum_forward_and_backward(kernel_siz
 
 
 def test_plus_depthwise_conv_traces_with_fx():
-    from polaformer.ops import plus_depthwise_conv
+    from polaformer.backends.cpu.conv import plus_depthwise_conv
 
     class Block(torch.nn.Module):
         def __init__(self):

@@ -26,64 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import depthwise_conv2d, learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
-from ..ops.native import native_kernels
-from ..ops.pola_attention import _capturing_graph
-from .linear import Linear
+from ..ops import learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
 
-__all__ = ["PolaLinearAttention", "branch_and_gate"]
-
-
-def add_branch_and_gate(out: torch.Tensor, branch: torch.Tensor, gate: torch.Tensor, prefix: int = 0) -> torch.Tensor:
-    """``(out + branch) · gate``, the branch added to the tokens after ``prefix`` (B, N, C) ones.
-
-    ``out`` must be the attention op's fresh output: when no autograd is involved and no graph is being
-    captured, it is updated in place (the op saved nothing that this would overwrite).
-    """
-    if not (out.requires_grad or branch.requires_grad or gate.requires_grad or _capturing_graph()):
-        (out[:, prefix:] if prefix else out).add_(branch)
-        return out.mul_(gate)
-    if prefix:
-        out = torch.cat([out[:, :prefix], out[:, prefix:] + branch], dim=1)
-    else:
-        out = out + branch
-    return out * gate
-
-
-def _branch_kernels():
-    kernels = native_kernels()
-    return kernels if kernels is not None and hasattr(kernels, "dwconv_add_gate") else None
-
-
-def fuses_branch_and_gate(out: torch.Tensor, v: torch.Tensor, g: torch.Tensor, weight: torch.Tensor,
-                          bias: torch.Tensor) -> bool:
-    """Whether ``(out + depthwise_conv(v)) · g`` can run as one native pass (:func:`branch_and_gate`): no
-    gradient wanted, no graph capture, CPU float32/64, a fresh contiguous ``out``, ``v`` and ``g`` with a unit
-    channel stride, and the native kernels built."""
-    tensors = (out, v, g, weight, bias)
-    return not (_capturing_graph() or out.device.type != "cpu" or out.dtype not in (torch.float32, torch.float64)
-                or (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-                or any(t.dtype != out.dtype for t in tensors) or not out.is_contiguous()
-                or v.stride(-1) != 1 or g.stride(-1) != 1 or _branch_kernels() is None)
-
-
-def branch_and_gate(out: torch.Tensor, v: torch.Tensor, g: torch.Tensor, conv: nn.Conv2d, prefix: int,
-                    height: int, width: int) -> torch.Tensor:
-    """``(out + conv(v)) · g`` for (B, prefix + H·W, C) tokens, ``conv`` a "same" depthwise conv over the grid
-    tokens of ``v`` (the prefix tokens are only gated); ``out`` must be the attention's fresh output.
-
-    Without gradients this is one native pass that reads ``v`` and ``g`` where the projection wrote them
-    (token rows, a unit channel stride) and updates ``out`` in place (:func:`fuses_branch_and_gate`);
-    otherwise a channels-last copy of ``v``, the conv, the add and the gate.
-    """
-    k = conv.kernel_size[0]
-    if conv.bias is not None and fuses_branch_and_gate(out, v, g, conv.weight, conv.bias):
-        taps = conv.weight.view(conv.weight.shape[0], k * k).t().contiguous()
-        _branch_kernels().dwconv_add_gate(out, v, g, taps, conv.bias, prefix, height, width, k)
-        return out
-    grid = tokens_to_map(v[:, prefix:], height, width).contiguous(memory_format=torch.channels_last)
-    local = depthwise_conv2d(grid, conv.weight, conv.bias).flatten(2).transpose(1, 2)
-    return add_branch_and_gate(out, local, g, prefix)
+__all__ = ["PolaLinearAttention"]
 
 
 class PolaLinearAttention(nn.Module):
@@ -141,11 +86,11 @@ class PolaLinearAttention(nn.Module):
         self.num_prefix_tokens = num_prefix_tokens
 
         if fused_qkvg:
-            self.qkvg = Linear(dim, 4 * dim, bias=qkv_bias)
+            self.qkvg = nn.Linear(dim, 4 * dim, bias=qkv_bias)
         else:
-            self.qg = Linear(dim, 2 * dim, bias=qkv_bias)
-            self.kv = Linear(dim, 2 * dim, bias=qkv_bias)
-        self.proj = Linear(dim, dim)
+            self.qg = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+            self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
@@ -192,15 +137,21 @@ class PolaLinearAttention(nn.Module):
         k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
         return q, k, v, g
 
-    def _local_branch_fused(self, out, v, g, prefix, height, width) -> bool:
-        k = self.dwc.kernel_size[0]
-        weight, bias = self.dwc.weight, self.dwc.bias
-        if bias is None or not fuses_branch_and_gate(out, v, g, weight, bias):
-            return False
-        # each tap's weights over all channels (the head_dim kernels repeated per head), (K·K, C)
-        taps = weight.view(self.head_dim, k * k).t().repeat(1, self.num_heads)
-        _branch_kernels().dwconv_add_gate(out, v, g, taps, bias.repeat(self.num_heads), prefix, height, width, k)
-        return True
+    def local_branch_and_gate(self, out: torch.Tensor, v: torch.Tensor, g: torch.Tensor, height: int,
+                              width: int) -> torch.Tensor:
+        """``(out + dwc(v)) · g`` for (B, N, C) tokens; ``v`` (B, M, C) holds the values, stretched along the
+        tokens when spatially reduced (M < N). Each head's values go through the same ``dwc``; prefix tokens
+        skip the conv and are only gated."""
+        b, n, c = out.shape
+        heads, p = self.num_heads, self.num_prefix_tokens
+        v = v.transpose(1, 2).reshape(b * heads, self.head_dim, -1)
+        if v.shape[-1] != n:
+            v = F.interpolate(v, size=n, mode="linear")
+        grid = v[..., p:].reshape(b * heads, self.head_dim, height, width)
+        local = self.dwc(grid).reshape(b, c, height * width).transpose(1, 2)
+        if p:
+            return torch.cat([out[:, :p], out[:, p:] + local], dim=1) * g
+        return (out + local) * g
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``x``: (B, prefix + height·width, dim) tokens in raster order."""
@@ -217,28 +168,11 @@ class PolaLinearAttention(nn.Module):
             k = k + self._key_positions((height // self.sr_ratio, width // self.sr_ratio))
         scale = F.softplus(self.scale)
         heads = self.num_heads
-        q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)
-        k = (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2)
-        v_tokens = v
-        v = v.reshape(b, n_kv, heads, -1).transpose(1, 2)
-
-        out = pola_linear_attention(q, k, v, learnable_power(self.power, self.alpha))
-        out = out.transpose(1, 2).reshape(b, n, c)  # a view: the op writes token-major memory
-
-        p = self.num_prefix_tokens
-        if n_kv == n and self._local_branch_fused(out, v_tokens, g, p, height, width):
-            return self.proj_drop(self.proj(out))
-        if n_kv != n:  # spatially reduced values are stretched back along the token axis
-            v = F.interpolate(v.transpose(-2, -1).reshape(b * heads, -1, n_kv), size=n, mode="linear")
-            v = v.reshape(b, heads, -1, n).transpose(-2, -1)
-            grid = v[:, :, p:].reshape(b * heads, height, width, -1).permute(0, 3, 1, 2)
-            local = self.dwc(grid).reshape(b, c, height * width).transpose(1, 2)
-        else:
-            # The conv shared by the heads is a depthwise conv over all channels with its kernel repeated
-            # per head (torch.cat: a sixth of Tensor.repeat's call cost), on v as a dense channels-last map
-            # (oneDNN's fast kernel; a strided view takes a path several times slower); its channels-last
-            # output is already in token order.
-            grid = tokens_to_map(v_tokens[:, p:], height, width).contiguous(memory_format=torch.channels_last)
-            local = depthwise_conv2d(grid, torch.cat([self.dwc.weight] * heads), torch.cat([self.dwc.bias] * heads))
-            local = local.flatten(2).transpose(1, 2)
-        return self.proj_drop(self.proj(add_branch_and_gate(out, local, g, p)))
+        out = pola_linear_attention(
+            (q / scale).reshape(b, n, heads, -1).transpose(1, 2),
+            (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2),
+            v.reshape(b, n_kv, heads, -1).transpose(1, 2),
+            learnable_power(self.power, self.alpha),
+        )
+        out = out.transpose(1, 2).reshape(b, n, c)
+        return self.proj_drop(self.proj(self.local_branch_and_gate(out, v, g, height, width)))

@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import tokens_to_map
-from .linear import Linear
 
 __all__ = ["SpatialReductionAttention"]
 
@@ -25,9 +24,9 @@ class SpatialReductionAttention(nn.Module):
         self.num_heads = num_heads
         self.scale = qk_scale or (dim // num_heads) ** -0.5
         self.sr_ratio = sr_ratio
-        self.q = Linear(dim, dim, bias=qkv_bias)
-        self.kv = Linear(dim, 2 * dim, bias=qkv_bias)
-        self.proj = Linear(dim, dim)
+        self.q = nn.Linear(dim, dim, bias=qkv_bias)
+        self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)

@@ -12,8 +12,7 @@ import torch
 from timm.layers import to_2tuple, trunc_normal_
 from torch import nn
 
-from ..ops.window_softmax import window_softmax_attention
-from .linear import Linear
+from ..ops import window_softmax_attention
 
 __all__ = ["WindowAttention", "relative_position_index"]
 
@@ -53,9 +52,9 @@ class WindowAttention(nn.Module):
         self.scale = qk_scale or (dim // num_heads) ** -0.5
         self.relative_position_bias_table = nn.Parameter(torch.zeros((2 * win_h - 1) * (2 * win_w - 1), num_heads))
         self.register_buffer("relative_position_index", relative_position_index(win_h, win_w))
-        self.qkv = Linear(dim, 3 * dim, bias=qkv_bias)
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.attn_drop = attn_drop
-        self.proj = Linear(dim, dim)
+        self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         trunc_normal_(self.relative_position_bias_table, std=0.02)
 

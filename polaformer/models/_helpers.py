@@ -23,8 +23,7 @@ from timm.models import register_notrace_function, register_notrace_module
 
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
 from ..ops import resample_grid_table
-from ..ops.feature_maps import legacy_onnx_tracing
-from ..ops.pola_attention import _capturing_graph
+from ..ops.dispatch import capturing, legacy_onnx_export
 
 __all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid"]
 
@@ -62,7 +61,7 @@ def empty_batch(method):
 
     @functools.wraps(method)
     def wrapper(self, x, *args, **kwargs):
-        if _capturing_graph() or not isinstance(x, torch.Tensor) or x.shape[0] != 0:
+        if capturing() or not isinstance(x, torch.Tensor) or x.shape[0] != 0:
             return method(self, x, *args, **kwargs)
         training = self.training
         try:
@@ -113,7 +112,7 @@ def pos_table_for_grid(table: torch.Tensor, grid: tuple[int, int], table_grid: t
     tokens = num_prefix_tokens + grid[0] * grid[1]
     if tuple(grid) == tuple(table_grid) or (tokens == flat_tokens and table.shape[1] in (1, tokens)):
         return table
-    if antialias and legacy_onnx_tracing():  # it has no antialiased resize: refuse here, not with an IR dump
+    if antialias and legacy_onnx_export():  # it has no antialiased resize: refuse here, not with an IR dump
         raise RuntimeError(
             f"the TorchScript-based ONNX exporter (torch.onnx.export(..., dynamo=False)) cannot resample this "
             f"model's position table to a {grid[0]}x{grid[1]} token grid (antialiased bicubic); use "

@@ -25,13 +25,13 @@ from functools import partial
 import torch
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, PatchEmbed, get_device_dtype, trunc_normal_
+from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, trunc_normal_
 from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
-from ..layers import Mlp, PolaLinearAttention
+from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 

@@ -36,22 +36,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
-from ..compat import register_official
-from ..layers import Linear, PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
-from ..ops import conv2d_gelu, fold_batch_norm, gelu, linear, plus_depthwise_conv, tokens_to_map
-from ..ops.onednn import is_fx_symbolic_tracing
-from ..ops.pola_attention import _capturing_graph
+from .official import register_official
+from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+from ..ops import tokens_to_map
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
-
-
-def _pointwise(conv: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A 1×1 conv as a matmul over channels (the same sums): oneDNN's convolution is several times slower
-    for these shapes (a 1×1 map after pooling, a 7×7 map), its backward especially. Output is channels-last."""
-    if not isinstance(conv, nn.Conv2d):
-        return conv(x)
-    return linear(x.permute(0, 2, 3, 1), conv.weight.flatten(1), conv.bias).permute(0, 3, 1, 2)
 
 
 class LayerNorm2d(nn.Module):
@@ -65,24 +55,20 @@ class LayerNorm2d(nn.Module):
         return self.norm(x.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
-def _plus_conv(x: torch.Tensor, conv: nn.Conv2d) -> torch.Tensor:
-    """``x + conv(x)`` for a "same"-padded depthwise ``conv``, as one convolution."""
-    return plus_depthwise_conv(x, conv.weight, conv.bias, conv.kernel_size[0], conv.groups)
-
-
 class ConvFFN(nn.Module):
-    """fc1 -> GELU -> (h + dwconv3x3(h)) -> fc2, on a (B, C, H, W) map (the sum as one convolution)."""
+    """fc1 -> GELU -> (h + dwconv3x3(h)) -> fc2, on a (B, C, H, W) map."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.fc1 = Linear(dim, hidden_dim)
-        self.fc2 = Linear(hidden_dim, dim)
+        self.fc1 = nn.Linear(dim, hidden_dim)
+        self.act = nn.GELU()
         self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
+        self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, c, h, w = x.shape
-        hidden = linear(x.flatten(2).transpose(1, 2), self.fc1.weight, self.fc1.bias, activation="gelu")
-        hidden = _plus_conv(tokens_to_map(hidden, h, w), self.dwconv)
+        hidden = tokens_to_map(self.act(self.fc1(x.flatten(2).transpose(1, 2))), h, w)
+        hidden = hidden + self.dwconv(hidden)
         return tokens_to_map(self.fc2(hidden.flatten(2).transpose(1, 2)), h, w)
 
 
@@ -108,83 +94,27 @@ class PolaPPBlock(nn.Module):
             self.gamma_1 = self.gamma_2 = None
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
-        x = _plus_conv(x, self.pos)
+        x = x + self.pos(x)
         attn = self.attn(self.norm1(x), sin, cos)
         x = x + self.drop_path(attn if self.gamma_1 is None else self.gamma_1 * attn)
         ffn = self.ffn(self.norm2(x))
         return x + self.drop_path(ffn if self.gamma_2 is None else self.gamma_2 * ffn)
 
 
-class _FoldedConvBn:
-    """A conv and the eval-mode BatchNorm after it as one conv (:func:`fold_batch_norm`), for inference.
-
-    The folded tensors are kept and made again when a source changes storage or version (an optimizer
-    step, ``load_state_dict``, ``.to()``), so a forward costs no folding; 3-4% of a batch-1 PolaFormer++ B0
-    forward (the BatchNorm and GELU passes of the stem, and the re-layout of contiguous conv weights that
-    oneDNN does on every call for channels-last maps).
-    """
-
-    def __init__(self):
-        self.key, self.tensors = None, None
-
-    def __call__(self, conv: nn.Conv2d, bn: nn.BatchNorm2d):
-        sources = (conv.weight, conv.bias, bn.weight, bn.bias, bn.running_mean, bn.running_var)
-        try:
-            key = tuple(None if t is None else (t.data_ptr(), t._version) for t in sources) + (bn.eps,)
-        except RuntimeError:  # inference tensors keep no version: fold every time
-            key = None
-        if key is None or key != self.key:
-            with torch.no_grad():
-                self.tensors = fold_batch_norm(conv.weight, conv.bias, bn.running_mean, bn.running_var, bn.weight,
-                                               bn.bias, bn.eps)
-            self.key = key
-        return self.tensors
-
-
-def _folds(x: torch.Tensor, *pairs) -> bool:
-    """Whether (conv, BatchNorm) pairs may run folded: BatchNorm in eval mode with running statistics, plain
-    dense convs, no gradient wanted, eager CPU float32 (elsewhere each module runs on its own)."""
-    if _capturing_graph() or is_fx_symbolic_tracing():  # first: under FX, x is a proxy
-        return False
-    if x.device.type != "cpu" or x.dtype != torch.float32:
-        return False
-    for conv, bn in pairs:
-        if (bn.training or bn.running_mean is None or bn.running_var is None or conv.groups != 1
-                or conv.dilation != (1, 1) or conv.padding_mode != "zeros" or isinstance(conv.padding, str)):
-            return False
-        if torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in (*conv.parameters(),
-                                                                                        *bn.parameters()))):
-            return False
-    return True
-
-
-def _folded_conv(x: torch.Tensor, conv: nn.Conv2d, bn: nn.BatchNorm2d, cache: _FoldedConvBn, gelu: bool):
-    weight, bias = cache(conv, bn)
-    return conv2d_gelu(x, weight, bias, conv.stride, conv.padding, gelu)
-
-
 class PatchMerging(nn.Module):
-    """3×3 stride-2 conv + BatchNorm between stages (one folded conv at inference)."""
+    """3×3 stride-2 conv + BatchNorm between stages."""
 
     def __init__(self, dim: int, out_dim: int):
         super().__init__()
         self.reduction = nn.Conv2d(dim, out_dim, 3, stride=2, padding=1)
         self.norm = nn.BatchNorm2d(out_dim)
-        self._folded = _FoldedConvBn()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if type(self.norm) is nn.BatchNorm2d and _folds(x, (self.reduction, self.norm)):
-            return _folded_conv(x, self.reduction, self.norm, self._folded, gelu=False)
         return self.norm(self.reduction(x))
 
 
-def _exact_gelu(m: nn.Module) -> bool:
-    return type(m) is nn.GELU and m.approximate == "none"
-
-
 class ConvStem(nn.Module):
-    """Four 3×3 convs with BatchNorm, GELU between them; stride 4 overall (four folded convs at inference,
-    GELU fused into the first three)."""
+    """Four 3×3 convs with BatchNorm, GELU between them; stride 4 overall."""
 
     def __init__(self, in_chans: int, embed_dim: int):
         super().__init__()
@@ -195,31 +125,9 @@ class ConvStem(nn.Module):
             nn.Conv2d(mid, mid, 3, 1, 1), nn.BatchNorm2d(mid), nn.GELU(),
             nn.Conv2d(mid, embed_dim, 3, 2, 1), nn.BatchNorm2d(embed_dim),
         )
-        self._folded = [_FoldedConvBn() for _ in range(4)]
-
-    def _layers(self):
-        """(conv, BatchNorm, GELU follows) for the four convs, or None if the stem was changed."""
-        mods = list(self.proj)
-        if len(mods) != 11 or any(type(m) is not nn.Conv2d for m in mods[0::3]) or any(
-                type(m) is not nn.BatchNorm2d for m in mods[1::3]) or not all(_exact_gelu(m) for m in mods[2::3]):
-            return None
-        return [(mods[i], mods[i + 1], i + 2 < len(mods)) for i in range(0, len(mods), 3)]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        layers = self._layers()
-        if layers is None:
-            return self.proj(x)
-        if not _folds(x, *[(conv, bn) for conv, bn, _ in layers]):
-            if any(m._forward_hooks or m._forward_pre_hooks for m in self.proj):
-                return self.proj(x)
-            # GELU keeps its slope for the backward (a multiply instead of torch's gelu_backward)
-            for conv, bn, with_gelu in layers:
-                x = bn(conv(x))
-                x = gelu(x) if with_gelu else x
-            return x
-        for (conv, bn, with_gelu), cache in zip(layers, self._folded):
-            x = _folded_conv(x, conv, bn, cache, with_gelu)
-        return x
+        return self.proj(x)
 
 
 class PolaPPStage(nn.Module):
@@ -391,7 +299,7 @@ class PolaFormerPP(nn.Module):
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
-        x = self.patch_embed(self._channels_last(self._check_input(x)))
+        x = self.patch_embed(self._check_input(x))
         stages = self.layers[:max_index + 1] if stop_early else self.layers
         intermediates = []
         for i, stage in enumerate(stages):
@@ -419,19 +327,13 @@ class PolaFormerPP(nn.Module):
             self.reset_classifier(0, "")
         return take_indices
 
-    @staticmethod
-    def _channels_last(x: torch.Tensor) -> torch.Tensor:
-        # The trunk then runs channels-last throughout: the LayerNorm/Linear permutes become views and
-        # oneDNN's depthwise convolutions (and their backward) take their faster NHWC kernels.
-        return x.contiguous(memory_format=torch.channels_last)
-
     def _final_conv(self, x: torch.Tensor) -> torch.Tensor:
-        return self.swish(self.norm(_pointwise(self.proj, x)))
+        return self.swish(self.norm(self.proj(x)))
 
     @empty_batch
     def forward_features(self, x: torch.Tensor) -> torch.Tensor:
         """(B, projection, H/32, W/32): the map after projection, BatchNorm and Swish, before pooling."""
-        x = self.patch_embed(self._channels_last(self._check_input(x)))
+        x = self.patch_embed(self._check_input(x))
         for stage in self.layers:
             x = stage(x)
         return self._final_conv(x)
@@ -440,7 +342,7 @@ class PolaFormerPP(nn.Module):
         x = self.head_drop(self.global_pool(x))
         if pre_logits:
             return x.flatten(1)
-        x = _pointwise(self.head, x)
+        x = self.head(x)
         return x if self.global_pool.is_identity() else x.flatten(1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

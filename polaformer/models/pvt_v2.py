@@ -22,8 +22,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
-from ..layers import Linear, PolaLinearAttention
-from ..ops import depthwise_conv_gelu_linear, tokens_to_map
+from ..layers import PolaLinearAttention
+from ..ops import tokens_to_map
 from ._helpers import checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
@@ -31,20 +31,19 @@ __all__ = ["PolaPVTv2"]
 
 
 class DepthwiseConvMlp(nn.Module):
-    """fc1 -> 3×3 depthwise conv -> GELU -> fc2 on tokens (B, H·W, C); timm's ``MlpWithDepthwiseConv``
-    parameters and math, with the conv run on a channels-last view of fc1's output (no copy, and
-    oneDNN's fast depthwise kernel at every batch size) and GELU fused into the conv or, with gradients,
-    folded into fc2's products (:func:`polaformer.ops.depthwise_conv_gelu_linear`)."""
+    """fc1 -> 3×3 depthwise conv -> GELU -> fc2 on tokens (B, H·W, C): PVTv2's MLP (timm's
+    ``MlpWithDepthwiseConv``)."""
 
     def __init__(self, dim: int, hidden_dim: int):
         super().__init__()
-        self.fc1 = Linear(dim, hidden_dim)
+        self.fc1 = nn.Linear(dim, hidden_dim)
         self.dwconv = nn.Conv2d(hidden_dim, hidden_dim, 3, padding=1, groups=hidden_dim)
-        self.fc2 = Linear(hidden_dim, dim)
+        self.act = nn.GELU()
+        self.fc2 = nn.Linear(hidden_dim, dim)
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        grid = tokens_to_map(self.fc1(x), height, width)
-        return depthwise_conv_gelu_linear(grid, self.dwconv.weight, self.dwconv.bias, self.fc2.weight, self.fc2.bias)
+        hidden = self.act(self.dwconv(tokens_to_map(self.fc1(x), height, width)))
+        return self.fc2(hidden.flatten(2).transpose(1, 2))
 
 
 class PolaPVTv2Block(nn.Module):

@@ -49,15 +49,15 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, PatchEmbed, get_device_dtype, to_2tuple, trunc_normal_
+from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, to_2tuple, trunc_normal_
 from timm.models import generate_default_cfgs, register_model, register_notrace_module
 from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
-from ..compat import register_official
-from ..layers import Linear, Mlp, PolaLinearAttention, WindowAttention
+from .official import register_official
+from ..layers import PolaLinearAttention, WindowAttention
 from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
@@ -208,7 +208,7 @@ class PatchMerging(nn.Module):
 
     def __init__(self, dim, norm_layer=nn.LayerNorm):
         super().__init__()
-        self.reduction = Linear(4 * dim, 2 * dim, bias=False)
+        self.reduction = nn.Linear(4 * dim, 2 * dim, bias=False)
         self.norm = norm_layer(4 * dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Pure tensor math: linear maps on oneDNN, feature maps, the fast polarity-aware attention, naive references, RoPE, position tables, token/map layout, windowed softmax attention."""
+"""Attention math as tensor functions: feature maps, the polarity-aware ops and their naive references, RoPE,
+position tables, token/map layout, windowed softmax attention. Each op picks its kernel in :mod:`.dispatch`."""
 from .feature_maps import (
     elu_feature,
     focused_feature,
@@ -18,9 +19,7 @@ from .naive import (
     pola_attention_weights,
     softmax_attention_weights,
 )
-from .conv import conv2d_gelu, depthwise_conv2d, depthwise_conv_gelu_linear, fold_batch_norm, plus_depthwise_conv
 from .layout import tokens_to_map
-from .onednn import gelu, gelu_linear, linear, mlp
 from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles, rotate_pairs
@@ -28,19 +27,11 @@ from .window_softmax import window_softmax_attention
 
 __all__ = [
     "apply_rope",
-    "conv2d_gelu",
-    "depthwise_conv2d",
-    "depthwise_conv_gelu_linear",
     "elu_feature",
     "focused_feature",
-    "fold_batch_norm",
-    "gelu",
-    "gelu_linear",
     "learnable_power",
-    "linear",
     "linear_attention",
     "linear_attention_weights",
-    "mlp",
     "naive_pacs_linear_attention",
     "naive_pola_linear_attention",
     "pacs_attention_weights",
@@ -48,7 +39,6 @@ __all__ = [
     "pacs_linear_attention",
     "pacs_query_features",
     "pacs_temperature",
-    "plus_depthwise_conv",
     "pola_attention_weights",
     "pola_linear_attention",
     "polarity_split",

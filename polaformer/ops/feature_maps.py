@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .dispatch import legacy_onnx_export
+
 __all__ = [
     "polarity_split",
     "learnable_power",
@@ -32,15 +34,10 @@ def learnable_power(weight: torch.Tensor, alpha: float) -> torch.Tensor:
     return 1 + alpha * torch.sigmoid(weight)
 
 
-def legacy_onnx_tracing() -> bool:
-    """True inside ``torch.onnx.export(..., dynamo=False)`` (the TorchScript-tracing exporter)."""
-    return torch.onnx.is_in_onnx_export() and torch.jit.is_tracing()
-
-
 def _expm1(x: torch.Tensor) -> torch.Tensor:
     # The TorchScript-based ONNX exporter has no symbolic for expm1 (ONNX has no such operator);
     # exp(x) - 1 is also what the dynamo exporter writes for it.
-    return torch.exp(x) - 1 if legacy_onnx_tracing() else torch.expm1(x)
+    return torch.exp(x) - 1 if legacy_onnx_export() else torch.expm1(x)
 
 
 def _sign_expand(magnitude: torch.Tensor, x: torch.Tensor) -> torch.Tensor:

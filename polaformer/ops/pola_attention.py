@@ -34,8 +34,8 @@ import weakref
 
 import torch
 
-from .feature_maps import legacy_onnx_tracing, pacs_key_features, pacs_query_features
-from .native import native_kernels
+from .dispatch import capturing, cpu_kernels, legacy_onnx_export
+from .feature_maps import pacs_key_features, pacs_query_features
 from .rope import apply_rope
 
 __all__ = ["pola_linear_attention", "pacs_linear_attention", "linear_attention"]
@@ -144,10 +144,8 @@ def _swap_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def _native_for(x: torch.Tensor):
-    """The fused CPU kernels (:mod:`.native`) when they apply to ``x``, else None."""
-    if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
-        return None
-    return native_kernels()
+    """The native CPU kernels when they apply to ``x``, else None (:func:`.dispatch.cpu_kernels`)."""
+    return cpu_kernels(x)
 
 
 def _power_features(x: torch.Tensor, power: torch.Tensor, keep_log: bool = True):
@@ -155,7 +153,7 @@ def _power_features(x: torch.Tensor, power: torch.Tensor, keep_log: bool = True)
 
     ``s = sign(x)·|x|ᵖ`` carries both halves: ``x⁺ᵖ = relu(s)``, ``x⁻ᵖ = relu(s) − s``. The
     transcendental passes run on dense d-wide buffers and only the last two write the strided halves
-    of the features: a pass over a half-row view is 1.3-4× slower (d = 64 to 32), worst for ``exp``.
+    of the features: a pass over a half-row view is slower, worst for ``exp``.
     Returns the 2d-wide features and ``log|x|`` (kept for the exponent's gradient; None unless
     ``keep_log``). On the CPU the fused kernel does all of it in one pass.
     """
@@ -193,22 +191,6 @@ def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
     # p·s/x is 0/0 at x = 0, where the derivative is 0 because p > 1.
     grad_x = torch.mul(grad_s_times_s, power).div_(x).nan_to_num_(nan=0.0)
     return grad_x, grad_p
-
-
-def _capturing_graph() -> bool:
-    """True while torch.compile, torch.export, the ONNX exporters or TorchScript trace the code.
-
-    Graph capture gets :func:`_pola_attention_graph`: the in-place, ``out=`` and view-writing
-    tricks of the eager kernel break or (legacy ONNX) silently mis-trace there, and compilers fuse
-    the plain version on their own.
-    """
-    return (
-        torch.compiler.is_compiling()
-        or torch.compiler.is_exporting()
-        or torch.onnx.is_in_onnx_export()
-        or torch.jit.is_tracing()
-        or torch.jit.is_scripting()
-    )
 
 
 def _pola_attention_graph(q, k, v, power, eps, keep, m):
@@ -307,7 +289,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     """:class:`_PolaPowerAttention`'s forward for a call that needs no gradient, by blocks of tokens.
 
     Nothing full-size but the output is written (no features, no ``log|x|`` kept for a backward), and
-    each block's elementwise passes run in cache: 1.3-2× faster from a few thousand tokens up. The key
+    each block's elementwise passes run in cache, which pays from a few thousand tokens up. The key
     sums are accumulated block by block, equal to the one-block sums up to rounding.
     """
     n, d = q.shape[-2:]
@@ -394,7 +376,7 @@ def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """Reduce a broadcast gradient back to ``shape``.
 
     One dimension at a time, innermost first: a single multi-dimension ``sum`` over outer and
-    middle dimensions of a large tensor runs an order of magnitude slower on CPU.
+    middle dimensions of a large tensor runs much slower on CPU.
     """
     lead = x.dim() - len(shape)
     for i in reversed(range(x.dim())):
@@ -433,17 +415,17 @@ def pola_linear_attention(
     _check_qkv(q, k, v)
     if v.shape[-1] < 2:
         raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
-    capturing = _capturing_graph()
+    graph = capturing()
     power = _as_power(power, q)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
-    if not (capturing or needs_grad or key_padding_mask is not None):
+    if not (graph or needs_grad or key_padding_mask is not None):
         native = _native_forward(q, k, v, power)
         if native is not None:
             return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
-    _check_power_values(power, capturing)
+    _check_power_values(power, graph)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
-    if capturing:
+    if graph:
         attention = _pola_attention_graph
     elif needs_grad:
         attention = _PolaPowerAttention.apply
@@ -561,7 +543,7 @@ def _relu_halves(x: torch.Tensor, rope: bool, exp_minus_one: bool = False) -> to
     for src, cols in parts:
         torch.clamp(src, min=0, out=out[..., cols])
         torch.clamp(src, max=0, out=out[..., d:][..., cols]).neg_()
-    # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not (4x slower).
+    # exp(x) - 1 as in the official code: torch's exp is vectorised on CPU, expm1 is not.
     return out.exp_().sub_(1.0) if exp_minus_one else out
 
 
@@ -706,7 +688,7 @@ def _pacs_attention_no_grad(q, k, v, temp_same, temp_opposite, sin, cos, eps, ke
     out_tok, out = _pacs_output(q, v)
     n, d = q.shape[-2:]
     # Blocks of about _BLOCK_ELEMENTS query elements (4x that many features, both streams 2d wide): the
-    # PaCS steps per block are more than the Pola ones, and blocks sized by the features ran 1.15-1.35x slower.
+    # PaCS steps per block are more than the Pola ones, and blocks sized by the features ran slower.
     step = _block_tokens(q, d)
     for i in range(0, n, step):
         rows = slice(i, i + step)
@@ -855,7 +837,7 @@ def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep
     row_max = phi_q.amax(dim=-1, keepdim=True).detach()
     exponent = torch.floor(torch.log2(row_max.clamp_min(1.0)))
     # The TorchScript-based ONNX exporter has no exp2; Pow(2, n) is what the dynamo exporter writes.
-    scale = torch.pow(2.0, exponent) if legacy_onnx_tracing() else torch.exp2(exponent)
+    scale = torch.pow(2.0, exponent) if legacy_onnx_export() else torch.exp2(exponent)
     phi_q = phi_q / scale
     denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps / scale  # (B, H, 2, N, 1)
     if sin is not None:
@@ -912,7 +894,7 @@ def pacs_linear_attention(
     out_dtype = v.dtype
     keep, m = _key_keep(key_padding_mask, k, dtype)
     # The fused kernel's RoPE works on whole channel pairs; tables for an odd head_dim take the plain path.
-    fused = not _capturing_graph() and (sin is None or q.shape[-1] % 2 == 0)
+    fused = not capturing() and (sin is None or q.shape[-1] % 2 == 0)
     if not fused:
         attention = _pacs_attention_graph
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, temp_same, temp_opposite)):

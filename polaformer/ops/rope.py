@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from .dispatch import capturing, cpu_kernels
+
 __all__ = ["rope_angles", "rope_2d", "apply_rope", "rotate_pairs"]
 
 
@@ -65,17 +67,13 @@ def rotate_pairs(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
     ``x`` forward and one backward, instead of a stack, a negation and three elementwise passes (and their
     backward); the result is contiguous there. Elsewhere (graph capture, autocast, other devices or dtypes,
     tables that take gradients) it is :func:`apply_rope`."""
-    from .native import native_kernels
-    from .onednn import is_fx_symbolic_tracing
-    from .pola_attention import _capturing_graph
-
-    if is_fx_symbolic_tracing():  # sizes are proxies: no checks
+    if capturing():  # the plain formulation; under FX the sizes are proxies
         return apply_rope(x, sin, cos)
-    if (x.dim() == 4 and x.device.type == "cpu" and x.dtype in (torch.float32, torch.float64) and x.stride(-1) == 1
+    if (x.dim() == 4 and x.stride(-1) == 1
             and x.shape[-1] % 2 == 0 and sin.dtype == cos.dtype == x.dtype and sin.shape == cos.shape == x.shape[-2:]
             and sin.is_contiguous() and cos.is_contiguous() and not (sin.requires_grad or cos.requires_grad)
-            and not _capturing_graph() and not torch.is_autocast_enabled("cpu")):
-        kernels = native_kernels()
-        if kernels is not None and hasattr(kernels, "rope_pairs"):
+            and not torch.is_autocast_enabled("cpu")):
+        kernels = cpu_kernels(x)
+        if kernels is not None:
             return _RotatePairs.apply(x, sin, cos, kernels)
     return apply_rope(x, sin, cos)

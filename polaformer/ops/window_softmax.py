@@ -8,8 +8,8 @@ On the CPU the fused SDPA kernel is slow for such small problems: its tiles are 
 sequences, and with gradients (and a float mask) torch takes its math path, which adds several full
 passes (isneginf, all, where). Here the logits come from one batched product with the scale in its
 epilogue, the bias is added in place as a broadcast over the images (never repeated per window), and the
-weights meet v in a second product: 1.3-1.5x faster than SDPA for Swin's 7x7 windows, forward or
-forward+backward (docs/benchmarks.md, seventh round). PolaFormer++'s softmax blocks use it too, one window
+weights meet v in a second product, faster than SDPA for Swin's 7x7 windows, forward or
+forward+backward (docs/benchmarks.md). PolaFormer++'s softmax blocks use it too, one window
 per image and no bias. Elsewhere (CUDA, graph capture, long windows, and many long windows without a bias)
 SDPA runs.
 """
@@ -18,16 +18,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .onednn import is_fx_symbolic_tracing
-from .pola_attention import _capturing_graph
+from .dispatch import capturing
 
 __all__ = ["window_softmax_attention"]
 
 # Beyond this many tokens per window the fused kernel's tiling pays off; Swin's windows are 49 or 144.
 _MAX_EXPLICIT_TOKENS = 256
 # Without a bias (no mask for SDPA to read) the fused kernel also wins once the logits of all windows
-# outgrow the cache: 0.95x explicit/SDPA for PolaFormer++ B0's 196-token stage at batch 8 (1.2M logits),
-# 1.03x at batch 1 (154k), 1.03-1.12x for its 49-token stage (docs/benchmarks.md).
+# outgrow the cache (docs/benchmarks.md).
 _MAX_EXPLICIT_LOGITS_WITHOUT_BIAS = 1 << 18
 _ALWAYS_EXPLICIT_TOKENS = 64
 
@@ -51,14 +49,15 @@ def window_softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     -inf entries but must keep one finite entry. ``dropout_p`` applies to the weights (pass 0 outside
     training). ``scale`` defaults to ``d ** -0.5``.
     """
-    if is_fx_symbolic_tracing() and bias is None:  # sizes are proxies: no checks, the plain op
+    graph = capturing()
+    if graph and bias is None:  # under FX the sizes are proxies: no checks, the plain op
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     _check(q, k, v, bias)
     b, h, n, d = q.shape
     scale = d ** -0.5 if scale is None else scale
     large_without_bias = (bias is None and n > _ALWAYS_EXPLICIT_TOKENS
                           and b * h * n * n > _MAX_EXPLICIT_LOGITS_WITHOUT_BIAS)
-    if q.device.type != "cpu" or n > _MAX_EXPLICIT_TOKENS or large_without_bias or dropout_p > 0 or _capturing_graph():
+    if q.device.type != "cpu" or n > _MAX_EXPLICIT_TOKENS or large_without_bias or dropout_p > 0 or graph:
         mask = None
         if bias is not None:  # SDPA wants one mask row per window
             mask = bias.repeat(b // bias.shape[0], 1, 1, 1).to(q.dtype)

@@ -5,15 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-except ImportError:  # older torch: only the flag that torch.export sets as well
-    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
-
 from .native import native_kernels
 from . import onednn
 from .onednn import gelu_linear, linear
-from .pola_attention import _capturing_graph
+from ...ops.dispatch import capturing
 
 __all__ = ["conv2d_gelu", "depthwise_conv2d", "depthwise_conv_gelu_linear", "fold_batch_norm", "plus_depthwise_conv"]
 
@@ -70,7 +65,7 @@ def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     (docs/benchmarks.md). Elsewhere it is ``F.conv2d``. Both give the same values up to the order of the
     sums.
     """
-    if is_fx_symbolic_tracing() or _capturing_graph():  # shapes may be proxies: no checks
+    if capturing():  # shapes may be proxies: no checks
         return F.conv2d(x, weight, bias, padding=weight.shape[-1] // 2, groups=weight.shape[0])
     if weight.dim() != 4 or weight.shape[1] != 1 or weight.shape[2] != weight.shape[3] or weight.shape[2] % 2 == 0:
         raise ValueError(f"expected a depthwise weight (C, 1, K, K) with K odd, got {tuple(weight.shape)}")
@@ -96,7 +91,7 @@ def depthwise_conv_gelu_linear(x: torch.Tensor, conv_weight: torch.Tensor, conv_
     channels-last; one pass less over the hidden map); with gradients GELU's backward is folded into the
     products (:func:`gelu_linear`).
     """
-    if is_fx_symbolic_tracing() or _capturing_graph():
+    if capturing():
         hidden = F.gelu(F.conv2d(x, conv_weight, conv_bias, padding=conv_weight.shape[-1] // 2, groups=x.shape[1]))
         return F.linear(hidden.flatten(2).transpose(1, 2), weight, bias)
     needs_grad = torch.is_grad_enabled() and any(
@@ -127,7 +122,7 @@ def plus_depthwise_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tenso
     if kernel_size % 2 == 0:
         raise ValueError(f"the identity needs an odd kernel with a centre tap, got kernel_size {kernel_size}")
     padding = kernel_size // 2
-    if is_fx_symbolic_tracing() or _capturing_graph():
+    if capturing():
         return x + F.conv2d(x, weight, bias, padding=padding, groups=channels)
     identity = F.pad(weight.new_ones(1, 1, 1, 1), (padding,) * 4)
     return depthwise_conv2d(x, weight + identity, bias)
@@ -155,8 +150,8 @@ def conv2d_gelu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
     """
     stride, padding = list(torch.nn.modules.utils._pair(stride)), list(torch.nn.modules.utils._pair(padding))
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if (not needs_grad and _CONV_POINTWISE is not None and onednn._ENABLED and not is_fx_symbolic_tracing()
-            and not _capturing_graph() and not torch.is_autocast_enabled("cpu") and x.device.type == "cpu"
+    if (not needs_grad and _CONV_POINTWISE is not None and onednn._ENABLED and not capturing()
+            and not torch.is_autocast_enabled("cpu") and x.device.type == "cpu"
             and x.dim() == 4 and _is_dense_channels_last(x)
             and all(t is None or t.dtype == torch.float32 for t in (x, weight, bias))):
         return _CONV_POINTWISE.default(x, weight, bias, padding, stride, [1, 1], 1, "gelu" if gelu else "none", [],

@@ -40,13 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-try:
-    from torch.fx._symbolic_trace import is_fx_symbolic_tracing
-except ImportError:  # older torch: only the flag that torch.export sets as well
-    from torch.fx._symbolic_trace import is_fx_tracing as is_fx_symbolic_tracing
-
 from .native import native_kernels
-from .pola_attention import _capturing_graph
+from ...ops.dispatch import capturing
 
 __all__ = ["Policy", "gelu", "gelu_linear", "linear", "mlp", "onednn_linear_available", "policy"]
 
@@ -157,7 +152,7 @@ def _weight_grad(grad_rows: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
 
 
 def _takes_onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    if not _ENABLED or is_fx_symbolic_tracing() or _capturing_graph() or torch.is_autocast_enabled("cpu"):
+    if not _ENABLED or capturing() or torch.is_autocast_enabled("cpu"):
         return False  # tracers and exporters see F.linear; autocast picks its own dtype
     if x.device.type != "cpu" or x.dtype != torch.float32:
         return False
@@ -256,7 +251,7 @@ def gelu(x: torch.Tensor) -> torch.Tensor:
     """``F.gelu(x)`` (the exact, erf form). With gradients on a contiguous or channels-last float CPU tensor and
     the native kernels built, the forward also keeps GELU's slope for a one-multiply backward (:class:`_Gelu`);
     elsewhere it is ``F.gelu``."""
-    if is_fx_symbolic_tracing() or _capturing_graph():  # first: under FX, x is a proxy
+    if capturing():  # first: under FX, x is a proxy
         return F.gelu(x)
     if (torch.is_grad_enabled() and x.requires_grad and x.device.type == "cpu"
             and x.dtype in (torch.float32, torch.float64) and not torch.is_autocast_enabled("cpu")

@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["native_kernels", "native_enabled"]
 
-_SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "pola_cpu.cpp"
+_SOURCE = Path(__file__).resolve().parent / "csrc" / "pola_cpu.cpp"
 _FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
