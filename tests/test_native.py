@@ -1,4 +1,4 @@
-"""The fused CPU kernels (polaformer/csrc/pola_cpu.cpp) against the torch-op versions they replace."""
+"""The fused CPU kernels (polaformer/backends/cpu/csrc/) against the torch-op versions they replace."""
 import logging
 import shutil
 
@@ -290,7 +290,7 @@ def test_unsupported_cpu_falls_back_to_torch_ops_with_a_warning(monkeypatch, cap
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(native_mod, "_state", {})
-    monkeypatch.setattr(native_mod, "_SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path)
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     with caplog.at_level(logging.WARNING, logger="polaformer.ops.native"):
