@@ -1,4 +1,4 @@
-"""The fused CPU kernels (polaformer/backends/cpu/csrc) against the torch-op versions they replace."""
+"""The fused CPU kernels (polaformer/backends/cpu/csrc/) against the torch-op versions they replace."""
 import logging
 import shutil
 
@@ -291,7 +291,7 @@ def test_unsupported_cpu_falls_back_to_torch_ops_with_a_warning(monkeypatch, cap
 
 def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     monkeypatch.setattr(native_mod, "_state", {})
-    monkeypatch.setattr(native_mod, "_SOURCE", tmp_path / "broken.cpp")
+    monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path)
     (tmp_path / "broken.cpp").write_text("this is not C++\n")
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "build"))
     with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
@@ -299,6 +299,30 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
         assert "build failed" in caplog.text
 
+
+def test_every_source_is_built_under_a_name_that_changes_with_any_header(monkeypatch, tmp_path):
+    from torch.utils import cpp_extension
+
+    if torch.backends.cpu.get_cpu_capability() not in native_mod._FLAGS:
+        pytest.skip("no native build for this CPU")
+    for name in ("b.cpp", "a.cpp", "shared.h"):
+        (tmp_path / name).write_text(f"// {name}\n")
+    calls = []
+    monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build"))
+    assert native_mod._build() == "built"
+    (tmp_path / "shared.h").write_text("// shared.h, edited\n")
+    assert native_mod._build() == "built"
+    assert calls[0]["sources"] == [str(tmp_path / "a.cpp"), str(tmp_path / "b.cpp")]
+    assert calls[0]["name"] != calls[1]["name"]
+    assert calls[0]["name"].startswith(calls[1]["name"].rsplit("_", 1)[0])
+
+
+def test_the_shipped_sources_include_every_kernel_family():
+    names = {path.name for path in native_mod._sources()}
+    assert {"bindings.cpp", "pola_power.cpp", "pacs.cpp", "pacs_fused.cpp", "rope.cpp", "gelu.cpp",
+            "depthwise.cpp"} <= names
 
 # ---- PaCS ----------------------------------------------------------------------------------------------
 

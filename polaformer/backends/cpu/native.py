@@ -1,4 +1,4 @@
-"""The fused CPU kernels of ``polaformer/csrc/pola_cpu.cpp``, compiled on first use.
+"""The fused CPU kernels of ``polaformer/backends/cpu/csrc/`` (one source per family), compiled on first use.
 
 The attention's elementwise stages (the power features, their backward, the two streams'
 normalisation and its gradient) are each one pass over memory there instead of a chain of 4-8
@@ -12,6 +12,7 @@ the results agree with the torch-op versions to rounding (tests/test_native.py, 
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import re
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["native_kernels", "native_enabled"]
 
-_SOURCE = Path(__file__).resolve().parent / "csrc" / "pola_cpu.cpp"
+_SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _FLAGS = {
     "AVX2": ["-mavx2", "-mfma", "-mf16c"],
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma", "-mf16c"],
@@ -63,13 +64,29 @@ def clear_stale_build_lock(build_dir: str | os.PathLike, max_age: float = _STALE
     return True
 
 
+def _sources() -> list[Path]:
+    return sorted(_SOURCE_DIR.glob("*.cpp"))
+
+
+def _sources_digest() -> str:
+    """A hash of every source and header: torch's build cache does not see a changed header."""
+    digest = hashlib.sha256()
+    for path in sorted([*_SOURCE_DIR.glob("*.cpp"), *_SOURCE_DIR.glob("*.h")]):
+        digest.update(path.name.encode())
+        digest.update(b"\0")
+        digest.update(path.read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()[:16]
+
+
 def _build():
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _FLAGS:
         log.warning("polaformer native kernels: not built for CPU capability %s; using torch ops", capability)
         return None
-    if not _SOURCE.is_file():
-        log.warning("polaformer native kernels: source %s is missing; using torch ops", _SOURCE)
+    sources = _sources()
+    if not sources:
+        log.warning("polaformer native kernels: no C++ sources in %s; using torch ops", _SOURCE_DIR)
         return None
     # torch.utils.cpp_extension logs a CUDA warning when imported on a machine without CUDA
     cpp_logger = logging.getLogger("torch.utils.cpp_extension")
@@ -84,15 +101,15 @@ def _build():
     log.info("polaformer native kernels: loading the %s build (the first use on a machine compiles it, ~30 s)",
              capability)
     try:
-        # torch's build cache is keyed by the name and the sources, not by torch's version: a module built
-        # against another libtorch must not be loaded, hence the version in the name
+        # torch's build cache is keyed by the name and the .cpp sources, not by torch's version or the headers:
+        # a module built against another libtorch or from other headers must not be loaded, hence both in the name
         version = re.sub(r"\W", "_", torch.__version__)
-        name = f"polaformer_native_{capability.lower()}_torch{version}"
+        name = f"polaformer_native_{capability.lower()}_torch{version}_{_sources_digest()}"
         if _lock_blocks_while_the_file_exists(cpp_extension):
             clear_stale_build_lock(cpp_extension._get_build_directory(name, False))
         return cpp_extension.load(
             name=name,
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in sources],
             extra_cflags=cflags,
             extra_ldflags=openmp,
             verbose=False,
