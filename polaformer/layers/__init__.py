@@ -9,3 +9,21 @@ from .window_attention import WindowAttention
 __all__ = ["GATE_INITS", "Linear", "Mlp", "PacsLinearAttention", "PacsSequenceAttention", "PolaLinearAttention", "PolaMultiheadAttention",
            "PolaSequenceAttention", "RoPE2d", "RopeSoftmaxAttention", "SpatialReductionAttention", "WindowAttention",
            "branch_and_gate"]
+from .baseline_attention import (
+    CosformerAttention,
+    FocusedLinearAttention,
+    KernelizedAttention,
+    LinearAttention,
+    LinformerAttention,
+    NystromAttention,
+    PerformerAttention,
+    QKVAttention,
+    SkyformerAttention,
+    SoftmaxAttention,
+    iterative_pinv,
+    orthogonal_gaussian_features,
+)
+
+__all__ += ["CosformerAttention", "FocusedLinearAttention", "KernelizedAttention", "LinearAttention",
+            "LinformerAttention", "NystromAttention", "PerformerAttention", "QKVAttention", "SkyformerAttention",
+            "SoftmaxAttention", "iterative_pinv", "orthogonal_gaussian_features"]
