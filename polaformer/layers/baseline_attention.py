@@ -116,6 +116,7 @@ def _valid_counts(padding_mask: torch.Tensor | None, batch: int, n: int, device)
 
 # ----------------------------------------------------------------------------- shared math
 
+
 def iterative_pinv(mat: torch.Tensor, iterations: int = 6) -> torch.Tensor:
     """Nyströmformer's iterative Moore–Penrose pseudo-inverse of a batch of square matrices.
 
@@ -156,7 +157,6 @@ def orthogonal_gaussian_features(
     rows = q.transpose(-2, -1).reshape(n_blocks * head_dim, head_dim)[:nb_features]
     norms = torch.randn(nb_features, head_dim, generator=generator, dtype=torch.float64).norm(dim=1)
     return rows * norms[:, None]
-
 
 
 # ----------------------------------------------------------------------------- the wrapper
