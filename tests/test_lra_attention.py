@@ -1,310 +1,28 @@
-"""Token mixers of the LRA model (polaformer.lra.attention): interface, masking, exactness."""
-import math
-
+"""The LRA model's token mixers by name (polaformer.lra.attention): registry, options, Pola/PaCS adapters."""
 import pytest
 import torch
-import torch.nn.functional as F
+from token_mixer_helpers import (
+    DIM,
+    HEAD_DIM,
+    HEADS,
+    MAX_LEN,
+    check_finite_outputs_and_gradients,
+    check_input_errors,
+    check_padded_contents_never_reach_valid_outputs,
+    check_right_padding_gives_the_unpadded_output,
+    padded_batch,
+    randomize_zero_init,
+)
 
-from polaformer.lra.attention import ATTENTIONS, attention_options, build_attention, iterative_pinv
+from polaformer.layers import NystromAttention, PacsSequenceAttention, PolaSequenceAttention, SoftmaxAttention
+from polaformer.lra.attention import ATTENTIONS, attention_options, build_attention
 
-DIM, HEADS, HEAD_DIM, MAX_LEN = 16, 2, 8, 32
-# Small settings so the approximations are really in use at test lengths (N = 14..18).
-SMALL = {
-    "performer": {"nb_features": 32, "seed": 0},
-    "nystrom": {"num_landmarks": 4},
-    "linformer": {"linformer_k": 6},
-    "skyformer": {"nb_features": 8},
-}
-ALL = list(ATTENTIONS)
-# Right padding gives exactly the unpadded output (see each class's docstring).
-PADDING_INVARIANT = [name for name in ALL if name != "nystrom"]
+ADAPTED = ["pola", "pacs"]
 
 
 def make(name, dtype=torch.float64, **options):
-    options = {**SMALL.get(name, {}), **options}
     layer = build_attention(name, DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN, **options).to(dtype)
-    with torch.no_grad():  # non-trivial values for parameters that start at zero
-        for pname, p in layer.named_parameters():
-            if pname.endswith(("scale", "power", "s1", "s2")):
-                p.uniform_(-0.5, 0.5)
-    return layer.eval()
-
-
-def padded_batch(lengths, n, dtype=torch.float64, junk=10.0):
-    x = torch.randn(len(lengths), n, DIM, dtype=dtype)
-    pad = torch.arange(n)[None, :] >= torch.tensor(lengths)[:, None]
-    x = torch.where(pad[..., None], junk * torch.randn_like(x), x)
-    return x, pad
-
-
-def heads(*shape_n, dtype=torch.float64, scale=1.0):
-    return [scale * torch.randn(2, HEADS, n, HEAD_DIM, dtype=dtype) for n in shape_n]
-
-
-def key_mask(pad):
-    return pad[:, None, None, :]
-
-
-# ----------------------------------------------------------------------------- interface
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_shape_finite_outputs_and_gradients(name):
-    layer = make(name, torch.float32).train()
-    x, pad = padded_batch([16, 3, 0], 16, torch.float32)  # full, mostly padding, all padding
-    x.requires_grad_(True)
-    out = layer(x, pad)
-    assert out.shape == x.shape and out.dtype == torch.float32
-    assert torch.isfinite(out).all()
-    (out * torch.randn_like(out)).sum().backward()
-    assert torch.isfinite(x.grad).all()
-    for pname, p in layer.named_parameters():
-        assert p.grad is not None and torch.isfinite(p.grad).all(), pname
-    # no mask, and a sequence shorter than max_seq_len
-    assert layer(torch.randn(2, 5, DIM)).shape == (2, 5, DIM)
-
-
-@pytest.mark.parametrize("name", PADDING_INVARIANT)
-def test_right_padding_gives_the_unpadded_output(name):
-    layer = make(name)
-    lengths = [14, 9, 3]
-    x, pad = padded_batch(lengths, 14)
-    with torch.no_grad():
-        out = layer(x, pad)
-        for b, n in enumerate(lengths):
-            alone = layer(x[b:b + 1, :n])
-            torch.testing.assert_close(out[b, :n], alone[0], atol=1e-10, rtol=0)
-
-
-@pytest.mark.parametrize("name", ALL)
-def test_padded_contents_never_reach_valid_outputs(name):
-    layer = make(name)
-    lengths = [18, 11, 4, 0]
-    x, pad = padded_batch(lengths, 18)
-    clean = x.masked_fill(pad[..., None], 0.0)
-    with torch.no_grad():
-        out_junk, out_zero = layer(x, pad), layer(clean, pad)
-    valid = ~pad
-    torch.testing.assert_close(out_junk[valid], out_zero[valid], atol=1e-10, rtol=0)
-    assert torch.isfinite(out_junk).all()
-
-
-def test_nystrom_depends_on_the_padded_length():
-    """Documented limitation: landmarks average stretches of the padded sequence."""
-    layer = make("nystrom")
-    x, pad = padded_batch([10], 18)
-    with torch.no_grad():
-        padded, alone = layer(x, pad)[0, :10], layer(x[:, :10])[0]
-    assert (padded - alone).abs().max() > 1e-6
-
-
-# ----------------------------------------------------------------------------- exactness of the cores
-
-
-def test_softmax_matches_manual_softmax():
-    core = make("softmax").core
-    q, k, v = heads(12, 12, 12)
-    pad = torch.tensor([[False] * 12, [False] * 7 + [True] * 5])
-    scores = (q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM)).masked_fill(key_mask(pad), float("-inf"))
-    torch.testing.assert_close(core(q, k, v, pad), torch.softmax(scores, -1) @ v, atol=1e-12, rtol=0)
-
-
-def test_linear_matches_explicit_weights():
-    core = make("linear").core
-    q, k, v = heads(12, 12, 12)
-    pad = torch.tensor([[False] * 12, [False] * 5 + [True] * 7])
-    phi_q, phi_k = F.elu(q) + 1, F.elu(k) + 1
-    n = (~pad).sum(-1).to(q.dtype)[:, None, None, None]
-    sims = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(key_mask(pad), 0.0)
-    weights = (sims / n) / (sims.sum(-1, keepdim=True) / n + 1e-6)
-    torch.testing.assert_close(core(q, k, v, pad), weights @ v, atol=1e-12, rtol=0)
-
-
-def test_kernelized_matches_gaussian_kernel():
-    core = make("kernelized").core
-    q, k, v = heads(10, 10, 10)
-    pad = torch.tensor([[False] * 10, [False] * 4 + [True] * 6])
-    sq_dist = ((q[..., :, None, :] - k[..., None, :, :]) ** 2).sum(-1)
-    weights = torch.exp(-sq_dist / (2 * math.sqrt(HEAD_DIM))).masked_fill(key_mask(pad), 0.0)
-    torch.testing.assert_close(core(q, k, v, pad), weights @ v, atol=1e-12, rtol=0)
-
-
-def test_performer_matches_its_quadratic_form_and_stabilisers_cancel():
-    core = make("performer", nb_features=64).core
-    core.kernel_eps = 0.0  # then both stabilisers cancel exactly in the ratio
-    q, k, v = heads(10, 10, 10, scale=2.0)
-    pad = torch.tensor([[False] * 10, [False] * 6 + [True] * 4])
-    w = core.projection_matrix
-    c = HEAD_DIM**-0.25
-
-    def phi(x):
-        x = x * c
-        return torch.exp(x @ w.T - 0.5 * (x * x).sum(-1, keepdim=True)) / math.sqrt(w.shape[0])
-
-    sims = (phi(q) @ phi(k).transpose(-2, -1)).masked_fill(key_mask(pad), 0.0)
-    ref = (sims / sims.sum(-1, keepdim=True)) @ v
-    torch.testing.assert_close(core(q, k, v, pad), ref, atol=1e-10, rtol=1e-10)
-
-
-def test_performer_approximates_softmax_with_many_features():
-    # Small |q|, |k| keep the estimator's relative variance per feature, e^{|q+k|²/√d} − 1, near 1,
-    # so with 4096 features the weights are within ~2 %; observed errors are 0.006–0.012.
-    layer = make("performer", nb_features=4096, seed=3)
-    q, k, v = heads(12, 12, 12, scale=0.3)
-    ref = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM), -1) @ v
-    assert (layer.core(q, k, v, None) - ref).abs().max() < 0.03
-
-
-def test_performer_features_are_seeded_orthogonal_buffers():
-    a, b = make("performer", seed=7), make("performer", seed=7)
-    w = a.core.projection_matrix.clone()
-    assert "core.projection_matrix" in a.state_dict()
-    torch.testing.assert_close(w, b.core.projection_matrix)
-    block = w[:HEAD_DIM] / w[:HEAD_DIM].norm(dim=1, keepdim=True)
-    torch.testing.assert_close(block @ block.T, torch.eye(HEAD_DIM, dtype=w.dtype), atol=1e-6, rtol=0)
-    a.redraw_features(seed=8)
-    assert not torch.allclose(a.core.projection_matrix, w)
-
-
-def test_nystrom_short_sequences_are_exact_softmax():
-    core = make("nystrom", num_landmarks=16).core
-    q, k, v = heads(12, 12, 12)
-    pad = torch.tensor([[False] * 12, [False] * 8 + [True] * 4])
-    scores = (q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM)).masked_fill(key_mask(pad), float("-inf"))
-    valid = ~pad[:, None, :].expand(2, HEADS, 12)  # padded query rows are unspecified (zeroed q here)
-    out, ref = core(q, k, v, pad), torch.softmax(scores, -1) @ v
-    torch.testing.assert_close(out[valid], ref[valid], atol=1e-12, rtol=0)
-
-
-def test_nystrom_is_exact_when_landmarks_are_the_tokens():
-    """Segments of identical tokens: the landmarks are the distinct tokens and Nyström is exact."""
-    core = make("nystrom", num_landmarks=6, pinv_iterations=30).core
-    q_l, k_l, v = heads(6, 6, 18)
-    q, k = q_l.repeat_interleave(3, dim=2), k_l.repeat_interleave(3, dim=2)
-    ref = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(HEAD_DIM), -1) @ v
-    torch.testing.assert_close(core(q, k, v, None), ref, atol=1e-10, rtol=0)
-
-
-@pytest.mark.parametrize("n", [18, 15])
-def test_nystrom_matches_its_formula(n):
-    landmarks = 6
-    core = make("nystrom", num_landmarks=landmarks, pinv_iterations=40).core
-    q, k, v = heads(n, n, n)
-    c = HEAD_DIM**-0.25
-    q, k = q * c, k * c
-    # token j belongs to segment floor(j·L/n); for n = 18 these are the original's reshape segments
-    segment = [j * landmarks // n for j in range(n)]
-    avg = torch.zeros(landmarks, n, dtype=q.dtype)
-    for j, s in enumerate(segment):
-        avg[s, j] = 1.0
-    avg /= avg.sum(-1, keepdim=True)
-    if n % landmarks == 0:
-        torch.testing.assert_close(avg @ q, q.reshape(2, HEADS, landmarks, n // landmarks, HEAD_DIM).mean(-2))
-    q_l, k_l = avg @ q, avg @ k
-    ref = (torch.softmax(q @ k_l.transpose(-2, -1), -1)
-           @ torch.linalg.pinv(torch.softmax(q_l @ k_l.transpose(-2, -1), -1))
-           @ torch.softmax(q_l @ k.transpose(-2, -1), -1) @ v)
-    torch.testing.assert_close(core(q / c, k / c, v, None), ref, atol=1e-9, rtol=1e-9)
-
-
-def test_iterative_pinv_inverts_a_stochastic_matrix():
-    a = torch.softmax(torch.randn(3, 5, 5, dtype=torch.float64), -1) + torch.eye(5, dtype=torch.float64)
-    torch.testing.assert_close(iterative_pinv(a, 20), torch.linalg.inv(a), atol=1e-10, rtol=0)
-
-
-def test_linformer_matches_its_formula():
-    layer = make("linformer", linformer_k=5)
-    core = layer.core
-    q, k, v = heads(11, 11, 11)
-    pad = torch.tensor([[False] * 11, [False] * 6 + [True] * 5])
-    e = core.E[..., :11]
-    k_p = e @ k.masked_fill(pad[:, None, :, None], 0.0)
-    v_p = e @ v.masked_fill(pad[:, None, :, None], 0.0)
-    ref = torch.softmax(q @ k_p.transpose(-2, -1) / math.sqrt(HEAD_DIM), -1) @ v_p
-    torch.testing.assert_close(core(q, k, v, pad), ref, atol=1e-12, rtol=0)
-    assert core.E.shape == (HEADS, 5, MAX_LEN) and core.E.requires_grad
-    fixed = make("linformer", share_kv=False, learn_projection=False)
-    assert {"core.E", "core.F"} <= set(fixed.state_dict()) and not any("core." in n for n, _ in fixed.named_parameters())
-
-
-def test_cosformer_matches_explicit_cos_reweighting():
-    core = make("cosformer").core
-    q, k, v = heads(12, 12, 12)
-    lengths = torch.tensor([12, 7])
-    pad = torch.arange(12)[None, :] >= lengths[:, None]
-    i = torch.arange(1, 13, dtype=q.dtype)
-    m = lengths.to(q.dtype)[:, None, None, None]
-    reweight = torch.cos(math.pi / 2 * (i[:, None] - i[None, :]) / m)  # cos(π/2·(i − j)/M)
-    sims = (F.relu(q) @ F.relu(k).transpose(-2, -1) * reweight).masked_fill(key_mask(pad), 0.0)
-    ref = sims @ v / sims.sum(-1, keepdim=True).clamp_min(1e-6)
-    torch.testing.assert_close(core(q, k, v, pad), ref, atol=1e-12, rtol=1e-12)
-
-
-def test_skyformer_matches_regularised_nystrom_of_the_gaussian_kernel():
-    core = make("skyformer", nb_features=8, pinv_iterations=40).core
-    q, k, v = heads(12, 12, 12)
-    lengths = torch.tensor([12, 9])
-    pad = torch.arange(12)[None, :] >= lengths[:, None]
-    out = core(q, k, v, pad)
-    idx = core.landmark_indices(lengths, 12)
-    assert (idx[:, :4] < lengths[:, None]).all() and (idx[:, 4:] >= 12).all()
-    assert (idx[:, 4:] < 12 + lengths[:, None]).all()
-    c = HEAD_DIM**-0.25
-
-    def gauss(a, b):
-        return torch.exp(-0.5 * ((a[..., :, None, :] - b[..., None, :, :]) ** 2).sum(-1))
-
-    for b, n in enumerate(lengths.tolist()):
-        x = torch.cat([q[b, :, :n], k[b, :, :n]], dim=1) * c  # valid tokens only
-        sel = torch.where(idx[b] >= 12, idx[b] - 12 + n, idx[b])
-        s = x[:, sel]
-        kernel_qs, kernel_sk = gauss(x[:, :n], s), gauss(s, x[:, n:])
-        reg = gauss(s, s) + 0.1 * torch.eye(8, dtype=q.dtype)
-        ref = kernel_qs @ torch.linalg.solve(reg, kernel_sk) @ v[b, :, :n]
-        torch.testing.assert_close(out[b, :, :n], ref, atol=1e-10, rtol=1e-10)
-
-
-def test_skyformer_sampling_random_in_training_fixed_in_eval():
-    layer = make("skyformer")
-    x = torch.randn(2, 12, DIM, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), layer(x))
-        layer.train()
-        assert not torch.allclose(layer(x), layer(x))
-
-
-def test_focused_matches_explicit_weights_plus_dwc():
-    core = make("focused").core
-    q, k, v = heads(12, 12, 12)
-    pad = torch.tensor([[False] * 12, [False] * 5 + [True] * 7])
-    s = F.softplus(core.scale)
-
-    def phi(x):
-        x = F.relu(x / s) + 1e-6
-        y = x**3
-        return y * x.norm(dim=-1, keepdim=True) / y.norm(dim=-1, keepdim=True)
-
-    n = (~pad).sum(-1).to(q.dtype)[:, None, None, None]
-    sims = (phi(q) @ phi(k).transpose(-2, -1)).masked_fill(key_mask(pad), 0.0)
-    weights = (sims / n) / (sims.sum(-1, keepdim=True) / n + 1e-6)
-    v0 = v.masked_fill(pad[:, None, :, None], 0.0)
-    local = F.conv1d(v0.reshape(-1, 12, HEAD_DIM).transpose(1, 2), core.dwc.weight, core.dwc.bias,
-                     padding=2, groups=HEAD_DIM).transpose(1, 2).reshape(v.shape)
-    torch.testing.assert_close(core(q, k, v, pad), weights @ v + local, atol=1e-12, rtol=0)
-    assert make("focused", kernel_size=0).core.dwc is None
-
-
-@pytest.mark.parametrize("name", ["softmax", "kernelized"])
-def test_attention_dropout_only_in_training(name):
-    layer = make(name, dropout=0.5)
-    x = torch.randn(2, 10, DIM, dtype=torch.float64)
-    with torch.no_grad():
-        torch.testing.assert_close(layer(x), layer(x))
-        layer.train()
-        assert not torch.allclose(layer(x), layer.eval()(x))
-
-
-# ----------------------------------------------------------------------------- registry
+    return randomize_zero_init(layer)
 
 
 def test_registry_and_options():
@@ -320,6 +38,22 @@ def test_registry_and_options():
     assert layer.layer.alpha == 3.0 and layer.layer.dwc.kernel_size == (3,)
 
 
+def test_entries_build_the_layers_with_sizes_dropout_and_options():
+    layer = build_attention("nystrom", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN, num_landmarks=4)
+    assert isinstance(layer, NystromAttention) and layer.core.num_landmarks == 4 and layer.max_seq_len == MAX_LEN
+    assert build_attention("softmax", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN, dropout=0.3).core.dropout == 0.3
+    assert type(build_attention("softmax", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN)) is SoftmaxAttention
+    assert isinstance(make("pola").layer, PolaSequenceAttention)
+    assert isinstance(make("pacs").layer, PacsSequenceAttention)
+
+
+def test_adapter_parameters_live_under_layer():
+    """Saved LRA checkpoints name the Pola/PaCS parameters ``...attn.layer.*``."""
+    for name in ADAPTED:
+        keys = set(make(name).state_dict())
+        assert keys and all(k.startswith("layer.") for k in keys), name
+
+
 def test_build_attention_errors():
     with pytest.raises(ValueError, match=r"unknown attention 'bogus'; known: softmax, linear") as err:
         build_attention("bogus", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN)
@@ -329,19 +63,40 @@ def test_build_attention_errors():
         build_attention("performer", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN, rp_dim=64)
     with pytest.raises(ValueError, match="its options: none"):
         build_attention("softmax", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN, num_landmarks=4)
-    for name in ("pola", "pacs"):
+    for name in ADAPTED:
         with pytest.raises(ValueError, match="head_dim == dim // num_heads"):
             build_attention(name, DIM, HEADS, 32, max_seq_len=MAX_LEN)
     with pytest.raises(ValueError, match="odd"):
         build_attention("nystrom", DIM, HEADS, HEAD_DIM, max_seq_len=MAX_LEN, conv_kernel_size=4)
 
 
-@pytest.mark.parametrize("name", ["softmax", "pola"])
+# ----------------------------------------------------------------------------- the adapted Pola/PaCS layers
+# (the baselines' interface is tested in test_baseline_attention.py)
+
+
+@pytest.mark.parametrize("name", ADAPTED)
+def test_shape_finite_outputs_and_gradients(name):
+    check_finite_outputs_and_gradients(make(name, torch.float32))
+
+
+@pytest.mark.parametrize("name", ADAPTED)
+def test_right_padding_gives_the_unpadded_output(name):
+    check_right_padding_gives_the_unpadded_output(make(name))
+
+
+@pytest.mark.parametrize("name", ADAPTED)
+def test_padded_contents_never_reach_valid_outputs(name):
+    check_padded_contents_never_reach_valid_outputs(make(name))
+
+
+@pytest.mark.parametrize("name", ADAPTED)
 def test_forward_input_checks(name):
-    layer = make(name)
-    with pytest.raises(ValueError, match="exceeds max_seq_len"):
-        layer(torch.randn(1, MAX_LEN + 1, DIM, dtype=torch.float64))
-    with pytest.raises(ValueError, match="bool"):
-        layer(torch.randn(1, 4, DIM, dtype=torch.float64), torch.zeros(1, 4))
-    with pytest.raises(ValueError, match=r"\(B, N, 16\)"):
-        layer(torch.randn(1, 4, DIM + 1, dtype=torch.float64))
+    check_input_errors(make(name))
+
+
+def test_adapter_passes_the_mask_to_the_layer():
+    adapter = make("pola")
+    x, pad = padded_batch([12, 5], 12)
+    with torch.no_grad():
+        torch.testing.assert_close(adapter(x, pad), adapter.layer(x, key_padding_mask=pad), atol=0, rtol=0)
+        torch.testing.assert_close(adapter(x, key_padding_mask=pad), adapter(x, pad), atol=0, rtol=0)

@@ -1,9 +1,30 @@
-"""nn.Modules built on :mod:`polaformer.ops`, written with plain torch modules (speed-ups: :func:`polaformer.accelerate`)."""
+"""nn.Modules built on :mod:`polaformer.ops`, written with plain torch modules (speed-ups: :func:`polaformer.accelerate`).
+
+The Pola and PaCS token mixers for image grids and sequences, PolaFormer++'s RoPE softmax attention, Swin's
+windows, PVT's spatial-reduction attention, and the baseline linear attentions compared against in the papers.
+"""
+from .baseline_attention import (
+    CosformerAttention,
+    FocusedLinearAttention,
+    KernelizedAttention,
+    LinearAttention,
+    LinformerAttention,
+    NystromAttention,
+    PerformerAttention,
+    QKVAttention,
+    SkyformerAttention,
+    SoftmaxAttention,
+    iterative_pinv,
+    orthogonal_gaussian_features,
+)
 from .pola_attention import PolaLinearAttention
 from .polapp_attention import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from .sequence_attention import GATE_INITS, PacsSequenceAttention, PolaMultiheadAttention, PolaSequenceAttention
 from .sr_attention import SpatialReductionAttention
 from .window_attention import WindowAttention
 
-__all__ = ["GATE_INITS", "PacsLinearAttention", "PacsSequenceAttention", "PolaLinearAttention", "PolaMultiheadAttention",
-           "PolaSequenceAttention", "RoPE2d", "RopeSoftmaxAttention", "SpatialReductionAttention", "WindowAttention"]
+__all__ = ["GATE_INITS", "CosformerAttention", "FocusedLinearAttention", "KernelizedAttention", "LinearAttention",
+           "LinformerAttention", "NystromAttention", "PacsLinearAttention", "PacsSequenceAttention", "PerformerAttention",
+           "PolaLinearAttention", "PolaMultiheadAttention", "PolaSequenceAttention", "QKVAttention", "RoPE2d",
+           "RopeSoftmaxAttention", "SkyformerAttention", "SoftmaxAttention", "SpatialReductionAttention",
+           "WindowAttention", "iterative_pinv", "orthogonal_gaussian_features"]

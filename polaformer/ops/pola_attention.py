@@ -38,7 +38,7 @@ from .dispatch import capturing, cpu_kernels, legacy_onnx_export
 from .feature_maps import pacs_key_features, pacs_query_features
 from .rope import apply_rope
 
-__all__ = ["pola_linear_attention", "pacs_linear_attention", "linear_attention"]
+__all__ = ["full_precision", "linear_attention", "pacs_linear_attention", "pola_linear_attention"]
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, even_head_dim: bool = False) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -125,7 +125,7 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-def _full_precision(device_type: str):
+def full_precision(device_type: str):
     """Autocast off for the block (meta tensors, used for FLOP counting, have no autocast)."""
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
@@ -431,7 +431,7 @@ def pola_linear_attention(
         attention = _PolaPowerAttention.apply
     else:
         attention = _pola_attention_no_grad
-    with _full_precision(q.device.type):
+    with full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
     return out.to(v.dtype)
 
@@ -903,7 +903,7 @@ def pacs_linear_attention(
         attention = _pacs_attention_no_grad
     if sin is not None:
         sin, cos = sin.to(dtype), cos.to(dtype)
-    with _full_precision(q.device.type):
+    with full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), temp_same.to(dtype), temp_opposite.to(dtype),
                         sin, cos, eps, keep, m)
     return out.to(out_dtype)
