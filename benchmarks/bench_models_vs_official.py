@@ -41,7 +41,8 @@ from torch.utils import benchmark
 
 import polaformer.models  # noqa: F401  (registers our architectures)
 import timm
-from polaformer.layers import Linear, Mlp, PolaLinearAttention
+from polaformer import accelerate
+from polaformer.layers import PolaLinearAttention
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
 from polaformer.runtime import tune_cpu_allocator
 
@@ -156,25 +157,22 @@ class OfficialWayConvMlp(DepthwiseConvMlp):
 
 
 def official_way(model: torch.nn.Module) -> torch.nn.Module:
-    """The model as the official code would write it: the attention above, and torch's ``nn.Linear`` and
-    timm's ``Mlp`` (MKL's GEMM, GELU as a pass of its own) where ours run on oneDNN."""
+    """The plain model as the official code would write it: the attention above, torch's ``nn.Linear`` and
+    timm's ``Mlp`` (MKL's GEMM, GELU as a pass of its own)."""
     baseline = copy.deepcopy(model)
     for module in baseline.modules():
         if type(module) is PolaLinearAttention:
             module.__class__ = OfficialWayPola
         elif type(module) is DepthwiseConvMlp:
             module.__class__ = OfficialWayConvMlp
-        elif type(module) is Linear:
-            module.__class__ = torch.nn.Linear
-        elif type(module) is Mlp:
-            module.__class__ = timm.layers.Mlp
     return baseline
 
 
 # --- families ---------------------------------------------------------------------------------
 
 def build_pairs(names):
-    """[(name, official, ours, what the baseline is)] for the families available here."""
+    """[(name, official, ours, what the baseline is)] for the families available here; ``ours`` is the plain
+    model (:func:`ours_for` accelerates it as the CLI does)."""
     roots = {env: os.environ.get(env) for env in (POLA_ENV, PP_ENV)}
     pairs = []
     for name in names:
@@ -195,6 +193,13 @@ def build_pairs(names):
         ours.load_state_dict(official.state_dict(), strict=True)
         pairs.append((name, official, ours, "official code"))
     return pairs
+
+
+def ours_for(model: torch.nn.Module, mode: str) -> torch.nn.Module:
+    """Our model as ``polaformer`` runs it: accelerated, and for inference with its BatchNorms folded."""
+    if mode == "infer":
+        return accelerate(copy.deepcopy(model).eval(), inference=True)
+    return accelerate(copy.deepcopy(model))
 
 
 def check_same(official, ours, name) -> float:
@@ -328,15 +333,18 @@ def main(argv=None) -> int:
         return 0
     rows = []
     load_start = os.getloadavg()
-    for name, official, ours, baseline in pairs:
-        diff = check_same(official, ours, name)
-        # static shapes: one graph per batch size, as a training run with a fixed batch gets
-        compiled = torch.compile(ours, dynamic=False) if args.compile else None
+    for name, official, plain, baseline in pairs:
+        diff = check_same(official, ours_for(plain, "infer"), name)
+        # static shapes: one graph per batch size, as a training run with a fixed batch gets; compile sees the
+        # plain model (accelerate's kernels are eager-only)
+        compiled = torch.compile(plain, dynamic=False) if args.compile else None
+        accelerated = {mode: ours_for(plain, mode) for mode in args.modes}
         for batch in args.batches:
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, 3, 224, 224, generator=gen)
             target = torch.randint(0, 1000, (batch,), generator=gen)
             for mode in args.modes:
+                ours = accelerated[mode]
                 steps = {"official": make_step(official, mode, x, target), "ours": make_step(ours, mode, x, target)}
                 if compiled is not None:
                     steps["compiled"] = make_step(compiled, mode, x, target)
