@@ -1,8 +1,8 @@
 """Process-level settings that make CPU runs faster; applied by the CLI, never on import.
 
 Large tensors (more than a few MB) are allocated by glibc with ``mmap`` and returned to the
-system when freed, so every new activation of that size page-faults its memory in again: on
-a 2-core machine a fresh 50 MB buffer costs ~20 ms, as much as a matmul over it. Raising
+system when freed, so every new activation of that size page-faults its memory in again, which
+can cost as much as a matmul over it. Raising
 glibc's mmap and trim thresholds keeps freed blocks in the heap for reuse. Peak memory is
 unchanged; the resident size just does not shrink after a peak.
 """

@@ -113,8 +113,7 @@ def hard_window_mask(mask: torch.Tensor) -> torch.Tensor:
     """The official mask with its ``MASK_VALUE`` logits set to -inf.
 
     ``exp(-100)`` is a float32 denormal: each softmax weight of a separated pair would be one, and
-    every product that touches them (P·V, the backward's products) runs many times slower on x86
-    (Pola-Swin-T's softmax blocks took 30 instead of 8 ms of a batch-1 training step). The weights
+    every product that touches them (P·V, the backward's products) runs many times slower on x86. The weights
     become exact zeros instead of 3.7e-44, below the rounding of any unmasked weight (float32 or
     float64). Every row keeps its own token (a token is never apart from itself), so no row is empty.
     """

@@ -15,7 +15,7 @@ __all__ = ["conv2d_gelu", "depthwise_conv2d", "depthwise_conv_gelu_linear", "fol
 _CONV_POINTWISE = getattr(getattr(torch.ops, "mkldnn", None), "_convolution_pointwise", None)
 
 
-# oneDNN's 3×3 backward is about as fast on maps below ~2M elements (0.9-1.06x), slower above (1.26-1.3x)
+# oneDNN's own 3×3 backward is as fast on maps below ~2M elements and is kept there
 _NATIVE_MIN_KERNEL, _NATIVE_MIN_3X3_ELEMENTS = 5, 1 << 21
 
 
@@ -33,7 +33,7 @@ def _is_dense_channels_last(x: torch.Tensor) -> bool:
 class _DepthwiseConv(torch.autograd.Function):
     """Forward and input gradient on oneDNN's depthwise kernel (the input gradient of a stride-1 "same"
     conv is the same conv of the output gradient with the kernel flipped); weight and bias gradients from
-    the native kernel, which oneDNN's backward-weights pass is 10-20x slower than on channels-last maps."""
+    the native kernel: oneDNN's backward-weights pass is far slower on channels-last maps."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, kernels):
@@ -59,10 +59,9 @@ def depthwise_conv2d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     """``F.conv2d(x, weight, bias, padding=K // 2, groups=C)`` for ``weight`` (C, 1, K, K), K odd.
 
     With gradients, on a dense channels-last float map and where the native kernels are built, the
-    weight and bias gradients come from a native kernel (:class:`_DepthwiseConv`): forward+backward is
-    1.4-4.2x faster than oneDNN's at the models' 5×5 shapes and 1.26-1.3x at 3×3 on maps of 2M elements
-    or more, while on smaller 3×3 maps oneDNN's backward is as fast (0.9-1.06x) and is kept
-    (docs/benchmarks.md). Elsewhere it is ``F.conv2d``. Both give the same values up to the order of the
+    weight and bias gradients come from a native kernel (:class:`_DepthwiseConv`) for 5×5 and larger
+    kernels and for 3×3 on maps of 2M elements or more; on smaller 3×3 maps oneDNN's backward is as fast
+    and is kept (docs/benchmarks.md). Elsewhere it is ``F.conv2d``. Both give the same values up to the order of the
     sums.
     """
     if capturing():  # shapes may be proxies: no checks

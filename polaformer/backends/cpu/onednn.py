@@ -4,20 +4,19 @@ torch runs ``F.linear`` on the CPU as MKL's GEMM after copying the bias into the
 a pass of its own over the hidden activations. oneDNN's matmul (the one ``torch.compile`` uses for
 frozen CPU graphs, ``torch.ops.mkldnn._linear_pointwise``) adds the bias and applies GELU to each
 output tile while it is still in cache, and its kernels are faster for most transformer shapes
-(docs/benchmarks.md). The GELU of a PVT stage-1 MLP alone moves 100 MB per batch of 8 images, so fusing
-it is most of the gain at inference.
+(docs/benchmarks.md). The GELU pass over a large MLP's hidden activations is a large share of its memory
+traffic, so fusing it is most of the gain at inference.
 
 How much faster oneDNN is depends on the CPU, so the sizes from which it is used (:class:`Policy`) are
 chosen once per process by timing one product on both (:func:`policy`):
 
 - ``narrow``: where both libraries run the CPU's widest vector code (Intel; AMD Zen 4, whose AVX-512 is
-  executed as two 256-bit halves), oneDNN's ~10 us per call loses on small products. It takes the
+  executed as two 256-bit halves), oneDNN's fixed cost per call loses on small products. It takes the
   forward and the input's gradient from 2^25 multiply-adds (2^22 with an inner dimension of 256 or
-  more: 1.03-1.83x there, 0.76-1.08x below), and the weight's gradient stays on MKL.
+  more), and the weight's gradient stays on MKL.
 - ``wide``: where MKL runs half as fast as oneDNN (MKL's AVX-512 kernels are for Intel CPUs only, so on
-  an AMD Zen 5, which executes AVX-512 at full width, MKL's AVX2 code reaches ~210 GFLOP/s on 2 cores
-  and oneDNN ~470), oneDNN takes every product of 2^21 multiply-adds or more, the weight's gradient
-  from 2^23.
+  an AMD Zen 5, which executes AVX-512 at full width, MKL runs its AVX2 code), oneDNN takes every product
+  of 2^21 multiply-adds or more, the weight's gradient from 2^23.
 
 ``POLAFORMER_ONEDNN=0`` turns the path off, ``=narrow`` or ``=wide`` skips the measurement.
 
@@ -97,7 +96,7 @@ def _policy_from_timings(mkl_seconds: float, onednn_seconds: float) -> Policy:
 
 
 def _measure_policy() -> Policy:
-    """Times one (256 x 256)·(256 x 256) product on MKL and on oneDNN (best of 7 each, interleaved, ~3 ms)."""
+    """Times one (256 x 256)·(256 x 256) product on MKL and on oneDNN (best of 7 each, interleaved)."""
     gen = torch.Generator().manual_seed(0)
     a, w = torch.randn(256, 256, generator=gen), torch.randn(256, 256, generator=gen)
     best = {"mkl": float("inf"), "onednn": float("inf")}
@@ -135,7 +134,7 @@ def _weight_grad(grad_rows: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
     """``gᵀ x``, (out, in), for the output's gradient ``g`` (T, out) and the input ``x`` (T, in) as rows.
 
     On oneDNN where the policy says so. oneDNN reads both operands transposed; which of the two products
-    ``gᵀ x`` or ``(xᵀ g)ᵀ`` is faster depends on the shape (up to 5x apart, docs/benchmarks.md): the one
+    ``gᵀ x`` or ``(xᵀ g)ᵀ`` is faster depends on the shape: the one
     whose output rows are the narrower side, except that ``xᵀ g`` (then copied to the weight's layout)
     pays only for many tokens."""
     tokens, inner = x_rows.shape
@@ -144,7 +143,7 @@ def _weight_grad(grad_rows: torch.Tensor, x_rows: torch.Tensor) -> torch.Tensor:
     if threshold is None or tokens < 8 or tokens * inner * outer < threshold:
         return torch.mm(grad_rows.t(), x_rows)
     # dense rows first: oneDNN runs a transposed operand with a row stride of its own on its reference code,
-    # 1000x slower (a projection fed a slice of the qkv output: 300 ms instead of 0.25)
+    # orders of magnitude slower (a projection fed a slice of the qkv output)
     x_rows, grad_rows = x_rows.contiguous(), grad_rows.contiguous()
     if inner < outer and tokens >= 4 * inner:
         return _OP(x_rows.t(), grad_rows.t(), None, "none", [], "").t().contiguous()
