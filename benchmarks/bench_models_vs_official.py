@@ -43,6 +43,7 @@ import polaformer.models  # noqa: F401  (registers our architectures)
 import timm
 from polaformer import accelerate
 from polaformer.layers import PolaLinearAttention
+from polaformer.ops import official_pola_linear_attention
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
 from polaformer.runtime import tune_cpu_allocator
 
@@ -126,16 +127,7 @@ class OfficialWayPola(PolaLinearAttention):
         q = q.reshape(b, n, self.num_heads, -1).permute(0, 2, 1, 3).contiguous()
         k = k.reshape(b, m, self.num_heads, -1).permute(0, 2, 1, 3).contiguous()
         v = v.reshape(b, m, self.num_heads, -1).permute(0, 2, 1, 3).contiguous()
-        q_pos, q_neg = F.relu(q) ** power, F.relu(-q) ** power
-        k_pos, k_neg = F.relu(k) ** power, F.relu(-k) ** power
-        q_sim, q_opp = torch.cat([q_pos, q_neg], -1), torch.cat([q_neg, q_pos], -1)
-        k = torch.cat([k_pos, k_neg], -1)
-        v1, v2 = torch.chunk(v, 2, dim=-1)
-        k_mean = k.mean(dim=-2, keepdim=True).transpose(-2, -1)
-        kt = k.transpose(-2, -1) * m ** -0.5
-        x_sim = q_sim @ (kt @ (v1 * m ** -0.5)) * (1 / (q_sim @ k_mean + 1e-6))
-        x_opp = q_opp @ (kt @ (v2 * m ** -0.5)) * (1 / (q_opp @ k_mean + 1e-6))
-        out = torch.cat([x_sim, x_opp], -1).transpose(1, 2).reshape(b, n, c)
+        out = official_pola_linear_attention(q, k, v, power).transpose(1, 2).reshape(b, n, c)
         if m != n:
             v = F.interpolate(v.transpose(-2, -1).reshape(b * self.num_heads, -1, m), size=n, mode="linear")
             v = v.reshape(b, self.num_heads, -1, n).transpose(-2, -1)

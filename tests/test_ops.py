@@ -14,6 +14,7 @@ from polaformer.ops import (
     linear_attention_weights,
     naive_pacs_linear_attention,
     naive_pola_linear_attention,
+    official_pola_linear_attention,
     pacs_key_features,
     pacs_linear_attention,
     pacs_query_features,
@@ -292,3 +293,11 @@ def test_plus_depthwise_conv_traces_with_fx():
     traced = torch.fx.symbolic_trace(block)
     x = torch.randn(1, 4, 5, 5)
     torch.testing.assert_close(traced(x), x + block.conv(x))
+
+
+@pytest.mark.parametrize("n,m,dv", [(9, 9, 6), (12, 5, 7)])
+def test_official_two_stream_formulation_equals_the_reference(n, m, dv):
+    q, k, v, w = pola_inputs(2, 3, n, m, 4, dv, seed=3)
+    p = learnable_power(w, 4.0)
+    torch.testing.assert_close(official_pola_linear_attention(q, k, v, p), naive_pola_linear_attention(q, k, v, p),
+                               rtol=1e-10, atol=1e-12)

@@ -1,26 +1,19 @@
 """PolaFormer++: a conv-stem pyramid of PaCS linear attention and RoPE softmax attention (official ``POLA_b*``).
 
-Weight-compatible with the authors' ``POLA`` class: the same module names (``patch_embed.proj``,
-``layers.{i}.{RoPE,RoPE_linear,blocks,downsample}``, ``proj``, ``norm``, ``head``) and shapes, so
-their checkpoints load strictly. The layout, as in the official code:
+Weight-compatible with the authors' ``POLA`` class (same module names and shapes; their checkpoints load
+strictly):
 
 - Stem: four 3×3 convs with BatchNorm (strides 2, 1, 1, 2), GELU between them: stride 4.
-- Each block: ``x + pos(x)`` (3×3 depthwise conv), then pre-norm attention and a conv FFN, each
-  branch optionally scaled by a per-channel layerscale (``gamma_1``/``gamma_2``).
-- Block type per the official flags: ``'l'`` = PaCS linear attention with RoPE over 2·head_dim,
-  ``'v'`` = softmax attention with RoPE over head_dim. Every stage holds both RoPE modules
-  (``RoPE`` for 'v', ``RoPE_linear`` for 'l') even if its blocks use only one.
-- PatchMerging (3×3 stride-2 conv + BatchNorm) closes stages 1-3, so ``layers.{i}`` outputs at
-  stride 8/16/32/32; the pyramid features (strides 4/8/16/32) are the block outputs *before* it.
-- Head: 1×1 conv to ``projection`` channels, BatchNorm, Swish, global average pool, 1×1 conv
-  classifier.
+- Block: ``x + pos(x)`` (3×3 depthwise conv), then pre-norm attention and a conv FFN, each branch optionally
+  scaled by a per-channel layerscale. Block type per the official flags: ``'l'`` = PaCS linear attention
+  with RoPE over 2·head_dim, ``'v'`` = softmax attention with RoPE over head_dim; every stage holds both
+  RoPE modules (``RoPE``, ``RoPE_linear``) as the official code does.
+- PatchMerging (3×3 stride-2 conv + BatchNorm) closes stages 1-3; the pyramid features (strides 4/8/16/32)
+  are the block outputs before it.
+- Head: 1×1 conv to ``projection`` channels, BatchNorm, Swish, global average pool, 1×1 conv classifier.
 
-RoPE tables are computed from the actual grid and every strided conv pads, so any input size runs,
-as in the official code (a 64×48 image gives stage grids 16×12, 8×6, 4×3, 2×2; ``img_size`` is
-accepted for timm's API and changes nothing). A stage whose blocks are all of one type holds the
-other type's RoPE table unused, as the official code, whatever its head width.
-
-The lower-case names ``pola_b0``..``pola_b5`` are timm deprecation aliases of ``POLA_b0``..``POLA_b5``.
+RoPE tables follow the actual grid and every strided conv pads, so any input size runs (``img_size`` is
+accepted for timm's API and changes nothing). ``pola_b0``..``pola_b5`` are timm deprecation aliases.
 """
 from __future__ import annotations
 
@@ -190,8 +183,7 @@ class PolaFormerPP(nn.Module):
             single flag for the whole stage (the official ``flagss``, cut to the depths).
         drop_rate: dropout before the classifier; drop_path_rate: stochastic depth, linear in depth.
         projection: channels of the 1×1 projection before pooling.
-        layerscales, layer_init_values: per stage, whether blocks scale their branches and the
-            initial scale.
+        layerscales, layer_init_values: per stage, whether blocks scale their branches, and the initial scale.
         global_pool: pooling before the classifier (``'avg'`` as in the official model).
         img_size: accepted for timm's API; no effect (RoPE tables follow the input, any size runs).
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
@@ -248,12 +240,8 @@ class PolaFormerPP(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self):
-        """The PaCS temperatures ``s1``/``s2``.
-
-        The official optimizer skips only 1-D parameters and biases (timm's optimizer factory does
-        the same by itself); it still decays the 4-D layerscale gammas and ``pos`` conv weights,
-        so they are not listed. This model has no position tables.
-        """
+        """The PaCS temperatures ``s1``/``s2`` (1-D parameters and biases are skipped by the optimizer anyway;
+        the official code still decays the layerscale gammas and ``pos`` weights)."""
         return {name for name, _ in self.named_parameters() if name.endswith((".s1", ".s2"))}
 
     @torch.jit.ignore
@@ -291,11 +279,8 @@ class PolaFormerPP(nn.Module):
     @empty_batch
     def forward_intermediates(self, x, indices=None, norm=False, stop_early=False, output_fmt="NCHW",
                               intermediates_only=False):
-        """Stage features (before each PatchMerging) at strides 4/8/16/32, NCHW.
-
-        ``norm`` has no effect: the final BatchNorm follows the 1×1 projection and does not fit
-        any stage feature.
-        """
+        """Stage features (before each PatchMerging) at strides 4/8/16/32, NCHW; ``norm`` has no effect (the
+        final BatchNorm follows the 1×1 projection, not any stage feature)."""
         if output_fmt != "NCHW":
             raise ValueError(f"output_fmt must be 'NCHW', got {output_fmt!r}")
         take_indices, max_index = feature_take_indices(len(self.layers), indices)
@@ -320,9 +305,7 @@ class PolaFormerPP(nn.Module):
         self.layers[-1].downsample = None  # the feature is taken before it
         # The 1×1 projection and its norm follow the last stage and never feed a feature.
         if prune_norm or prune_head or max_index < len(self.feature_info) - 1:
-            self.proj = nn.Identity()
-            self.norm = nn.Identity()
-            self.swish = nn.Identity()
+            self.proj = self.norm = self.swish = nn.Identity()
             self.num_features = self.head_hidden_size = self.feature_info[max_index]["num_chs"]
             self.reset_classifier(0, "")
         return take_indices
@@ -375,11 +358,11 @@ _VARIANTS = [f"POLA_b{i}" for i in range(6)]
 default_cfgs = generate_default_cfgs({name: _cfg() for name in _VARIANTS})
 
 
-def _create(variant, pretrained, sizes, kwargs):
+def _create(variant, pretrained, kwargs):
     """Build a variant; the caller's keyword arguments override the variant's sizes."""
     return build_model_with_cfg(
         PolaFormerPP, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **{**sizes, **kwargs},
+        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **{**_SIZES[variant], **kwargs},
     )
 
 
@@ -402,39 +385,33 @@ _SIZES = {
 
 
 @register_model
-def POLA_b0(pretrained=False, **kwargs) -> PolaFormerPP:
-    """PolaFormer++-B0 (README: 7M params, 0.7G FLOPs, 76.9% top-1)."""
-    return _create("POLA_b0", pretrained, _SIZES["POLA_b0"], kwargs)
+def POLA_b0(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 7M params, 0.7G FLOPs, 76.9% top-1
+    return _create("POLA_b0", pretrained, kwargs)
 
 
 @register_model
-def POLA_b1(pretrained=False, **kwargs) -> PolaFormerPP:
-    """PolaFormer++-B1 (README: 9M params, 1.0G FLOPs, 79.1% top-1)."""
-    return _create("POLA_b1", pretrained, _SIZES["POLA_b1"], kwargs)
+def POLA_b1(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 9M params, 1.0G FLOPs, 79.1% top-1
+    return _create("POLA_b1", pretrained, kwargs)
 
 
 @register_model
-def POLA_b2(pretrained=False, **kwargs) -> PolaFormerPP:
-    """PolaFormer++-B2 (README: 16M params, 2.7G FLOPs, 82.8% top-1)."""
-    return _create("POLA_b2", pretrained, _SIZES["POLA_b2"], kwargs)
+def POLA_b2(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 16M params, 2.7G FLOPs, 82.8% top-1
+    return _create("POLA_b2", pretrained, kwargs)
 
 
 @register_model
-def POLA_b3(pretrained=False, **kwargs) -> PolaFormerPP:
-    """PolaFormer++-B3 (README: 27M params, 5.1G FLOPs, 84.3% top-1)."""
-    return _create("POLA_b3", pretrained, _SIZES["POLA_b3"], kwargs)
+def POLA_b3(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 27M params, 5.1G FLOPs, 84.3% top-1
+    return _create("POLA_b3", pretrained, kwargs)
 
 
 @register_model
-def POLA_b4(pretrained=False, **kwargs) -> PolaFormerPP:
-    """PolaFormer++-B4 (README: 50M params, 11G FLOPs, 85.4% top-1)."""
-    return _create("POLA_b4", pretrained, _SIZES["POLA_b4"], kwargs)
+def POLA_b4(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 50M params, 11G FLOPs, 85.4% top-1
+    return _create("POLA_b4", pretrained, kwargs)
 
 
 @register_model
-def POLA_b5(pretrained=False, **kwargs) -> PolaFormerPP:
-    """PolaFormer++-B5 (README: 97M params, 18G FLOPs, 85.6% top-1)."""
-    return _create("POLA_b5", pretrained, _SIZES["POLA_b5"], kwargs)
+def POLA_b5(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 97M params, 18G FLOPs, 85.6% top-1
+    return _create("POLA_b5", pretrained, kwargs)
 
 
 # The lower-case names some configs use: timm aliases that warn and build the official model.

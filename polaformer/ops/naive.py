@@ -14,6 +14,7 @@ valid key gets all-zero weights).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from .feature_maps import pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
@@ -90,6 +91,23 @@ def naive_pola_linear_attention(
     same, opposite = pola_attention_weights(q, k, power, eps, key_padding_mask)
     v_same, v_opposite = v.chunk(2, dim=-1)
     return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+
+
+def official_pola_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor,
+                                   eps: float = 1e-6) -> torch.Tensor:
+    """The official PolaFormer computation as its code writes it, O(N·d²): the four power features, the
+    opposite-sign query as a second concatenation, one ``φkᵀv`` product per stream. The baseline that
+    benchmarks time the fused op against."""
+    m = k.shape[-2]
+    q_pos, q_neg = F.relu(q) ** power, F.relu(-q) ** power
+    k_pos, k_neg = F.relu(k) ** power, F.relu(-k) ** power
+    q_same, q_opposite = torch.cat([q_pos, q_neg], dim=-1), torch.cat([q_neg, q_pos], dim=-1)
+    phi_k = torch.cat([k_pos, k_neg], dim=-1)
+    v_same, v_opposite = v.chunk(2, dim=-1)
+    k_mean = phi_k.mean(dim=-2, keepdim=True).transpose(-2, -1)
+    out_same = q_same @ (phi_k.transpose(-2, -1) @ v_same / m) / (q_same @ k_mean + eps)
+    out_opposite = q_opposite @ (phi_k.transpose(-2, -1) @ v_opposite / m) / (q_opposite @ k_mean + eps)
+    return torch.cat([out_same, out_opposite], dim=-1)
 
 
 def pacs_attention_weights(
