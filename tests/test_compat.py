@@ -2,15 +2,14 @@
 import pytest
 import torch
 
-from conftest import REFERENCE, load_vector, official_state_dict
+from conftest import REFERENCE, load_vector, official_state_dict, require_reference
 from polaformer.compat import from_official
 
 CASES = sorted(p.stem for p in (REFERENCE / "vectors").glob("*.json"))
 
 
 def test_reference_vectors_present():
-    if not CASES:
-        pytest.skip("reference data not found")
+    require_reference(REFERENCE / "vectors")
     assert len(CASES) >= 11
 
 

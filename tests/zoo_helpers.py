@@ -1,20 +1,17 @@
 """Shared checks for the model-zoo tests: manifests, FLOPs and reference vectors."""
 import json
 
-import pytest
 import timm
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from conftest import REFERENCE, load_vector, official_state_dict
+from conftest import REFERENCE, load_vector, official_state_dict, require_reference
 from polaformer.compat import from_official
 from polaformer.models.pvt import HeldNorm
 
 
 def load_manifest(name: str) -> dict:
-    path = REFERENCE / "manifests" / f"{name}.json"
-    if not path.is_file():
-        pytest.skip(f"reference manifest not found at {path}")
+    path = require_reference(REFERENCE / "manifests" / f"{name}.json")
     return json.loads(path.read_text())
 
 
