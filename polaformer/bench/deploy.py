@@ -18,64 +18,36 @@ compiled model = compilation, ONNX export + session creation) and every variant'
 against ``eager_fp32`` on the same input. Inductor's caches are pointed at a fresh folder by
 default, so compile times are cold.
 
-    python benchmarks/bench_deploy.py --out docs/figures/deploy
-    python benchmarks/bench_deploy.py --out /tmp/deploy --models pola_pvt_v2_b0 --batches 1 --rounds 2
+    polaformer bench deploy --out docs/figures/deploy
+    polaformer bench deploy --out /tmp/deploy --models pola_pvt_v2_b0 --batches 1 --rounds 2
 
 Writes ``results.json`` and ``table.md`` into ``--out``.
 """
 from __future__ import annotations
 
-import argparse
-import json
+import contextlib
+import copy
+import logging
 import os
-import platform
 import shutil
-import statistics
-import sys
 import tempfile
 import time
-import traceback
+import warnings
 from pathlib import Path
+from typing import Callable
+
+import timm
+import torch
+
+import polaformer.models  # noqa: F401  (registers the models)
+from polaformer.runtime import tune_cpu_allocator
+
+from .harness import interleaved, loadavg, machine_info, medians, write_json, write_text
 
 DEFAULT_MODELS = ("pola_deit_tiny_patch16_224", "pola_pvt_tiny", "pola_pvt_v2_b0", "pola_swin_t", "POLA_b0")
 VARIANTS = ("eager_fp32", "eager_channels_last", "eager_bf16", "compile_fp32", "onnxruntime_fp32")
 
-
-def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", required=True, help="folder for results.json and table.md")
-    parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
-    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    parser.add_argument("--img-size", type=int, default=224)
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
-    parser.add_argument("--threads", type=int, default=0, help="torch and onnxruntime intra-op threads (0: torch's default)")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per row")
-    parser.add_argument("--min-run-time", type=float, default=1.0, help="seconds per variant and round")
-    parser.add_argument("--row-budget", type=float, default=240.0,
-                        help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take "
-                             "longer than this many seconds")
-    parser.add_argument("--warm-cache", action="store_true",
-                        help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
-    return parser.parse_args(argv)
-
-
-ARGS = parse_args()
-if not ARGS.warm_cache:  # before torch._inductor is imported
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="bench_deploy_inductor_")
-
-import copy  # noqa: E402
-import warnings  # noqa: E402
-
-import timm  # noqa: E402
-import torch  # noqa: E402
-from torch.utils import benchmark  # noqa: E402
-
-import polaformer.models  # noqa: E402,F401  (registers the models)
-from polaformer.runtime import tune_cpu_allocator  # noqa: E402
-
-
-def load1() -> float:
-    return os.getloadavg()[0]
+logger = logging.getLogger(__name__)
 
 
 def max_diff(out, ref) -> float:
@@ -101,7 +73,7 @@ class Row:
             self.calls[variant] = fn
         except Exception as exc:  # a variant that fails is reported, the others still run
             self.errors[variant] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
-            traceback.print_exc()
+            logger.warning("%s batch %d: %s failed", self.name, self.x.shape[0], variant, exc_info=True)
 
     def _eager_fp32(self):
         model, x = self.model, self.x
@@ -155,94 +127,105 @@ class Row:
             return torch.from_numpy(session.run(None, feed)[0])
         return run
 
-    def time(self, rounds: int, min_run_time: float) -> dict:
-        samples = {v: [] for v in self.calls}
-        loads = [load1()]
-        for _ in range(rounds):
-            for variant, fn in self.calls.items():
-                timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=self.threads)
-                samples[variant].append(timer.blocked_autorange(min_run_time=min_run_time).median)
-            loads.append(load1())
-        return {v: s for v, s in samples.items()}, loads
 
-
-def main():
-    args = ARGS
-    threads = args.threads or torch.get_num_threads()
-    torch.set_num_threads(threads)
-    allocator_tuned = tune_cpu_allocator()
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    workdir = Path(tempfile.mkdtemp(prefix="bench_deploy_onnx_"))
-    env = {
-        "machine": platform.processor() or platform.machine(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpus": os.cpu_count(), "threads": threads, "torch": torch.__version__, "timm": timm.__version__,
-        "python": platform.python_version(), "allocator_reuse": allocator_tuned, "img_size": args.img_size,
-        "rounds": args.rounds, "min_run_time": args.min_run_time, "inductor_cache": "warm" if args.warm_cache else "cold",
-        "load1_at_start": load1(),
-    }
+@contextlib.contextmanager
+def _inductor_cache(warm: bool):
+    """A fresh inductor cache folder for the run (cold compile times), unless ``warm``."""
+    if warm:
+        yield "warm"
+        return
+    saved = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    folder = tempfile.mkdtemp(prefix="bench_deploy_inductor_")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = folder
     try:
-        import onnxruntime
-        env["onnxruntime"] = onnxruntime.__version__
-    except ImportError:
-        pass
-    print(json.dumps(env), flush=True)
+        yield "cold"
+    finally:
+        if saved is None:
+            del os.environ["TORCHINDUCTOR_CACHE_DIR"]
+        else:
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = saved
+        shutil.rmtree(folder, ignore_errors=True)
 
-    rows = []
-    started = time.time()
-    for name in args.models:
-        torch.manual_seed(0)
-        model = timm.create_model(name).eval()
-        eager_b1 = None
-        for batch in args.batches:
-            gen = torch.Generator().manual_seed(batch)
-            x = torch.randn(batch, model.default_cfg["input_size"][0], args.img_size, args.img_size, generator=gen)
-            record = {"model": name, "batch": batch}
-            if eager_b1 is not None:
-                # blocked_autorange runs at least min_run_time and at least one timed block after a warm-up call
-                estimate = len(args.variants) * args.rounds * max(args.min_run_time, 2 * eager_b1 * batch)
-                if estimate > args.row_budget:
-                    record["skipped"] = f"estimated {estimate:.0f}s of timing > --row-budget {args.row_budget:.0f}s"
-                    rows.append(record)
-                    print(json.dumps(record), flush=True)
-                    continue
-            row = Row(name, model, x, threads, workdir)
-            for variant in args.variants:
-                row.add(variant)
-            samples, loads = row.time(args.rounds, args.min_run_time)
-            medians = {v: statistics.median(s) for v, s in samples.items()}
-            if batch == 1 and "eager_fp32" in medians:
-                eager_b1 = medians["eager_fp32"]
-            record.update(
-                seconds_per_batch=medians,
-                seconds_min_max={v: [min(s), max(s)] for v, s in samples.items()},
-                images_per_s={v: batch / t for v, t in medians.items()},
-                ratio_to_eager_fp32={v: medians["eager_fp32"] / t for v, t in medians.items()} if "eager_fp32" in medians else {},
-                setup_s=row.setup_s, max_abs_diff=row.diff, ref_max_abs=float(row.ref.abs().max()),
-                errors=row.errors, load1=loads,
-            )
-            rows.append(record)
-            print(json.dumps(record), flush=True)
-            del row
-            torch._dynamo.reset()
-    env["load1_at_end"] = load1()
-    env["wall_s"] = time.time() - started
 
-    (out_dir / "results.json").write_text(json.dumps({"environment": env, "rows": rows}, indent=2) + "\n")
-    table = markdown(env, rows, args.variants)
-    (out_dir / "table.md").write_text(table)
-    print(table)
-    shutil.rmtree(workdir, ignore_errors=True)  # the exported .onnx files
-    if not args.warm_cache:
-        shutil.rmtree(os.environ["TORCHINDUCTOR_CACHE_DIR"], ignore_errors=True)
+def run_deploy(out, *, models=DEFAULT_MODELS, batches=(1, 8), img_size: int = 224, variants=VARIANTS,
+               threads: int = 0, rounds: int = 3, min_run_time: float = 1.0, row_budget: float = 240.0,
+               warm_cache: bool = False, log: Callable[[str], None] = print) -> dict:
+    """Time every (model, batch) under every variant; writes ``results.json`` and ``table.md`` into ``out``.
+
+    ``threads`` 0 keeps torch's default. A row whose timing is estimated (from the eager batch-1 time)
+    to take longer than ``row_budget`` seconds is skipped; a variant that fails is reported, the others
+    still run. Raises ValueError for an unknown variant.
+    """
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {', '.join(map(repr, unknown))}; known: {', '.join(VARIANTS)}")
+    threads = threads or torch.get_num_threads()
+    torch.set_num_threads(threads)
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with _inductor_cache(warm_cache) as cache, tempfile.TemporaryDirectory(prefix="bench_deploy_onnx_") as workdir:
+        env = {**machine_info(allocator_reuse=tune_cpu_allocator()), "timm": timm.__version__, "img_size": img_size,
+               "rounds": rounds, "min_run_time": min_run_time, "inductor_cache": cache, "load1_at_start": loadavg()}
+        try:
+            import onnxruntime
+            env["onnxruntime"] = onnxruntime.__version__
+        except ImportError:
+            pass
+        rows = []
+        started = time.time()
+        for name in models:
+            torch.manual_seed(0)
+            model = timm.create_model(name).eval()
+            eager_b1 = None
+            for batch in batches:
+                gen = torch.Generator().manual_seed(batch)
+                x = torch.randn(batch, model.default_cfg["input_size"][0], img_size, img_size, generator=gen)
+                record = {"model": name, "batch": batch}
+                if eager_b1 is not None:
+                    # blocked_autorange runs at least min_run_time and at least one timed block after a warm-up call
+                    estimate = len(variants) * rounds * max(min_run_time, 2 * eager_b1 * batch)
+                    if estimate > row_budget:
+                        record["skipped"] = f"estimated {estimate:.0f}s of timing > --row-budget {row_budget:.0f}s"
+                        rows.append(record)
+                        log(f"{name} batch {batch}: skipped ({record['skipped']})")
+                        continue
+                row = Row(name, model, x, threads, Path(workdir))
+                for variant in variants:
+                    row.add(variant)
+                loads = [loadavg()]
+                samples = interleaved(row.calls, rounds, min_run_time, threads=threads)
+                loads.append(loadavg())
+                median = medians(samples)
+                if batch == 1 and "eager_fp32" in median:
+                    eager_b1 = median["eager_fp32"]
+                record.update(
+                    seconds_per_batch=median,
+                    seconds_min_max={v: [min(s), max(s)] for v, s in samples.items()},
+                    images_per_s={v: batch / t for v, t in median.items()},
+                    ratio_to_eager_fp32={v: median["eager_fp32"] / t for v, t in median.items()}
+                    if "eager_fp32" in median else {},
+                    setup_s=row.setup_s, max_abs_diff=row.diff, ref_max_abs=float(row.ref.abs().max()),
+                    errors=row.errors, load1=loads,
+                )
+                rows.append(record)
+                log(f"{name} batch {batch}: " + ", ".join(f"{v} {ips:.1f} img/s"
+                                                          for v, ips in record["images_per_s"].items()))
+                del row
+                torch._dynamo.reset()
+        env["load1_at_end"] = loadavg()
+        env["wall_s"] = time.time() - started
+    write_json(out_dir / "results.json", {"environment": env, "rows": rows})
+    table = markdown(env, rows, variants)
+    write_text(out_dir / "table.md", table)
+    return {"environment": env, "rows": rows, "table": table}
 
 
 def markdown(env: dict, rows: list, variants) -> str:
     lines = [
-        f"CPU {env['machine']} ({env['cpu_capability']}), {env['threads']} thread(s) of {env['cpus']} cores, "
+        f"CPU {env['cpu_model']} ({env['cpu_capability']}), {env['threads']} thread(s) of {env['cpu_count']} cores, "
         f"torch {env['torch']}, onnxruntime {env.get('onnxruntime', '-')}, {env['img_size']} px, fp32 unless noted; "
-        f"median of {env['rounds']} interleaved rounds; load average (1 min) {env['load1_at_start']:.1f} at start, "
-        f"{env['load1_at_end']:.1f} at end; inductor cache {env['inductor_cache']}.",
+        f"median of {env['rounds']} interleaved rounds; load average (1 min) {_load(env['load1_at_start'])} at start, "
+        f"{_load(env['load1_at_end'])} at end; inductor cache {env['inductor_cache']}.",
         "",
         "Images/s (× eager fp32); setup = compile (first call) or ONNX export + session; max |diff| vs eager fp32.",
         "",
@@ -273,5 +256,6 @@ def markdown(env: dict, rows: list, variants) -> str:
     return "\n".join(lines) + "\n"
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+
+def _load(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"

@@ -14,38 +14,40 @@ Every pair gets the same weights (the official state_dict loaded strictly into o
 for equal outputs before timing. Official and ours are timed interleaved, several rounds, with
 torch.utils.benchmark; the tables give medians and the ratio official/ours (> 1: ours faster).
 
-    python benchmarks/bench_models_vs_official.py --threads 2 --json out.json --markdown out.md
-    python benchmarks/bench_models_vs_official.py --models pola_pvt_tiny --batches 8 --modes train
-    python benchmarks/bench_models_vs_official.py --compile     # adds torch.compile'd ours
-    python benchmarks/bench_models_vs_official.py --floor       # adds ours without attention cores (the bound)
-    python benchmarks/bench_models_vs_official.py --matmul-floor  # adds ours with linear attention = its products
+    polaformer bench official --threads 2 --json out.json --markdown out.md
+    polaformer bench official --models pola_pvt_tiny --batches 8 --modes train
+    polaformer bench official --compile       # adds torch.compile'd ours
+    polaformer bench official --floor         # adds ours without attention cores (the bound)
+    polaformer bench official --matmul-floor  # adds ours with linear attention = its products
+
+``python benchmarks/bench_models_vs_official.py`` takes the same options.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
+import importlib
 import importlib.util
 import io
-import json
 import os
-import platform
-import statistics
 import sys
 import types
 from pathlib import Path
+from typing import Callable
 
+import timm
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
 import polaformer.models  # noqa: F401  (registers our architectures)
-import timm
 from polaformer.layers import Linear, Mlp, PolaLinearAttention
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
-from polaformer.runtime import tune_cpu_allocator
+
+from .harness import interleaved, loadavg, machine_info, markdown_table as table, medians
 
 PP_ENV, POLA_ENV = "POLAFORMERPP_OFFICIAL_DIR", "POLAFORMER_OFFICIAL_DIR"
+DEFAULT_MODELS = ("pola_pvt_tiny", "pola_swin_t", "POLA_b0", "pola_deit_tiny_patch16_224", "pola_pvt_v2_b0")
+MODES = ("infer", "train")
 
 
 # --- official code, loaded from a checkout -----------------------------------------------------
@@ -173,14 +175,18 @@ def official_way(model: torch.nn.Module) -> torch.nn.Module:
 
 # --- families ---------------------------------------------------------------------------------
 
-def build_pairs(names):
+def build_pairs(names, log: Callable[[str], None] = print):
     """[(name, official, ours, what the baseline is)] for the families available here."""
+    unknown = [n for n in names if n not in DEFAULT_MODELS]
+    if unknown:
+        raise ValueError(f"no official counterpart for {', '.join(map(repr, unknown))}; "
+                         f"known: {', '.join(DEFAULT_MODELS)}")
     roots = {env: os.environ.get(env) for env in (POLA_ENV, PP_ENV)}
     pairs = []
     for name in names:
         if name in ("pola_deit_tiny_patch16_224", "pola_pvt_v2_b0"):
             ours = timm.create_model(name, drop_path_rate=0.0)
-            pairs.append((name, official_way(ours), ours, "official formulation (in this file)"))
+            pairs.append((name, official_way(ours), ours, "official formulation (OfficialWayPola)"))
             continue
         env, build = {
             "pola_pvt_tiny": (POLA_ENV, official_pvt_tiny),
@@ -188,7 +194,7 @@ def build_pairs(names):
             "POLA_b0": (PP_ENV, official_polapp_b0),
         }[name]
         if not roots[env]:
-            print(f"skipping {name}: set {env} to a checkout of the official code", file=sys.stderr)
+            log(f"skipping {name}: set {env} to a checkout of the official code")
             continue
         official = build(Path(roots[env]))
         ours = timm.create_model(name, drop_path_rate=0.0)
@@ -286,115 +292,76 @@ def make_step(model, mode, x, target):
     return step
 
 
-def measure(steps, rounds, min_time):
-    """Interleaved: every round times each step once (in turn), so load from other processes hits all
-    alike; a sample is ``number`` back-to-back steps, enough for ``min_time``. Returns per-step medians
-    (seconds) and all samples."""
-    timers, numbers = {}, {}
-    for key, fn in steps.items():
-        fn()  # warm-up (allocator, oneDNN primitive caches)
-        timers[key] = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=torch.get_num_threads())
-        numbers[key] = max(1, round(min_time / timers[key].timeit(1).mean))
-    samples = {key: [] for key in steps}
-    for _ in range(rounds):
-        for key, timer in timers.items():
-            samples[key].append(timer.timeit(numbers[key]).mean)
-    return {key: statistics.median(v) for key, v in samples.items()}, samples
+# (row key, log label, ratio key) of the optional steps: compiled ours, the no-attention floor, products only
+EXTRAS = (("compiled_ms", "compiled", "ratio_compiled"), ("floor_ms", "no-attention floor", "ratio_bound"),
+          ("products_ms", "products only", "ratio_products"))
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=[
-        "pola_pvt_tiny", "pola_swin_t", "POLA_b0", "pola_deit_tiny_patch16_224", "pola_pvt_v2_b0"])
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--modes", nargs="+", choices=["infer", "train"], default=["infer", "train"])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--min-time", type=float, default=0.05, help="seconds per timing sample (at least one step)")
-    parser.add_argument("--compile", action="store_true", help="also time torch.compile(ours)")
-    parser.add_argument("--floor", action="store_true",
-                        help="also time ours with the attention cores removed (bounds the reachable ratio)")
-    parser.add_argument("--matmul-floor", action="store_true",
-                        help="also time ours with the linear-attention cores reduced to their matrix products")
-    parser.add_argument("--json")
-    parser.add_argument("--markdown")
-    args = parser.parse_args(argv)
+def run_official(*, models=DEFAULT_MODELS, batches=(1, 8), modes=MODES, threads: int = 2, rounds: int = 15,
+                 min_time: float = 0.05, compile: bool = False, floor: bool = False, matmul_floor: bool = False,
+                 log: Callable[[str], None] = print) -> dict:
+    """Time every available (model, batch, mode) against its official counterpart; ``{"meta", "rows"}``.
 
-    torch.set_num_threads(args.threads)
-    tune_cpu_allocator()
-    pairs = build_pairs(args.models)
-    if not pairs:
-        print("nothing to run", file=sys.stderr)
-        return 0
+    Steps are timed interleaved (:func:`polaformer.bench.harness.interleaved`), a sample being as many
+    back-to-back steps as fill ``min_time``. Raises ValueError for a model without a counterpart.
+    """
+    pairs = build_pairs(models, log)
+    torch.set_num_threads(threads)
     rows = []
-    load_start = os.getloadavg()
+    load_start = loadavg()
     for name, official, ours, baseline in pairs:
         diff = check_same(official, ours, name)
         # static shapes: one graph per batch size, as a training run with a fixed batch gets
-        compiled = torch.compile(ours, dynamic=False) if args.compile else None
-        for batch in args.batches:
+        compiled = torch.compile(ours, dynamic=False) if compile else None
+        for batch in batches:
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, 3, 224, 224, generator=gen)
             target = torch.randint(0, 1000, (batch,), generator=gen)
-            for mode in args.modes:
+            for mode in modes:
                 steps = {"official": make_step(official, mode, x, target), "ours": make_step(ours, mode, x, target)}
                 if compiled is not None:
                     steps["compiled"] = make_step(compiled, mode, x, target)
-                if args.floor:
+                if floor:
                     steps["floor"] = with_cores(make_step(ours, mode, x, target), _passthrough, _passthrough)
-                if args.matmul_floor:
+                if matmul_floor:
                     steps["products"] = with_cores(make_step(ours, mode, x, target), _products_only)
-                medians, samples = measure(steps, args.rounds, args.min_time)
+                samples = interleaved(steps, rounds, min_time, calls="auto", threads=threads)
+                median = medians(samples)
                 row = dict(model=name, baseline=baseline, batch=batch, mode=mode, max_abs_diff=diff,
-                           official_ms=medians["official"] * 1e3, ours_ms=medians["ours"] * 1e3,
-                           ratio=medians["official"] / medians["ours"],
+                           official_ms=median["official"] * 1e3, ours_ms=median["ours"] * 1e3,
+                           ratio=median["official"] / median["ours"],
                            samples_ms={k: [s * 1e3 for s in v] for k, v in samples.items()})
                 extra = ""
-                if compiled is not None:
-                    row["compiled_ms"] = medians["compiled"] * 1e3
-                    row["ratio_compiled"] = medians["official"] / medians["compiled"]
-                    extra += f"  compiled {row['compiled_ms']:.1f} ms ({row['ratio_compiled']:.2f}x)"
-                if args.floor:
-                    row["floor_ms"] = medians["floor"] * 1e3
-                    row["ratio_bound"] = medians["official"] / medians["floor"]
-                    extra += f"  no-attention floor {row['floor_ms']:.1f} ms (bound {row['ratio_bound']:.2f}x)"
-                if args.matmul_floor:
-                    row["products_ms"] = medians["products"] * 1e3
-                    row["ratio_products"] = medians["official"] / medians["products"]
-                    extra += f"  products only {row['products_ms']:.1f} ms (bound {row['ratio_products']:.2f}x)"
+                for key, label, ratio_key in EXTRAS:
+                    step = key[:-3]
+                    if step in median:
+                        row[key] = median[step] * 1e3
+                        row[ratio_key] = median["official"] / median[step]
+                        extra += f"  {label} {row[key]:.1f} ms ({row[ratio_key]:.2f}x)"
                 rows.append(row)
-                print(f"{name:28s} b{batch} {mode:5s} official {row['official_ms']:8.1f} ms  "
-                      f"ours {row['ours_ms']:8.1f} ms  ratio {row['ratio']:.2f}{extra}", flush=True)
-    meta = dict(torch=torch.__version__, threads=args.threads, machine=platform.processor() or platform.machine(),
-                loadavg_start=load_start, loadavg_end=os.getloadavg(), rounds=args.rounds, min_time=args.min_time)
-    if args.json:
-        Path(args.json).write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
-    if args.markdown:
-        Path(args.markdown).write_text(markdown_table(rows, meta))
-    return 0
+                log(f"{name:28s} b{batch} {mode:5s} official {row['official_ms']:8.1f} ms  "
+                    f"ours {row['ours_ms']:8.1f} ms  ratio {row['ratio']:.2f}{extra}")
+    meta = dict(machine_info(), rounds=rounds, min_time=min_time, loadavg_start=load_start, loadavg_end=loadavg())
+    return {"meta": meta, "rows": rows}
+
+
+EXTRA_HEADS = {"compiled_ms": ["compiled ms", "official/compiled"],
+               "floor_ms": ["no-attention floor ms", "bound official/floor"],
+               "products_ms": ["products-only ms", "bound official/products"]}
 
 
 def markdown_table(rows, meta) -> str:
-    extras = [(key, head) for key, head in (("compiled_ms", "compiled ms | official/compiled"),
-                                             ("floor_ms", "no-attention floor ms | bound official/floor"),
-                                             ("products_ms", "products-only ms | bound official/products"))
-              if any(key in r for r in rows)]
-    head = "| model | baseline | batch | mode | official ms | ours ms | official/ours |"
-    for _, h in extras:
-        head += f" {h} |"
-    lines = [head, "|" + "---|" * (7 + 2 * len(extras))]
+    extras = [(key, ratio) for key, _, ratio in EXTRAS if any(key in r for r in rows)]
+    header = ["model", "baseline", "batch", "mode", "official ms", "ours ms", "official/ours"]
+    header += [h for key, _ in extras for h in EXTRA_HEADS[key]]
+    cells = []
     for r in rows:
-        line = (f"| {r['model']} | {r['baseline']} | {r['batch']} | {r['mode']} | {r['official_ms']:.1f} "
-                f"| {r['ours_ms']:.1f} | {r['ratio']:.2f} |")
-        for key, _ in extras:
-            ratio = {"compiled_ms": "ratio_compiled", "floor_ms": "ratio_bound", "products_ms": "ratio_products"}[key]
-            line += f" {r[key]:.1f} | {r[ratio]:.2f} |" if key in r else " | |"
-        lines.append(line)
-    lines.append("")
-    lines.append(f"torch {meta['torch']}, {meta['threads']} threads, medians of {meta['rounds']} interleaved "
-                 f"rounds; load average {meta['loadavg_start'][0]:.2f} at start, {meta['loadavg_end'][0]:.2f} at end.")
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        line = [r["model"], r["baseline"], r["batch"], r["mode"], f"{r['official_ms']:.1f}", f"{r['ours_ms']:.1f}",
+                f"{r['ratio']:.2f}"]
+        for key, ratio in extras:
+            line += [f"{r[key]:.1f}", f"{r[ratio]:.2f}"] if key in r else ["", ""]
+        cells.append(line)
+    load = " ".join(f"{meta[k]:.2f} at {k.split('_')[1]}," for k in ("loadavg_start", "loadavg_end")
+                    if meta.get(k) is not None).rstrip(",")
+    return (table(header, cells) + f"\n\ntorch {meta['torch']}, {meta['threads']} threads, medians of "
+            f"{meta['rounds']} interleaved rounds" + (f"; load average {load}" if load else "") + ".\n")

@@ -202,7 +202,7 @@ def cmd_lra_curves(args: argparse.Namespace) -> int:
 
 
 def cmd_lra_bench(args: argparse.Namespace) -> int:
-    from .bench import run_lra_bench
+    from ..bench.lra import run_lra_bench
 
     try:
         result = run_lra_bench(
