@@ -502,7 +502,7 @@ def add_bench_parser(commands) -> None:
     official.add_argument("--matmul-floor", action="store_true",
                           help="also time ours with the linear-attention cores reduced to their matrix products")
     rows_files(official, markdown=True)
-    official.set_defaults(handler=cmd_bench_official)
+    official.set_defaults(handler=cmd_bench_family, run_family=_bench_official, seconds_flags=("--min-time",))
 
     native = families.add_parser(
         "native", help="the native CPU kernels against the torch ops of the same stages, interleaved",
@@ -516,7 +516,7 @@ def add_bench_parser(commands) -> None:
     native.add_argument("--min-time", type=float, default=0.3, metavar="S", help="seconds per op sample")
     native.add_argument("--model-steps", type=positive_int, default=6, help="steps per whole-model sample")
     rows_files(native)
-    native.set_defaults(handler=cmd_bench_native)
+    native.set_defaults(handler=cmd_bench_family, run_family=_bench_native, seconds_flags=("--min-time",))
 
     pacs = families.add_parser(
         "pacs", help="PolaFormer++'s fused PaCS op against its functional graph, forward and forward+backward",
@@ -527,7 +527,7 @@ def add_bench_parser(commands) -> None:
     pacs.add_argument("--rounds", type=positive_int, default=5)
     pacs.add_argument("--min-time", type=float, default=0.2, metavar="S")
     rows_files(pacs)
-    pacs.set_defaults(handler=cmd_bench_pacs)
+    pacs.set_defaults(handler=cmd_bench_family, run_family=_bench_pacs, seconds_flags=("--min-time",))
 
     dense = families.add_parser(
         "dense", help="backbone forward time and peak memory at detection resolutions, Pola vs softmax",
@@ -540,7 +540,7 @@ def add_bench_parser(commands) -> None:
     dense.add_argument("--min-run-time", type=float, default=1.0, metavar="S",
                        help="seconds of timing per measurement")
     rows_files(dense)
-    dense.set_defaults(handler=cmd_bench_dense)
+    dense.set_defaults(handler=cmd_bench_family, run_family=_bench_dense, seconds_flags=("--min-run-time",))
 
     deploy = families.add_parser(
         "deploy", help="inference speed under the CPU deployment options: eager, channels-last, bf16, compile, ONNX",
@@ -561,23 +561,24 @@ def add_bench_parser(commands) -> None:
                         help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take longer")
     deploy.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
-    deploy.set_defaults(handler=cmd_bench_deploy)
+    deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy, seconds_flags=("--min-run-time", "--row-budget"))
 
     lra = families.add_parser(
         "lra", help="the paper's Table 6: LRA training throughput and peak memory of every attention, vs softmax",
         description="Also 'polaformer lra bench'. See docs/lra.md.",
     )
     add_lra_bench_arguments(lra)
-    lra.set_defaults(handler=cmd_bench_lra)
 
 
 def add_lra_bench_arguments(parser) -> None:
+    """The options of ``polaformer bench lra``, also ``polaformer lra bench``."""
     parser.add_argument("--out", required=True, metavar="DIR", help="writes results.json, table.md, bench_lra.png")
     parser.add_argument("--attentions", nargs="+", metavar="NAME", help="default: all")
     parser.add_argument("--lengths", nargs="+", type=positive_int, metavar="N", help="default: 1024 2048 4096")
     parser.add_argument("--batch-size", type=positive_int, help="fixed batch for every measurement (default: 4)")
     parser.add_argument("--steps", type=positive_int, help="timed training steps per measurement (default: 3)")
     parser.add_argument("--device", default="cpu")
+    parser.set_defaults(handler=cmd_bench_family, run_family=_bench_lra, seconds_flags=())
 
 
 def _print_line(msg: str) -> None:
@@ -621,13 +622,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
-def _bench_family_checks(args: argparse.Namespace, *seconds_flags: str) -> str | None:
-    """The first problem with a family's options, as a message; None when they are fine."""
-    for flag in seconds_flags:
+def cmd_bench_family(args: argparse.Namespace) -> int:
+    """Checks the options every family shares, then runs it; its ValueError/RuntimeError is a one-line error."""
+    command = "lra bench" if args.command == "lra" else f"bench {args.bench_family}"
+    for flag in args.seconds_flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if not value > 0:
-            return f"{flag} must be > 0, got {value}"
-    return None
+            return _usage_error(command, f"{flag} must be > 0, got {value}")
+    try:
+        return args.run_family(args)
+    except (ValueError, RuntimeError) as e:
+        return _usage_error(command, str(e))
 
 
 def _write_bench_rows(args: argparse.Namespace, rows: list, document=None, table: str | None = None) -> None:
@@ -642,18 +647,12 @@ def _write_bench_rows(args: argparse.Namespace, rows: list, document=None, table
         write_text(args.markdown, table)
 
 
-def cmd_bench_official(args: argparse.Namespace) -> int:
+def _bench_official(args: argparse.Namespace) -> int:
     from .bench.official import markdown_table, run_official
 
-    problem = _bench_family_checks(args, "--min-time")
-    if problem:
-        return _usage_error("bench official", problem)
-    try:
-        result = run_official(models=args.models, batches=args.batches, modes=args.modes, threads=args.threads,
-                              rounds=args.rounds, min_time=args.min_time, compile=args.compile, floor=args.floor,
-                              matmul_floor=args.matmul_floor, log=_print_line)
-    except ValueError as e:
-        return _usage_error("bench official", str(e))
+    result = run_official(models=args.models, batches=args.batches, modes=args.modes, threads=args.threads,
+                          rounds=args.rounds, min_time=args.min_time, compile=args.compile, floor=args.floor,
+                          matmul_floor=args.matmul_floor, log=_print_line)
     if not result["rows"]:
         print("nothing to run", file=sys.stderr)
         return 0
@@ -661,79 +660,51 @@ def cmd_bench_official(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench_native(args: argparse.Namespace) -> int:
+def _bench_native(args: argparse.Namespace) -> int:
     from .bench.native import run_native
 
-    problem = _bench_family_checks(args, "--min-time")
-    if problem:
-        return _usage_error("bench native", problem)
-    try:
-        rows = run_native(models=args.models, batches=args.batches, threads=args.threads, rounds=args.rounds,
-                          min_time=args.min_time, model_steps=args.model_steps, log=_print_line)
-    except RuntimeError as e:
-        return _usage_error("bench native", str(e))
+    rows = run_native(models=args.models, batches=args.batches, threads=args.threads, rounds=args.rounds,
+                      min_time=args.min_time, model_steps=args.model_steps, log=_print_line)
     _write_bench_rows(args, rows, {"threads": args.threads, "rows": rows})
     return 0
 
 
-def cmd_bench_pacs(args: argparse.Namespace) -> int:
+def _bench_pacs(args: argparse.Namespace) -> int:
     from .bench.pacs import run_pacs, table
 
-    problem = _bench_family_checks(args, "--min-time")
-    if problem:
-        return _usage_error("bench pacs", problem)
     rows = run_pacs(batch=args.batch, threads=args.threads, rounds=args.rounds, min_time=args.min_time)
     print(table(rows), end="")
     _write_bench_rows(args, rows)
     return 0
 
 
-def cmd_bench_dense(args: argparse.Namespace) -> int:
-    from .bench.dense import parse_size, run_dense, table
+def _bench_dense(args: argparse.Namespace) -> int:
+    from .bench.dense import run_dense, table
 
-    problem = _bench_family_checks(args, "--min-run-time")
-    if problem:
-        return _usage_error("bench dense", problem)
-    try:
-        for size in args.sizes:
-            parse_size(size)
-        rows = run_dense(sizes=args.sizes, device=args.device, min_run_time=args.min_run_time, log=_print_line)
-    except ValueError as e:
-        return _usage_error("bench dense", str(e))
+    rows = run_dense(sizes=args.sizes, device=args.device, min_run_time=args.min_run_time, log=_print_line)
     print(table(rows, args.device), end="")
     _write_bench_rows(args, rows)
     return 0
 
 
-def cmd_bench_deploy(args: argparse.Namespace) -> int:
+def _bench_deploy(args: argparse.Namespace) -> int:
     from .bench.deploy import VARIANTS, run_deploy
 
-    problem = _bench_family_checks(args, "--min-run-time", "--row-budget")
-    if problem:
-        return _usage_error("bench deploy", problem)
     if args.threads < 0:
-        return _usage_error("bench deploy", f"--threads must be >= 0, got {args.threads}")
-    try:
-        result = run_deploy(args.out, models=args.models, batches=args.batches, img_size=args.img_size,
-                            variants=args.variants or VARIANTS, threads=args.threads, rounds=args.rounds,
-                            min_run_time=args.min_run_time, row_budget=args.row_budget, warm_cache=args.warm_cache,
-                            log=_print_line)
-    except ValueError as e:
-        return _usage_error("bench deploy", str(e))
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    result = run_deploy(args.out, models=args.models, batches=args.batches, img_size=args.img_size,
+                        variants=args.variants or VARIANTS, threads=args.threads, rounds=args.rounds,
+                        min_run_time=args.min_run_time, row_budget=args.row_budget, warm_cache=args.warm_cache,
+                        log=_print_line)
     print(result["table"], end="")
     return 0
 
 
-def cmd_bench_lra(args: argparse.Namespace) -> int:
+def _bench_lra(args: argparse.Namespace) -> int:
     from .bench.lra import run_lra_bench
 
-    try:
-        result = run_lra_bench(
-            args.out, attentions=args.attentions, lengths=args.lengths, batch_size=args.batch_size,
-            steps=args.steps, device=args.device, log=_print_line,
-        )
-    except ValueError as e:
-        return _usage_error("bench lra", str(e))
+    result = run_lra_bench(args.out, attentions=args.attentions, lengths=args.lengths, batch_size=args.batch_size,
+                           steps=args.steps, device=args.device, log=_print_line)
     print(f"wrote {', '.join(result['files'])} -> {args.out} ({result['wall_time_s']:.0f} s)")
     return 0
 
