@@ -1,4 +1,4 @@
-"""``polaformer bench lra`` (also ``polaformer lra bench``): the paper's Table 6 (appendix A.3) measured on this machine.
+"""``polaformer bench lra`` (also ``polaformer lra bench``): the paper's Table 6 (appendix A.3), measured here.
 
 For every (sequence length, attention) the Long Range Arena model of :mod:`polaformer.lra.model`
 (the paper's LRA setting: dim 64, FFN 128, 2 heads × 32, 2 layers; vocabulary 512, 10
