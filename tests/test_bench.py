@@ -6,11 +6,20 @@ import math
 
 import matplotlib
 import pytest
+import torch
 
 matplotlib.use("Agg")
 
-from polaformer.benchmarks import OP_METHODS, count_flops, fit_exponent, matmul_gflops, roofline_fraction  # noqa: E402
-from polaformer.benchmarks.suite import _child_op_memory  # noqa: E402
+from polaformer.bench.scaling import (  # noqa: E402
+    DEFAULT_METHODS,
+    OP_METHODS,
+    _child_op_memory,
+    count_flops,
+    fit_exponent,
+    markdown_tables,
+    matmul_gflops,
+    roofline_fraction,
+)
 from polaformer.cli import main  # noqa: E402
 
 
@@ -39,7 +48,7 @@ def test_quick_run_writes_results_and_plots(quick_run):
 
     # Every (N, method, mode) has a row; SDPA above --max-softmax-tokens is marked skipped.
     ops = {(r["tokens"], r["method"], r["mode"]): r for r in res["ops"]}
-    assert set(ops) == {(n, m, mode) for n in (64, 128) for m in OP_METHODS for mode in ("fwd", "fwd_bwd")}
+    assert set(ops) == {(n, m, mode) for n in (64, 128) for m in DEFAULT_METHODS for mode in ("fwd", "fwd_bwd")}
     assert ops[(128, "sdpa_softmax", "fwd_bwd")]["skipped"]
     assert "max-softmax-tokens" in ops[(128, "sdpa_softmax", "fwd")]["reason"]
     for key, row in ops.items():
@@ -62,6 +71,26 @@ def test_quick_run_writes_results_and_plots(quick_run):
         assert "error" not in row, row
         assert row["images_per_s"] > 0 and row["peak_memory_mb"] > 0 and row["forward_peak_mb"] >= 0
     assert models[1]["attn_type"] == "SSSS"
+
+
+def test_methods_option_adds_the_two_stream_formulation(tmp_path):
+    out = tmp_path / "ops"
+    code = main(["bench", "--out", str(out), "--tokens", "64", "--methods", "fused_pola", "two_stream_pola",
+                 "--no-models", "--no-op-memory", "--min-run-time", "0.002", "--matmul-size", "64", "--batch", "2"])
+    assert code == 0
+    res = json.loads((out / "results.json").read_text())
+    assert res["config"]["methods"] == ["fused_pola", "two_stream_pola"] and res["config"]["batch"] == 2
+    assert {(r["method"], r["mode"]) for r in res["ops"]} == {
+        (m, mode) for m in ("fused_pola", "two_stream_pola") for mode in ("fwd", "fwd_bwd")}
+    assert res["models"] == [] and res["plots"] == ["bench_ops.png"]
+    assert "two_stream_pola / fused_pola (fwd_bwd): N=64:" in markdown_tables(res)
+
+
+def test_two_stream_formulation_computes_the_fused_op():
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 50, 16, generator=gen, dtype=torch.float64) for _ in range(3))
+    w = torch.randn(1, 3, 1, 16, generator=gen, dtype=torch.float64)
+    torch.testing.assert_close(OP_METHODS["two_stream_pola"](q, k, v, w), OP_METHODS["fused_pola"](q, k, v, w))
 
 
 def test_op_memory_child_reports_a_peak():
@@ -100,6 +129,16 @@ def test_fit_exponent():
     (["bench", "--out", "x", "--head-dim", "63"], "--head-dim must be even"),
     (["bench", "--out", "x", "--min-run-time", "0"], "--min-run-time must be > 0"),
     (["bench", "--out", "x", "--models", "resnet50"], "invalid choice: 'resnet50'"),
+    (["bench", "--out", "x", "--methods", "flash"], "unknown --methods flash; known: fused_pola"),
+    (["bench", "official", "--models", "resnet50"], "no official counterpart for 'resnet50'"),
+    (["bench", "official", "--min-time", "0"], "--min-time must be > 0"),
+    (["bench", "native", "--rounds", "0"], "--rounds: must be a positive integer"),
+    (["bench", "pacs", "--min-time", "-1"], "--min-time must be > 0"),
+    (["bench", "dense", "--sizes", "12x"], "size must be HxW or S in pixels, got '12x'"),
+    (["bench", "deploy", "--out", "x", "--variants", "tensorrt"], "unknown variant(s) 'tensorrt'"),
+    (["bench", "deploy"], "the following arguments are required: --out"),
+    (["bench", "lra", "--out", "x", "--attentions", "nope"], "unknown attention(s) 'nope'"),
+    (["bench", "nope"], "invalid choice: 'nope'"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, message, capsys):
     try:

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from polaformer.lra.bench import compute_ratios, markdown_table, run_lra_bench
+from polaformer.bench.lra import compute_ratios, markdown_table, run_lra_bench
 
 ATTENTIONS = ("softmax", "pola")
 LENGTHS = (64, 128)

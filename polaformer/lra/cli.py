@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import parse_model_kwarg, positive_int
+from ..cli import add_lra_bench_arguments, parse_model_kwarg, positive_int
 
 __all__ = ["add_lra_parser"]
 
@@ -82,13 +82,7 @@ def add_lra_parser(commands) -> None:
     bench = sub.add_parser(
         "bench", help="Table 6 on this machine: training throughput and peak memory of every attention, vs softmax",
     )
-    bench.add_argument("--out", required=True, metavar="DIR", help="writes results.json, table.md, bench_lra.png")
-    bench.add_argument("--attentions", nargs="+", metavar="NAME", help="default: all")
-    bench.add_argument("--lengths", nargs="+", type=positive_int, metavar="N", help="default: 1024 2048 4096")
-    bench.add_argument("--batch-size", type=positive_int, help="fixed batch for every measurement (default: 4)")
-    bench.add_argument("--steps", type=positive_int, help="timed training steps per measurement (default: 3)")
-    bench.add_argument("--device", default="cpu")
-    bench.set_defaults(handler=cmd_lra_bench)
+    add_lra_bench_arguments(bench)
 
 
 def _errors():
@@ -198,18 +192,4 @@ def cmd_lra_curves(args: argparse.Namespace) -> int:
         print(f"{run['run']}: best dev {run['best_dev_accuracy']:.2f}%, test {run['test_accuracy']:.2f}% "
               f"({run['steps']} steps, {run['wall_time_s']:.0f} s)")
     print(f"majority class {result['majority_class_test_accuracy']:.2f}% -> {result['figure']}")
-    return 0
-
-
-def cmd_lra_bench(args: argparse.Namespace) -> int:
-    from .bench import run_lra_bench
-
-    try:
-        result = run_lra_bench(
-            args.out, attentions=args.attentions, lengths=args.lengths, batch_size=args.batch_size,
-            steps=args.steps, device=args.device, log=lambda msg: print(msg, flush=True),
-        )
-    except (ValueError, OSError) as e:
-        return _fail(str(e))
-    print(f"wrote {', '.join(result['files'])} -> {args.out} ({result['wall_time_s']:.0f} s)")
     return 0

@@ -5,21 +5,21 @@ RoPE by ``apply_rope``, autograd backward), which was the eager implementation b
 kernel. Shapes are the linear stages of POLA_b0 at 224 px (head_dim 32, RoPE on). Both are timed
 interleaved, several rounds, with torch.utils.benchmark; medians in ms.
 
-    python benchmarks/bench_pacs.py --batch 8 --rounds 5
+    polaformer bench pacs --batch 8 --rounds 5
 """
 from __future__ import annotations
 
-import argparse
-import statistics
-
 import torch
-from torch.utils import benchmark
 
 from polaformer.ops import rope_2d, rope_angles
 from polaformer.ops.pola_attention import _pacs_attention_graph, _PacsAttention
-from polaformer.runtime import tune_cpu_allocator
+
+from .harness import interleaved, markdown_table, medians
 
 IMPLEMENTATIONS = {"functional": _pacs_attention_graph, "fused": _PacsAttention.apply}
+MODES = ("fwd", "fwd_bwd")
+SHAPES = ((1, 56), (2, 28), (4, 14))  # (heads, side) of POLA_b0's linear stages at 224 px
+HEAD_DIM = 32
 
 
 def steps_for(batch, heads, side, head_dim):
@@ -43,30 +43,22 @@ def steps_for(batch, heads, side, head_dim):
     return steps
 
 
-def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--min-time", type=float, default=0.2)
-    args = parser.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    tune_cpu_allocator()
-    print("| heads × N × head_dim | pass | functional ms | fused ms | functional/fused |")
-    print("|---|---|---|---|---|")
-    for heads, side in ((1, 56), (2, 28), (4, 14)):
-        steps = steps_for(args.batch, heads, side, 32)
-        for fn in steps.values():
-            fn()
-        samples = {key: [] for key in steps}
-        for _ in range(args.rounds):
-            for key, fn in steps.items():
-                timer = benchmark.Timer("fn()", globals={"fn": fn}, num_threads=args.threads)
-                samples[key].append(timer.blocked_autorange(min_run_time=args.min_time).median * 1e3)
-        for mode in ("fwd", "fwd_bwd"):
-            plain, fused = (statistics.median(samples[(name, mode)]) for name in IMPLEMENTATIONS)
-            print(f"| {heads} × {side * side} × 32 | {mode} | {plain:.2f} | {fused:.2f} | {plain / fused:.2f} |")
+def run_pacs(*, batch: int = 8, threads: int = 2, rounds: int = 5, min_time: float = 0.2,
+             shapes=SHAPES) -> list[dict]:
+    """Functional against fused, forward and forward+backward, at every (heads, side); medians in ms."""
+    torch.set_num_threads(threads)
+    rows = []
+    for heads, side in shapes:
+        times = medians(interleaved(steps_for(batch, heads, side, HEAD_DIM), rounds, min_time, threads=threads))
+        for mode in MODES:
+            plain, fused = (times[(name, mode)] * 1e3 for name in IMPLEMENTATIONS)
+            rows.append({"heads": heads, "tokens": side * side, "head_dim": HEAD_DIM, "mode": mode,
+                         "functional_ms": plain, "fused_ms": fused, "ratio": plain / fused})
+    return rows
 
 
-if __name__ == "__main__":
-    main()
+def table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["heads × N × head_dim", "pass", "functional ms", "fused ms", "functional/fused"],
+        [[f"{r['heads']} × {r['tokens']} × {r['head_dim']}", r["mode"], f"{r['functional_ms']:.2f}",
+          f"{r['fused_ms']:.2f}", f"{r['ratio']:.2f}"] for r in rows]) + "\n"

@@ -2,7 +2,8 @@
 
 (a) Op level: fused Pola (:func:`polaformer.ops.pola_linear_attention`) against torch SDPA
     (softmax) and mean-normalised linear attention on the ELU+1 and FLatten focused feature
-    maps, forward and forward+backward, timed side by side with ``torch.utils.benchmark``.
+    maps (and, on request, the official code's two-stream formulation), forward and
+    forward+backward, timed side by side with ``torch.utils.benchmark``.
 (b) Model level: images/s and peak resident memory of Pola-PVT-T and Pola-Swin-T against the
     same architectures with softmax attention (``attn_type='SSSS'``), one fresh subprocess per
     (model, input size) so every peak is its own.
@@ -14,25 +15,34 @@ Everything lands in ``results.json`` plus log-log PNG plots in the output folder
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
-import platform
-import resource
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch.utils import benchmark
 
-from ..ops import elu_feature, focused_feature, learnable_power, linear_attention, pola_linear_attention
+from ..ops import (elu_feature, focused_feature, learnable_power, linear_attention, official_pola_linear_attention,
+                   pola_linear_attention)
 from ..runtime import tune_cpu_allocator
+from .harness import (
+    log_log_axes,
+    machine_info,
+    markdown_table,
+    peak_rss_bytes,
+    pyplot,
+    release_freed_buffers,
+    reset_peak_rss,
+    rss_now_bytes,
+    run_child,
+    save_figure,
+    time_call,
+    write_json,
+)
 
 __all__ = [
     "OP_METHODS",
+    "DEFAULT_METHODS",
     "BenchConfig",
     "count_flops",
     "fit_exponent",
@@ -71,12 +81,18 @@ def _focused_linear(q, k, v, w):
     return linear_attention(focused_feature(q), focused_feature(k), v)
 
 
+def _two_stream_pola(q, k, v, w):
+    return official_pola_linear_attention(q, k, v, learnable_power(w, 4.0))
+
+
 OP_METHODS = {
     "fused_pola": _fused_pola,
     "sdpa_softmax": _sdpa_softmax,
     "elu_linear": _elu_linear,
     "focused_linear": _focused_linear,
+    "two_stream_pola": _two_stream_pola,
 }
+DEFAULT_METHODS = ("fused_pola", "sdpa_softmax", "elu_linear", "focused_linear")
 SOFTMAX_METHODS = ("sdpa_softmax",)
 
 
@@ -123,14 +139,6 @@ def count_flops(fn, tokens: int, heads: int, head_dim: int, mode: str, batch: in
     return int(counter.get_total_flops())
 
 
-def time_call(step, min_run_time: float, best: bool = False) -> float:
-    """Median (or, with ``best``, fastest) seconds per call of ``step`` after one warm-up, via blocked_autorange."""
-    step()
-    timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads())
-    m = timer.blocked_autorange(min_run_time=min_run_time)
-    return float(min(m.times) if best else m.median)
-
-
 def matmul_gflops(size: int = 4096, min_run_time: float = 0.5) -> dict:
     """The machine's fp32 large-matmul rate: ``size``² @ ``size``², 2·size³ FLOPs per call (fastest block)."""
     gen = torch.Generator().manual_seed(0)
@@ -172,77 +180,21 @@ def fit_exponent(tokens, seconds, lo: int = EXPONENT_RANGE[0], hi: int = EXPONEN
     return sum((x - mx) * (y - my) for x, y in pts) / sxx if sxx else None
 
 
-def _rss_now_bytes() -> int:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def _release_freed_buffers() -> bool:
-    """glibc: serve every buffer over 64 KiB by mmap and unmap it on free (fixed threshold, no dynamic growth).
-
-    Then the RSS after a warm-up call is the true baseline, and the peak above it is what one
-    call needs. ``tune_cpu_allocator`` (buffer reuse, for timing) is applied after the memory
-    measurement, since retained buffers would hide the peak.
-    """
-    import ctypes
-    import ctypes.util
-
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        return libc.mallopt(-3, 1 << 16) == 1 and libc.mallopt(-1, 1 << 16) == 1  # M_MMAP/M_TRIM_THRESHOLD
-    except (OSError, AttributeError):
-        return False
-
-
-def _reset_peak_rss() -> bool:
-    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux ≥ 4.0); False where unsupported."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-def _peak_rss_bytes(since_reset: bool) -> int:
-    """VmHWM (since the last reset, if ``since_reset``), else the process-lifetime ``ru_maxrss``."""
-    return _maxrss_bytes()
-
-
-def _maxrss_bytes() -> int:
-    """Peak RSS of this process. VmHWM first: ``ru_maxrss`` survives fork+exec on Linux, so a
-    child started by a big parent would report the parent's peak."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        pass
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return rss if sys.platform == "darwin" else rss * 1024  # Linux reports KiB
-
-
 # --------------------------------------------------------------------------- subprocess children
 
 def _child_op_memory(spec: dict) -> dict:
     """Peak memory of one fused-Pola forward+backward at N tokens (inputs excluded)."""
-    _release_freed_buffers()
+    release_freed_buffers()
     torch.set_num_threads(spec["threads"])
     inputs = make_op_inputs(spec["tokens"], spec["heads"], spec["head_dim"])
     step = _op_step(OP_METHODS[spec["method"]], inputs, "fwd_bwd")
     step()  # warm-up: one-off thread-pool and allocator set-up is not the op's memory
     for t in inputs:
         t.grad = None
-    reset = _reset_peak_rss()
-    base = _rss_now_bytes()
+    reset = reset_peak_rss()
+    base = rss_now_bytes()
     step()
-    peak = _peak_rss_bytes(reset)
+    peak = peak_rss_bytes()
     input_bytes = sum(t.numel() * t.element_size() for t in inputs)
     return {"tokens": spec["tokens"], "method": spec["method"], "peak_rss_mb": peak / 2**20,
             "baseline_rss_mb": base / 2**20, "op_peak_mb": max(0, peak - base) / 2**20,
@@ -254,14 +206,15 @@ def _child_model(spec: dict) -> dict:
     import timm
 
     import polaformer.models  # noqa: F401  (registers the models)
+    from polaformer import accelerate
 
-    _release_freed_buffers()
+    release_freed_buffers()
     torch.set_num_threads(spec["threads"])
     device = torch.device(spec["device"])
     kwargs = {"img_size": spec["size"]}
     if spec["attn_type"]:
         kwargs["attn_type"] = spec["attn_type"]
-    model = timm.create_model(spec["model"], **kwargs).eval().to(device)
+    model = accelerate(timm.create_model(spec["model"], **kwargs).eval(), inference=True).to(device)
     x = torch.randn(1, 3, spec["size"], spec["size"], device=device)
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -274,10 +227,10 @@ def _child_model(spec: dict) -> dict:
             torch.cuda.synchronize()
 
     step()  # warm-up, then one measured forward for the forward-only peak
-    reset = _reset_peak_rss()
-    base = _rss_now_bytes()
+    reset_peak_rss()
+    base = rss_now_bytes()
     step()
-    forward_peak = _peak_rss_bytes(reset)
+    forward_peak = peak_rss_bytes()
     tune_cpu_allocator()  # buffer reuse for the timing
     seconds = time_call(step, spec["min_run_time"])
     out = {"model": spec["model"], "attention": spec["attention"], "size": spec["size"],
@@ -287,7 +240,7 @@ def _child_model(spec: dict) -> dict:
         out["peak_memory_mb"] = torch.cuda.max_memory_allocated() / 2**20
         out["memory_source"] = "torch.cuda.max_memory_allocated"
     else:
-        out["peak_memory_mb"] = _maxrss_bytes() / 2**20
+        out["peak_memory_mb"] = peak_rss_bytes() / 2**20
         out["forward_peak_mb"] = max(0, forward_peak - base) / 2**20
         out["memory_source"] = ("peak_memory_mb: VmHWM of the whole process (torch, model, input); "
                                 "forward_peak_mb: peak RSS of one forward above the RSS before it")
@@ -295,23 +248,6 @@ def _child_model(spec: dict) -> dict:
 
 
 CHILDREN = {"op_memory": _child_op_memory, "model": _child_model}
-
-
-def _run_child(kind: str, spec: dict, timeout: float | None = None,
-               module: str = "polaformer.benchmarks.suite") -> dict:
-    """Run ``module.CHILDREN[kind](spec)`` in a fresh interpreter; its result dict, or ``{"error": ...}``."""
-    code = (f"import json, sys; from {module} import CHILDREN; "
-            f"print('@@' + json.dumps(CHILDREN[{kind!r}](json.loads(sys.argv[1]))))")
-    try:
-        proc = subprocess.run([sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {timeout:.0f} s"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("@@"):
-            return json.loads(line[2:])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"exit status {proc.returncode}: {tail}"}
 
 
 # --------------------------------------------------------------------------- driver
@@ -325,7 +261,7 @@ class BenchConfig:
     batch: int = 1
     sizes: tuple = DEFAULT_SIZES
     models: tuple = DEFAULT_MODELS
-    methods: tuple = tuple(OP_METHODS)
+    methods: tuple = DEFAULT_METHODS
     min_run_time: float = 1.0
     max_softmax_tokens: int = 16384
     matmul_size: int = 4096
@@ -386,7 +322,7 @@ def run_op_memory(cfg: BenchConfig, log=None) -> dict:
     for n in cfg.tokens:
         spec = {"tokens": n, "heads": cfg.heads, "head_dim": cfg.head_dim, "method": "fused_pola",
                 "threads": torch.get_num_threads()}
-        row = _run_child("op_memory", spec)
+        row = run_child(__name__, "op_memory", spec)
         row.setdefault("tokens", n)
         rows.append(row)
         if "error" not in row:
@@ -408,7 +344,7 @@ def run_models(cfg: BenchConfig, log=None) -> list[dict]:
             for size in cfg.sizes:
                 spec = {"model": model, "attention": attention, "attn_type": attn_type, "size": size,
                         "min_run_time": cfg.min_run_time, "threads": torch.get_num_threads(), "device": cfg.device}
-                row = _run_child("model", spec)
+                row = run_child(__name__, "model", spec)
                 row.update(model=model, attention=attention, size=size, attn_type=attn_type or "default")
                 rows.append(row)
                 if "error" in row:
@@ -429,9 +365,7 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     _log(f"matmul {cfg.matmul_size}x{cfg.matmul_size} fp32: {mm['gflops']:.1f} GFLOP/s", log)
     ops = run_ops(cfg, mm["gflops"], log)
     results = {
-        "machine": {"processor": platform.processor() or platform.machine(), "torch": torch.__version__,
-                    "threads": torch.get_num_threads(), "cpu_count": os.cpu_count(), "device": cfg.device,
-                    "allocator_reuse": allocator},
+        "machine": machine_info(cfg.device, allocator_reuse=allocator),
         "config": {k: list(v) if isinstance(v, tuple) else v for k, v in dataclasses.asdict(cfg).items()},
         "matmul": mm,
         "ops": ops,
@@ -446,19 +380,14 @@ def run_bench(cfg: BenchConfig, log=print) -> dict:
     results["models"] = run_models(cfg, log)
     results["wall_time_s"] = time.time() - started
     results["plots"] = write_plots(results, out)
-    with open(out / "results.json", "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(out / "results.json", results)
     return results
 
 
 # --------------------------------------------------------------------------- plots
 
 def write_plots(results: dict, out: Path, dpi: int = 80) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     written = []
     ops = results["ops"]
     methods = list(dict.fromkeys(r["method"] for r in ops))
@@ -479,21 +408,14 @@ def write_plots(results: dict, out: Path, dpi: int = 80) -> list[str]:
             for power, style in ((1, ":"), (2, "--")):
                 ax.plot([n0, n1], [t0, t0 * (n1 / n0) ** power], "k" + style, lw=1, alpha=0.6,
                         label=f"∝ N{'²' if power == 2 else ''}")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("tokens N")
-        ax.set_ylabel("ms per call")
-        ax.set_title({"fwd": "forward", "fwd_bwd": "forward + backward"}[mode])
-        ax.grid(True, which="both", alpha=0.3)
+        log_log_axes(ax, "tokens N", "ms per call", {"fwd": "forward", "fwd_bwd": "forward + backward"}[mode])
         ax.legend(fontsize=8)
     cfg = results["config"]
     peak = results.get("roofline_reference_gflops", results["matmul"]["gflops"])
     fig.suptitle(f"attention op, B={cfg['batch']} H={cfg['heads']} d={cfg['head_dim']}, "
                  f"{results['machine']['threads']} threads ({peak:.0f} GFLOP/s matmul)")
-    fig.tight_layout()
     path = out / "bench_ops.png"
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    save_figure(fig, path, dpi)
     written.append(path.name)
 
     models = [r for r in results.get("models", []) if "error" not in r]
@@ -509,17 +431,11 @@ def write_plots(results: dict, out: Path, dpi: int = 80) -> list[str]:
         mem_label = ("forward peak memory above baseline (MB)" if all(r.get("forward_peak_mb") for r in models)
                      else "peak memory (MB)")
         for ax, ylabel in zip(axes, ("images / s (batch 1, forward)", mem_label)):
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            ax.set_xlabel("input size (px)")
-            ax.set_ylabel(ylabel)
-            ax.grid(True, which="both", alpha=0.3)
+            log_log_axes(ax, "input size (px)", ylabel)
             ax.legend(fontsize=8)
         fig.suptitle("models: Pola vs softmax attention")
-        fig.tight_layout()
         path = out / "bench_models.png"
-        fig.savefig(path, dpi=dpi)
-        plt.close(fig)
+        save_figure(fig, path, dpi)
         written.append(path.name)
     return written
 
@@ -531,37 +447,39 @@ def markdown_tables(results: dict) -> str:
     methods = list(dict.fromkeys(r["method"] for r in ops))
     tokens = list(dict.fromkeys(r["tokens"] for r in ops))
     by = {(r["tokens"], r["method"], r["mode"]): r for r in ops}
+
+    def measured(n, method, mode):
+        r = by.get((n, method, mode))
+        return None if r is None or r["skipped"] else r
+
     for mode in MODES:
-        lines.append(f"| N ({mode}) | " + " | ".join(f"{m} ms (roofline)" for m in methods) + " |")
-        lines.append("|---" * (len(methods) + 1) + "|")
-        for n in tokens:
-            cells = []
-            for m in methods:
-                r = by.get((n, m, mode))
-                cells.append("skipped" if r is None or r["skipped"]
-                             else f"{r['ms']:.2f} ({100 * r['roofline_fraction']:.0f}%)")
-            lines.append(f"| {n} | " + " | ".join(cells) + " |")
+        rows = [[n] + ["skipped" if (r := measured(n, m, mode)) is None
+                       else f"{r['ms']:.2f} ({100 * r['roofline_fraction']:.0f}%)" for m in methods]
+                for n in tokens]
+        lines += [markdown_table([f"N ({mode})"] + [f"{m} ms (roofline)" for m in methods], rows), ""]
+    if "fused_pola" in methods:
+        for other in (m for m in methods if m != "fused_pola"):
+            for mode in MODES:
+                ratios = [f"N={n}: {a['seconds'] / b['seconds']:.1f}x" for n in tokens
+                          if (a := measured(n, other, mode)) and (b := measured(n, "fused_pola", mode))]
+                if ratios:
+                    lines.append(f"{other} / fused_pola ({mode}): " + ", ".join(ratios))
         lines.append("")
     summary = results["op_summary"]
-    for mode, speedups in summary.get("speedup_vs_sdpa", {}).items():
-        lines.append(f"SDPA / fused Pola ({mode}): " + ", ".join(f"N={n}: {v:.1f}x" for n, v in speedups.items()))
-    lines.append("")
     lines.append("Time exponents over N in 4096..65536: " + ", ".join(
         f"{k} {v:.3f}" for k, v in summary["exponents"].items() if v is not None))
     mem = results.get("op_memory")
     if mem:
-        lines += ["", "| N | fused Pola fwd+bwd peak above baseline (MB) | inputs (MB) |", "|---|---|---|"]
-        for r in mem["rows"]:
-            lines.append(f"| {r['tokens']} | " + (r.get("error") or f"{r['op_peak_mb']:.1f} | {r['input_mb']:.1f}") + " |")
+        rows = [[r["tokens"], r.get("error") or f"{r['op_peak_mb']:.1f}", "" if "error" in r else f"{r['input_mb']:.1f}"]
+                for r in mem["rows"]]
+        lines += ["", markdown_table(["N", "fused Pola fwd+bwd peak above baseline (MB)", "inputs (MB)"], rows)]
         if mem.get("growth_exponent") is not None:
             lines.append(f"\nMemory growth exponent over N in {mem['growth_range']}: {mem['growth_exponent']:.3f}")
     if results.get("models"):
-        lines += ["", "| model | attention | size | images/s | forward peak above baseline (MB) | process peak (MB) |",
-                  "|---|---|---|---|---|---|"]
-        for r in results["models"]:
-            if "error" in r:
-                lines.append(f"| {r['model']} | {r['attention']} | {r['size']} | error: {r['error']} | | |")
-                continue
-            lines.append(f"| {r['model']} | {r['attention']} | {r['size']} | {r['images_per_s']:.2f} | "
-                         f"{r.get('forward_peak_mb', float('nan')):.1f} | {r['peak_memory_mb']:.0f} |")
+        rows = [[r["model"], r["attention"], r["size"], f"error: {r['error']}", "", ""] if "error" in r else
+                [r["model"], r["attention"], r["size"], f"{r['images_per_s']:.2f}",
+                 f"{r.get('forward_peak_mb', float('nan')):.1f}", f"{r['peak_memory_mb']:.0f}"]
+                for r in results["models"]]
+        lines += ["", markdown_table(["model", "attention", "size", "images/s", "forward peak above baseline (MB)",
+                                      "process peak (MB)"], rows)]
     return "\n".join(lines) + "\n"

@@ -5,22 +5,20 @@ Each case runs twice per round, once with ``polaformer/csrc`` kernels and once w
 medians and the ratio torch ops / native (> 1: the kernels are faster). Cases: the Pola and PaCS ops
 at the shapes of the models' stages (inference and forward+backward), and optionally whole models.
 
-    python benchmarks/bench_native.py
-    python benchmarks/bench_native.py --models pola_pvt_tiny POLA_b0 --batches 1 8 --rounds 5 --json out.json
+    polaformer bench native
+    polaformer bench native --models pola_pvt_tiny POLA_b0 --batches 1 8 --rounds 5 --json out.json
 """
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
+from typing import Callable
 
 import torch
-from torch.utils import benchmark
 
 import polaformer.ops.pola_attention as attention_module
 from polaformer.ops import learnable_power, pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
 from polaformer.backends.cpu.native import native_kernels
-from polaformer.runtime import tune_cpu_allocator
+
+from .harness import interleaved, medians
 
 # (batch, heads, tokens, head_dim): PVT-T stage 1 and 3, Swin-T stage 1 windows, DeiT-T, PolaFormer++ B0 stage 1
 POLA_SHAPES = [(1, 1, 3136, 64), (8, 1, 3136, 64), (8, 5, 196, 64), (64, 3, 49, 32), (8, 3, 197, 64)]
@@ -60,7 +58,10 @@ def model_case(name, batch, train):
 
     import polaformer.models  # noqa: F401  (registers the models)
 
+    from polaformer import accelerate
+
     model = timm.create_model(name, num_classes=1000).train(train)
+    model = accelerate(model) if train else accelerate(model, inference=True)
     x, y = torch.randn(batch, 3, 224, 224), torch.randint(0, 1000, (batch,))
 
     def step():
@@ -77,57 +78,45 @@ def time_ab(step, rounds, threads, min_time, steps=None):
     """Medians over ``rounds`` of each variant's sample: ``steps`` calls per sample if given (whole models,
     whose single steps are noisy), else torch.utils.benchmark's blocked autorange of ``min_time`` seconds."""
     native = native_kernels()
-    variants = {"torch ops": lambda: None, "native": lambda: native}
-    samples = {name: [] for name in variants}
     original = attention_module.native_kernels
-    try:
-        for lookup in variants.values():  # warm-up, both variants
+
+    def with_lookup(lookup):
+        def run():
             attention_module.native_kernels = lookup
             step()
-        for _ in range(rounds):
-            for name, lookup in variants.items():
-                attention_module.native_kernels = lookup
-                timer = benchmark.Timer("step()", globals={"step": step}, num_threads=threads)
-                measured = timer.timeit(steps) if steps else timer.blocked_autorange(min_run_time=min_time)
-                samples[name].append(measured.median)
+        return run
+
+    variants = {"torch ops": with_lookup(lambda: None), "native": with_lookup(lambda: native)}
+    try:
+        return medians(interleaved(variants, rounds, min_time, calls=steps, threads=threads))
     finally:
         attention_module.native_kernels = original
-    return {name: statistics.median(times) for name, times in samples.items()}
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="*", default=[], help="timm names of whole models to time as well")
-    parser.add_argument("--batches", nargs="+", type=int, default=[1, 8])
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--min-time", type=float, default=0.3, help="seconds per op sample")
-    parser.add_argument("--model-steps", type=int, default=6, help="steps per whole-model sample")
-    parser.add_argument("--json", help="write the rows here")
-    args = parser.parse_args(argv)
+def run_native(*, models=(), batches=(1, 8), threads: int = 2, rounds: int = 3, min_time: float = 0.3,
+               model_steps: int = 6, pola_shapes=None, pacs_shapes=None,
+               log: Callable[[str], None] = print) -> list[dict]:
+    """The op cases (and ``models`` at each batch), inference and training: torch ops against native.
 
-    tune_cpu_allocator()
-    torch.set_num_threads(args.threads)
+    ``pola_shapes``/``pacs_shapes`` default to the models' stage shapes. Raises RuntimeError where the
+    native kernels cannot be built.
+    """
+    torch.set_num_threads(threads)
     if native_kernels() is None:
-        raise SystemExit("the native kernels are not available here (see the log); nothing to compare")
-    cases = [(f"pola {s}", pola_case, s, None) for s in POLA_SHAPES]
-    cases += [(f"pacs+rope {s}", pacs_case, s, None) for s in PACS_SHAPES]
-    cases += [(f"{m} b{b}", lambda spec, train: model_case(*spec, train), (m, b), args.model_steps)
-              for m in args.models for b in args.batches]
+        raise RuntimeError("the native kernels are not available here (see the log); nothing to compare")
+    cases = [(f"pola {s}", pola_case, s, None) for s in (POLA_SHAPES if pola_shapes is None else pola_shapes)]
+    cases += [(f"pacs+rope {s}", pacs_case, s, None) for s in (PACS_SHAPES if pacs_shapes is None else pacs_shapes)]
+    cases += [(f"{m} b{b}", lambda spec, train: model_case(*spec, train), (m, b), model_steps)
+              for m in models for b in batches]
     rows = []
     for label, make, spec, steps in cases:
         for train in (False, True):
             with torch.set_grad_enabled(train):
-                result = time_ab(make(spec, train), args.rounds, args.threads, args.min_time, steps)
+                result = time_ab(make(spec, train), rounds, threads, min_time, steps)
             ratio = result["torch ops"] / result["native"]
             mode = "train" if train else "infer"
-            rows.append({"case": label, "mode": mode, **{k: v * 1e3 for k, v in result.items()}, "ratio": ratio})
-            print(f"{label:32s} {mode}  torch ops {result['torch ops'] * 1e3:9.2f} ms  native "
-                  f"{result['native'] * 1e3:9.2f} ms  torch ops/native {ratio:.2f}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"threads": args.threads, "rows": rows}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+            rows.append({"case": label, "mode": mode, **{k: v * 1e3 for k, v in result.items()},
+                         "ratio": ratio})
+            log(f"{label:32s} {mode}  torch ops {result['torch ops'] * 1e3:9.2f} ms  native "
+                f"{result['native'] * 1e3:9.2f} ms  torch ops/native {ratio:.2f}")
+    return rows

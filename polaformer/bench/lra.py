@@ -1,4 +1,4 @@
-"""``polaformer lra bench``: the paper's Table 6 (appendix A.3) measured on this machine.
+"""``polaformer bench lra`` (also ``polaformer lra bench``): the paper's Table 6 (appendix A.3), measured here.
 
 For every (sequence length, attention) the Long Range Arena model of :mod:`polaformer.lra.model`
 (the paper's LRA setting: dim 64, FFN 128, 2 heads × 32, 2 layers; vocabulary 512, 10
@@ -9,7 +9,7 @@ in a fresh subprocess so that every peak memory is its own. Per measurement:
 1. one warm-up step (thread pools, AdamW state, one-off allocations);
 2. one memory step: on CPU the peak resident memory of that step above the resident memory
    just before it (glibc set to unmap every freed buffer over 64 KiB, the kernel's peak-RSS
-   mark reset right before, as :mod:`polaformer.benchmarks.suite` measures its children);
+   mark reset right before: :mod:`polaformer.bench.harness`);
    on CUDA ``torch.cuda.max_memory_allocated`` over that step (model, optimizer state and
    activations);
 3. the CPU allocator switched to buffer reuse (:func:`polaformer.runtime.tune_cpu_allocator`)
@@ -24,10 +24,7 @@ example is two such sequences, which this benchmark does not model.
 """
 from __future__ import annotations
 
-import json
 import logging
-import os
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -35,14 +32,23 @@ from typing import Callable
 
 import torch
 
-from ..benchmarks.suite import (
-    _peak_rss_bytes,
-    _release_freed_buffers,
-    _reset_peak_rss,
-    _rss_now_bytes,
-    _run_child,
-)
 from ..runtime import tune_cpu_allocator
+from .harness import (
+    check_device,
+    loadavg,
+    log_log_axes,
+    machine_info,
+    markdown_table as table,
+    peak_rss_bytes,
+    pyplot,
+    release_freed_buffers,
+    reset_peak_rss,
+    rss_now_bytes,
+    run_child,
+    save_figure,
+    write_json,
+    write_text,
+)
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -66,7 +72,6 @@ VOCAB_SIZE = 512
 NUM_CLASSES = 10
 REFERENCE = "softmax"
 TASKS = {1024: "Image, Pathfinder", 2048: "ListOps", 4096: "Text, Retrieval"}
-CHILD_MODULE = __name__
 
 
 # --------------------------------------------------------------------------- the child
@@ -75,9 +80,9 @@ def _train_child(spec: dict) -> dict:
     """Throughput and peak memory of training steps of one (attention, length); runs in a fresh process."""
     from torch.nn import functional as F
 
-    from .model import LRAClassifier, LRAModelConfig
+    from ..lra.model import LRAClassifier, LRAModelConfig
 
-    _release_freed_buffers()
+    release_freed_buffers()
     torch.set_num_threads(spec["threads"])
     torch.manual_seed(spec.get("seed", 0))
     device = torch.device(spec["device"])
@@ -109,8 +114,8 @@ def _train_child(spec: dict) -> dict:
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
     else:
-        reset = _reset_peak_rss()
-        base = _rss_now_bytes()
+        reset = reset_peak_rss()
+        base = rss_now_bytes()
     step()
     if cuda:
         peak = torch.cuda.max_memory_allocated(device)
@@ -119,7 +124,7 @@ def _train_child(spec: dict) -> dict:
                   "memory_source": "torch.cuda.max_memory_allocated over one training step "
                                    "(model, optimizer state, batch and activations)"}
     else:
-        peak = _peak_rss_bytes(reset)
+        peak = peak_rss_bytes()
         memory = {"peak_memory_mb": max(0, peak - base) / 2**20, "baseline_memory_mb": base / 2**20,
                   "process_peak_mb": peak / 2**20,
                   "memory_source": "peak RSS of one training step above the RSS before it "
@@ -156,7 +161,7 @@ def _emit(msg: str, log: Callable[[str], None] | None) -> None:
 
 
 def _resolve_attentions(attentions) -> list[str]:
-    from .attention import ATTENTIONS
+    from ..lra.attention import ATTENTIONS
 
     if attentions is None:
         names = list(ATTENTIONS)
@@ -177,44 +182,6 @@ def _positive_ints(values, name: str) -> list[int]:
     if not out or any(not isinstance(v, int) or isinstance(v, bool) or v < 1 for v in out):
         raise ValueError(f"{name} must be positive integers, got {values!r}")
     return out
-
-
-def _check_device(device: str) -> str:
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"invalid device {device!r}: {err}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device must be cpu or cuda[:i], got {device!r}")
-    return str(dev)
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.lower().startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def _machine(device: str) -> dict:
-    info = {"torch": torch.__version__, "python": platform.python_version(), "threads": torch.get_num_threads(),
-            "cpu_count": os.cpu_count(), "cpu_model": _cpu_model(), "platform": platform.platform(), "device": device}
-    if torch.device(device).type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    return info
-
-
-def _loadavg() -> float | None:
-    try:
-        return os.getloadavg()[0]
-    except (OSError, AttributeError):
-        return None
 
 
 def _ok(row: dict) -> bool:
@@ -270,25 +237,21 @@ def markdown_table(results: dict) -> str:
         f"Machine: {machine['cpu_model']}, {machine['threads']} threads, torch {machine['torch']}, "
         f"device {machine['device']}" + (f" ({machine['gpu']})" if machine.get("gpu") else "") + ".",
         "",
-        "| length | attention | T (samples/s) | M (MB) |",
-        "|---|---|---|---|",
     ]
+    cells = []
     for length in settings["lengths"]:
-        label = f"{length}" + (f" ({TASKS[length]})" if length in TASKS else "")
-        first = True
-        for r in (r for r in rows if r["length"] == length):
-            head = f"**{label}**" if first else ""
-            first = False
+        label = f"**{length}" + (f" ({TASKS[length]})" if length in TASKS else "") + "**"
+        for i, r in enumerate(r for r in rows if r["length"] == length):
+            head = "" if i else label
             if not _ok(r):
-                lines.append(f"| {head} | {r['attention']} | error: {r['error']} | |")
+                cells.append([head, r["attention"], f"error: {r['error']}", ""])
                 continue
-            lines.append(f"| {head} | {r['attention']} | {r['samples_per_s']:.2f} ({_fmt_ratio(r['throughput_ratio'])}) | "
-                         f"{r['peak_memory_mb']:.1f} ({_fmt_ratio(r['memory_ratio'])}) |")
-    first = True
-    for name, avg in results["ratios"]["average"].items():
-        head = "**average ratio**" if first else ""
-        first = False
-        lines.append(f"| {head} | {name} | ({_fmt_ratio(avg['throughput'])}) | ({_fmt_ratio(avg['memory'])}) |")
+            cells.append([head, r["attention"], f"{r['samples_per_s']:.2f} ({_fmt_ratio(r['throughput_ratio'])})",
+                          f"{r['peak_memory_mb']:.1f} ({_fmt_ratio(r['memory_ratio'])})"])
+    for i, (name, avg) in enumerate(results["ratios"]["average"].items()):
+        cells.append(["" if i else "**average ratio**", name, f"({_fmt_ratio(avg['throughput'])})",
+                      f"({_fmt_ratio(avg['memory'])})"])
+    lines += [table(["length", "attention", "T (samples/s)", "M (MB)"], cells)]
     lines += ["", f"Average: the arithmetic mean over the lengths of each attention's ratios to {REFERENCE}."]
     failed = [r for r in rows if not _ok(r)]
     if failed:
@@ -298,10 +261,7 @@ def markdown_table(results: dict) -> str:
 
 def write_plot(results: dict, path: Path, dpi: int = 80) -> None:
     """Two log-log panels: throughput and peak memory against sequence length, one line per attention."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     from matplotlib.ticker import NullFormatter
 
     rows = [r for r in results["rows"] if _ok(r)]
@@ -328,20 +288,13 @@ def write_plot(results: dict, path: Path, dpi: int = 80) -> None:
                  else "peak memory, max_memory_allocated (MB)")
     for ax, ylabel, title in ((axes[0], "training throughput (samples/s)", "throughput"),
                               (axes[1], mem_label, "peak memory")):
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
+        log_log_axes(ax, "sequence length", ylabel, title, x_base=2)
         ax.set_xticks(settings["lengths"], [str(n) for n in settings["lengths"]])
         ax.xaxis.set_minor_formatter(NullFormatter())
-        ax.set_xlabel("sequence length")
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.grid(True, which="both", alpha=0.3)
     axes[1].legend(fontsize=7, ncol=2)
     fig.suptitle(f"LRA training step, batch {settings['batch_size']}, {machine['device']} "
                  f"({machine['threads']} threads)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
-    plt.close(fig)
+    save_figure(fig, path, dpi)
 
 
 # --------------------------------------------------------------------------- driver
@@ -364,7 +317,7 @@ def run_lra_bench(out, *, attentions=None, lengths=None, batch_size=None, steps=
     lengths = _positive_ints(DEFAULT_LENGTHS if lengths is None else lengths, "lengths")
     batch_size = _positive_ints([DEFAULT_BATCH_SIZE if batch_size is None else batch_size], "batch_size")[0]
     steps = _positive_ints([DEFAULT_STEPS if steps is None else steps], "steps")[0]
-    device = _check_device(device)
+    device = check_device(device)
     timeout = DEFAULT_TIMEOUT_S if timeout_s is None else float(timeout_s)
     if timeout <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
@@ -388,13 +341,10 @@ def run_lra_bench(out, *, attentions=None, lengths=None, batch_size=None, steps=
             spec = {"attention": name, "length": length, "batch_size": batch_size, "steps": steps,
                     "warmup_steps": WARMUP_STEPS, "device": device, "threads": threads,
                     "vocab_size": VOCAB_SIZE, "num_classes": NUM_CLASSES, "seed": 0}
-            t0, load0 = time.perf_counter(), _loadavg()
-            row = _run_child("train", spec, timeout=timeout, module=CHILD_MODULE)
-            # The 1-minute load average around the child: other processes on the cores slow the steps.
+            t0, load0 = time.perf_counter(), loadavg()
+            row = run_child(__name__, "train", spec, timeout=timeout)
             row.update(attention=name, length=length, batch_size=batch_size,
-                       child_wall_s=time.perf_counter() - t0, loadavg_1m=[load0, _loadavg()])
-            if "error" in row and "exit status -9" in row["error"]:
-                row["error"] += " (killed: out of memory?)"
+                       child_wall_s=time.perf_counter() - t0, loadavg_1m=[load0, loadavg()])
             rows.append(row)
             if _ok(row):
                 _emit(f"L={length:>5} {name:<11} {row['samples_per_s']:9.2f} samples/s "
@@ -403,13 +353,12 @@ def run_lra_bench(out, *, attentions=None, lengths=None, batch_size=None, steps=
                 _emit(f"L={length:>5} {name:<11} failed: {row['error']}", log)
 
     ratios = compute_ratios(rows)
-    results = {"machine": _machine(device), "settings": settings, "rows": rows, "ratios": ratios}
+    results = {"machine": machine_info(device), "settings": settings, "rows": rows, "ratios": ratios}
     results["wall_time_s"] = time.perf_counter() - started  # the measurements
-    (out / "table.md").write_text(markdown_table(results))
+    write_text(out / "table.md", markdown_table(results))
     write_plot(results, out / "bench_lra.png")
     results["wall_time_s"] = time.perf_counter() - started  # and the files
-    with open(out / "results.json", "w") as f:
-        json.dump(results, f, indent=2)
+    write_json(out / "results.json", results)
     files = ["results.json", "table.md", "bench_lra.png"]
     _emit(f"lra bench done in {results['wall_time_s']:.0f} s: {', '.join(files)}", log)
     return {"files": files, "wall_time_s": results["wall_time_s"], "rows": rows}
