@@ -64,7 +64,7 @@ def test_detect_on_a_coco_folder_and_resume(tmp_path, capsys):
     assert code == 0, err
     code, out, err = run([*common, "--steps", "2", "--resume", "auto"], capsys)
     assert code == 0, err
-    assert torch.load(out_dir / "last.pth", weights_only=True)["step"] == 2
+    assert torch.load(out_dir / "last.pth", weights_only=True)["num_updates"] == 2
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
     code, out, err = run(["detect", "eval", "--checkpoint", str(out_dir / "last.pth"), "--val-images", str(images),

@@ -14,7 +14,7 @@ from polaformer.lra.config import RECIPES, LRAConfig, LRAConfigError, TrainSetti
 from polaformer.lra.data import TASKS, LRADataset, collate_lra
 from polaformer.lra.listops import generate_listops
 from polaformer.lra.model import LRAClassifier, LRAModelConfig
-from polaformer.lra.train import LRASplits, load_lra_checkpoint, train_lra
+from polaformer.lra.train import LRASplits, load_lra_model, train_lra
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lra"
 # Attentions whose output for a sequence does not depend on how much padding follows it
@@ -105,8 +105,8 @@ def test_training_writes_checkpoints_metrics_and_evaluates_the_best(listops_dir,
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [4, 8]
     # best.pth scores the test split exactly as the run reported
-    model, checkpoint = load_lra_checkpoint(tmp_path / "run" / "best.pth")
-    assert checkpoint["step"] == summary["best_step"]
+    model, checkpoint = load_lra_model(tmp_path / "run" / "best.pth")
+    assert checkpoint["num_updates"] == summary["best_step"]
     from polaformer.lra.train import _eval_loader, evaluate_lra
     from polaformer.lra.data import load_lra_split
 
@@ -130,7 +130,7 @@ def test_interrupted_run_resumes_bit_identically(listops_dir, tmp_path):
 
     with pytest.raises(Crash):
         train_lra(cfg, listops_dir, tmp_path / "broken", show_progress=False, on_step=crash_at)
-    assert torch.load(tmp_path / "broken" / "last.pth", weights_only=True)["step"] == 6  # saved at step 6
+    assert torch.load(tmp_path / "broken" / "last.pth", weights_only=True)["num_updates"] == 6  # saved at step 6
     resumed = train_lra(cfg, listops_dir, tmp_path / "broken", resume="auto", show_progress=False)
     a = torch.load(tmp_path / "full" / "last.pth", weights_only=True)
     b = torch.load(tmp_path / "broken" / "last.pth", weights_only=True)
@@ -168,7 +168,7 @@ def test_cli_attention_options_eval_and_errors(listops_dir, tmp_path, capsys):
                  "--attention-option", "alpha=7", "--attention-option", "gate_init=zeros", "--steps", "2",
                  "--batch-size", "8", "--eval-every", "2", "--output", str(out)]) == 0
     capsys.readouterr()
-    model, checkpoint = load_lra_checkpoint(out / "best.pth")
+    model, checkpoint = load_lra_model(out / "best.pth")
     layer = model.blocks[0].attn.layer
     assert layer.alpha == 7 and checkpoint["config"]["attention_options"] == {"alpha": 7, "gate_init": "zeros"}
 

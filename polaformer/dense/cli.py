@@ -33,6 +33,8 @@ def _common_train(parser, task: str) -> None:
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument("--output", metavar="DIR", help=f"output folder (default: runs/{task}/BACKBONE)")
     parser.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an output folder that holds a run, replacing its files")
     parser.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -109,8 +111,9 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
     }
     recipe = load_recipe(task, args.config, overrides)
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
-    result = train_task(task, recipe, output, resume=args.resume, device=args.device, progress=not args.no_progress)
-    print(json.dumps({"step": result.step, "best": result.best, **result.metrics, "output": str(output)}))
+    summary = train_task(task, recipe, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                         progress=not args.no_progress)
+    print(json.dumps({**summary, "output": str(output)}))
     return 0
 
 

@@ -48,6 +48,8 @@ def add_lra_parser(commands) -> None:
     train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lra/TASK-ATTENTION)")
     train.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start afresh in an output folder that holds a run, replacing its files")
     train.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
     train.set_defaults(handler=cmd_lra_train)
 
@@ -127,7 +129,7 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
             # a short run keeps the recipe's warm-up fraction instead of failing
             cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
         output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
-        summary = train_lra(cfg, args.data, output, resume=args.resume, device=args.device)
+        summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
     except _errors() as e:
         return _fail(str(e))
     print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at step "
@@ -139,12 +141,12 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
 def cmd_lra_eval(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
-    from ..engine.train import resolve_device
+    from ..engine.device import resolve_device
     from .data import collate_lra, load_lra_split
-    from .train import evaluate_lra, load_lra_checkpoint
+    from .train import evaluate_lra, load_lra_model
 
     try:
-        model, checkpoint = load_lra_checkpoint(args.checkpoint)
+        model, checkpoint = load_lra_model(args.checkpoint)
         task = checkpoint["config"]["task"]
         dataset = load_lra_split(task, args.data, args.split, limit=args.limit)
         device = resolve_device(args.device)
@@ -153,7 +155,7 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
     except _errors() as e:
         return _fail(str(e))
     print(f"{args.split} accuracy: {result['accuracy']:.2f}% (loss {result['loss']:.4f}, {result['examples']} examples; "
-          f"{task}, {checkpoint['config']['attention']}, step {checkpoint.get('step', '?')}) <- {args.checkpoint}")
+          f"{task}, {checkpoint['config']['attention']}, step {checkpoint.get('num_updates', '?')}) <- {args.checkpoint}")
     return 0
 
 
