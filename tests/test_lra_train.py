@@ -223,3 +223,71 @@ def test_cli_curves_plots_runs_side_by_side(listops_dir, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["lra", "curves", str(tmp_path), "--out", str(png)]) == 2
     assert "holds no metrics.json" in capsys.readouterr().err
+
+
+def test_cli_run_folder_guarantees_come_from_the_engine(listops_dir, tmp_path, capsys, monkeypatch):
+    """A finished run is refused unless continued or replaced, a busy folder is refused naming its holder,
+    and Ctrl-C ends with status 130 naming the last checkpoint: the guarantees every engine task has."""
+    from polaformer.engine.output import OutputLock
+    from polaformer.lra.train import LRATask
+
+    out = tmp_path / "run"
+    base = ["lra", "train", "--task", "listops", "--data", str(listops_dir), "--attention", "pola", "--batch-size", "8",
+            "--eval-every", "2", "--output", str(out)]
+    assert main([*base, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--steps", "2"]) == 2
+    assert "already holds a run (last.pth" in capsys.readouterr().err
+    assert main([*base, "--steps", "4", "--resume", "auto"]) == 0
+    capsys.readouterr()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    assert main([*base, "--steps", "2", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2]
+
+    lock = OutputLock(out)
+    try:
+        assert main([*base, "--steps", "2", "--resume", "auto"]) == 2
+    finally:
+        lock.release()
+    assert "is in use by process" in capsys.readouterr().err
+
+    step = LRATask.step
+    calls = []
+
+    def interrupt_at_third_step(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(self, *args)
+
+    monkeypatch.setattr(LRATask, "step", interrupt_at_third_step)
+    assert main([*base, "--steps", "6", "--overwrite"]) == 130
+    assert capsys.readouterr().err.strip().endswith(f"interrupted; last saved checkpoint: {out / 'last.pth'}")
+    assert not (out / ".polaformer.lock").exists()
+
+
+def test_checkpoints_of_the_earlier_lra_layout_still_evaluate_and_resume(listops_dir, tmp_path, capsys):
+    """Before the one engine, LRA wrote its own layout: 'step' counted updates, 'scheduler', one 'rng'."""
+    cfg = tiny_cfg(steps=4, eval_every=2, save_every=2)
+
+    def crash_at(step):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train_lra(cfg, listops_dir, tmp_path / "new", show_progress=False, on_step=crash_at)
+    new = torch.load(tmp_path / "new" / "last.pth", weights_only=True)
+    assert new["num_updates"] == 2
+    window = new["window"][0]
+    old = {"model": new["model"], "optimizer": new["optimizer"], "scheduler": new["lr_scheduler"],
+           "scaler": new["scaler"], "step": 2, "best": {"accuracy": new["best"]["dev_accuracy"], "step": 2},
+           "history": new["history"],
+           "window": {"loss": window["loss_sum"], "correct": 0.0, "seen": window["samples"], "time": 0.0},
+           "rng": new["rng"][0], "config": new["config"], "model_config": new["model_config"]}
+    (tmp_path / "old").mkdir()
+    torch.save(old, tmp_path / "old" / "last.pth")
+    assert main(["lra", "eval", "--checkpoint", str(tmp_path / "old" / "last.pth"), "--data", str(listops_dir)]) == 0
+    assert "step 2) <-" in capsys.readouterr().out
+    summary = train_lra(cfg, listops_dir, tmp_path / "old", resume="auto", show_progress=False)
+    assert [r["step"] for r in summary["history"]] == [2, 4] and summary["steps"] == 4

@@ -152,6 +152,9 @@ class Task:
         """A timm scheduler (``step_update``) or a torch one (``step`` per update)."""
         raise NotImplementedError
 
+    def restore_scheduler(self, scheduler, state: dict) -> None:
+        scheduler.load_state_dict(state)
+
     def step(self, model: nn.Module, batch: Any, device: torch.device) -> StepOutput:
         """Forward and loss of one training batch (run under the engine's autocast)."""
         raise NotImplementedError
@@ -162,6 +165,10 @@ class Task:
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         """The metrics.jsonl line of an evaluation; ``results`` has 'model' (and 'ema')."""
         raise NotImplementedError
+
+    def start_message(self, engine: Engine) -> str:
+        """The log line that opens the training (empty: none)."""
+        return ""
 
     def describe(self, record: dict, improved: bool) -> str:
         """The log line of an evaluation."""
@@ -336,6 +343,13 @@ class Engine:
         return self.elapsed_before + time.perf_counter() - self.started
 
     @property
+    def finished(self) -> bool:
+        """Whether the run has trained all it should (epochs in epoch mode, else updates)."""
+        if self.epoch_mode:
+            return self.epoch >= self.settings.epochs
+        return self.num_updates >= self.total_updates
+
+    @property
     def epoch_mode(self) -> bool:
         return self.settings.epochs is not None
 
@@ -381,7 +395,7 @@ class Engine:
 
     def _check_updates_left(self) -> None:
         """A resumed run with nothing left writes nothing: refuse, unless it is this folder's own run."""
-        if self.num_updates < self.total_updates:
+        if not self.finished:
             return
         unit, done, total = ("epochs", self.epoch, self.settings.epochs) if self.epoch_mode else (
             "steps", self.num_updates, self.total_updates)
@@ -415,7 +429,7 @@ class Engine:
                 self.model_ema.module.load_state_dict(unwrap(self.model).state_dict())
         self.optimizer.load_state_dict(checkpoint["optimizer"])
         if checkpoint["lr_scheduler"] is not None:
-            self.scheduler.load_state_dict(checkpoint["lr_scheduler"])
+            self.task.restore_scheduler(self.scheduler, checkpoint["lr_scheduler"])
         self.epoch = int(checkpoint["epoch"])
         self.num_updates = int(checkpoint.get("num_updates", self.epoch * self.updates_per_epoch))
         if checkpoint["lr_scheduler"] is None and not hasattr(self.scheduler, "step_update"):
@@ -511,8 +525,11 @@ class Engine:
         if ctx.is_main:
             self._prepare_output()
             self.writer = _tensorboard(self.output)
+            message = self.task.start_message(self)
+            if message:
+                log.info("%s", message)
         try:
-            while self.num_updates < self.total_updates:
+            while not self.finished:
                 self._train_epoch()
         finally:
             if self.writer is not None:
@@ -556,8 +573,9 @@ class Engine:
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
         scaler = self.scaler if self.scaler.is_enabled() else None
         # The batches still to train in this epoch, up to the end of the run.
-        usable = min(self.batches_per_epoch - self.batches,
-                     (self.total_updates - self.num_updates) * self.accumulation_steps)
+        usable = self.batches_per_epoch - self.batches
+        if not self.epoch_mode:
+            usable = min(usable, (self.total_updates - self.num_updates) * self.accumulation_steps)
         desc = (f"epoch {self.epoch + 1}/{s.epochs}" if self.epoch_mode
                 else f"{self.task.name} {self.num_updates}/{self.total_updates}")
         bar = tqdm(total=usable, desc=desc, leave=False, disable=None if s.show_progress and ctx.is_main else True)
@@ -667,7 +685,7 @@ class Engine:
 
         s = self.settings
         names = []
-        final = self.num_updates >= self.total_updates
+        final = self.finished
         if not end_of_epoch or self.epoch % s.save_every_epochs == 0 or final:
             names.append(s.last_name)
         self.save(names + improved_files)

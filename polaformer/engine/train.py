@@ -214,18 +214,19 @@ class ClassificationTask(Task):
 
             result = load_for_finetune(model, cfg.MODEL.PRETRAINED)
             log.info("fine-tuning from %s (%s weights)", cfg.MODEL.PRETRAINED, result.entry or "state dict")
-        if engine.ctx.is_main:
-            log.info(
-                "training %s (%.2fM parameters) on %s: %d train / %d val images, %d classes, %d epochs, "
-                "%d processes x batch %d x %d accumulation = global batch %d, lr %.3e, device %s%s",
-                self.arch, sum(p.numel() for p in model.parameters()) / 1e6,
-                cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH,
-                len(self.data.train), len(self.data.val), self.data.num_classes, engine.settings.epochs,
-                engine.ctx.world_size, cfg.DATA.BATCH_SIZE, max(1, cfg.TRAIN.ACCUMULATION_STEPS),
-                global_batch_size(cfg, engine.ctx.world_size), cfg.TRAIN.BASE_LR * lr_scale(cfg), engine.device,
-                ", AMP" if cfg.AMP else "",
-            )
         return model
+
+    def start_message(self, engine: Engine) -> str:
+        cfg, model = self.cfg, engine.model
+        return (
+            f"training {self.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on "
+            f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: {len(self.data.train)} train / "
+            f"{len(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
+            f"{engine.ctx.world_size} processes x batch {cfg.DATA.BATCH_SIZE} x {engine.accumulation_steps} "
+            f"accumulation = global batch {global_batch_size(cfg, engine.ctx.world_size)}, lr "
+            f"{cfg.TRAIN.BASE_LR * lr_scale(cfg):.3e}, device {engine.device}"
+            + (f", AMP {str(engine.amp_dtype).removeprefix('torch.')}" if engine.amp_dtype else "")
+        )
 
     def _check_channels(self) -> None:
         """A model for other than the data's channels would fail only at the first batch."""

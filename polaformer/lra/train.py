@@ -144,12 +144,14 @@ class LRATask(Task):
                 f"the training split has {len(self.splits.train)} examples, fewer than one batch of {t.batch_size}"
             )
         self.dev_loader = _eval_loader(self.splits.dev, t.batch_size, t.num_workers)
-        model = build_lra_model(self.cfg)
-        log.info("training %s on LRA %s: %d parameters, %d train / %d dev / %d test examples, %d steps of batch %d, "
-                 "device %s", self.cfg.attention, self.cfg.task, sum(p.numel() for p in model.parameters()),
-                 len(self.splits.train), len(self.splits.dev), len(self.splits.test), t.steps, t.batch_size,
-                 engine.device)
-        return model
+        return build_lra_model(self.cfg)
+
+    def start_message(self, engine: Engine) -> str:
+        t = self.cfg.train
+        return (f"training {self.cfg.attention} on LRA {self.cfg.task}: "
+                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.splits.train)} train / "
+                f"{len(self.splits.dev)} dev / {len(self.splits.test)} test examples, {t.steps} steps of batch "
+                f"{t.batch_size}, device {engine.device}")
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
         saved, ours = checkpoint.get("config", {}), self.cfg.to_dict()
@@ -169,6 +171,14 @@ class LRATask(Task):
         return torch.optim.lr_scheduler.OneCycleLR(
             optimizer, max_lr=t.lr, total_steps=t.steps, pct_start=t.warmup_steps / t.steps, anneal_strategy="linear",
         )
+
+    def restore_scheduler(self, scheduler, state: dict) -> None:
+        # The schedule's shape is this run's (a resumed run may have more steps); the position is the file's.
+        shape = {key: scheduler.__dict__[key] for key in ("total_steps", "_schedule_phases")}
+        scheduler.load_state_dict(state)
+        scheduler.__dict__.update(shape)
+        scheduler.last_epoch -= 1
+        scheduler.step()  # the rate and momentum of that position under this shape
 
     def step(self, model: nn.Module, batch: dict, device: torch.device) -> StepOutput:
         batch = _to_device(batch, device)
