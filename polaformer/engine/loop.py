@@ -451,7 +451,7 @@ class Engine:
                         ctx.world_size)
             seed_everything(self.settings.seed + ctx.rank + 1000 * self.epoch + self.num_updates)
         if ctx.is_main:
-            log.info("resumed from %s: epoch %d, batch %d of %d, %d updates", self.resume_path, self.epoch,
+            log.info("resumed from %s: epoch %d, step %d of %d, %d updates", self.resume_path, self.epoch,
                      self.batches, self.batches_per_epoch, self.num_updates)
 
     def _restore_position(self, checkpoint: dict) -> None:

@@ -1,87 +1,20 @@
-"""The ``polaformer`` command: ``train`` a model, ``eval`` a checkpoint, measure ``throughput``, ``analyze``,
-``bench``, ``export`` to ONNX (in :mod:`polaformer.export`), and the Long Range Arena (``lra
-train|eval|generate|bench``, in :mod:`polaformer.lra.cli`), dense prediction (``detect train|eval|predict``,
-``segment train|eval``, in :mod:`polaformer.dense.cli`).
-
-Every user error (a bad option, a missing or foreign checkpoint, an unknown model) and every
-environmental fault (a full disk, a busy output folder, a diverged training) ends the command with
-exit status 2 and a single ``polaformer...: error: ...`` line on stderr of at most MAX_MESSAGE
-characters; Ctrl-C ends it with status 130 and one line. docs/errors.md lists the cases.
-"""
+"""``polaformer train|eval|throughput|analyze|export``: image classification and what works on its models."""
 from __future__ import annotations
 
 import argparse
-import logging
-import os
 import sys
-from contextlib import contextmanager
-from importlib.metadata import PackageNotFoundError, version
 
-import yaml
+from ..data import DATASETS, DEFAULT_DATA
+from ..engine import DEFAULT_MODEL, evaluate_checkpoint, load_config, make_config, run_training
+from ..engine.config import merge_opts
+from ..engine.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
+from ..data.folder import DatasetError
+from .common import is_main_process, parse_model_kwarg, positive_int, usage_error
 
-from .data import DATASETS, DEFAULT_DATA, UnknownDatasetError
-from .data.folder import DatasetError
-from .runtime import tune_cpu_allocator
-from .engine import (
-    DEFAULT_MODEL,
-    CheckpointError,
-    ConfigError,
-    ModelBuildError,
-    TrainingDivergedError,
-    TrainingInterrupted,
-    evaluate_checkpoint,
-    load_config,
-    make_config,
-    run_training,
-)
-from .engine.config import load_yaml, merge_opts
-from .engine.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
-
-USAGE_ERROR = 2  # argparse's exit status for bad usage; checkpoint errors use it too
-INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
-MAX_MESSAGE = 500  # characters of an error line: a message may quote a value of any size
+__all__ = ["add_classification_parsers"]
 
 
-def one_line(message: str, limit: int = MAX_MESSAGE) -> str:
-    """``message`` on one line of at most ``limit`` characters."""
-    text = " ".join(str(message).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line (argparse prints the whole usage first)."""
-
-    def __init__(self, *args, **kwargs):
-        # No abbreviations: `--epoch 3` silently meaning `--epochs 3` hides typos in scripts.
-        super().__init__(*args, allow_abbrev=False, **kwargs)
-
-    def error(self, message: str):
-        self.exit(USAGE_ERROR, one_line(f"{self.prog}: error: {message} (see '{self.prog} --help')") + "\n")
-
-
-def positive_int(text: str) -> int:
-    value = int(text) if text.lstrip("-").isdigit() else None
-    if value is None or value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
-
-
-def parse_model_kwarg(text: str) -> tuple[str, object]:
-    """``KEY=VALUE`` with VALUE read as YAML, so ``depth=2`` gives an int and ``qkv_bias=false`` a bool."""
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    try:
-        return key, load_yaml(value)
-    except yaml.YAMLError:
-        raise argparse.ArgumentTypeError(f"cannot read the value of {text!r}") from None
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="polaformer", description="Train and evaluate PolaFormer models.")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def add_classification_parsers(commands) -> None:
     # Options default to None so that make_config (and the config file) can tell "not given".
     train = commands.add_parser(
         "train",
@@ -232,34 +165,6 @@ def build_parser() -> argparse.ArgumentParser:
     analyze.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: %(default)s)")
     analyze.set_defaults(handler=cmd_analyze)
 
-    bench = commands.add_parser(
-        "bench", help="attention op and model speed/memory scaling, with a matmul roofline (writes JSON + plots)",
-        description="(a) op level: fused Pola vs SDPA softmax vs ELU+1 and focused linear attention, forward and "
-                    "forward+backward, over N tokens; (b) model level: images/s and peak memory of Pola-PVT-T and "
-                    "Pola-Swin-T against softmax attention over input sizes; (c) large-matmul GFLOP/s and each op's "
-                    "roofline fraction. Writes DIR/results.json, DIR/bench_ops.png, DIR/bench_models.png.",
-    )
-    bench.add_argument("--out", required=True, metavar="DIR", help="output folder")
-    bench.add_argument("--tokens", type=positive_int, nargs="+", metavar="N",
-                       help="op sequence lengths (default: 196 1024 4096 16384 65536; --quick: 196 1024 4096)")
-    bench.add_argument("--heads", type=positive_int, default=8, help="op heads (default: %(default)s)")
-    bench.add_argument("--head-dim", type=positive_int, default=64, help="op head size, even (default: %(default)s)")
-    bench.add_argument("--sizes", type=positive_int, nargs="+", metavar="S",
-                       help="model input sizes (default: 224 448 640 1024; --quick: 224)")
-    bench.add_argument("--models", nargs="+", metavar="NAME", choices=["pola_pvt_tiny", "pola_swin_t"],
-                       help="models to compare with their softmax variants (default: pola_pvt_tiny pola_swin_t)")
-    bench.add_argument("--no-models", action="store_true", help="skip the model-level part")
-    bench.add_argument("--min-run-time", type=float, metavar="S",
-                       help="seconds per measurement (default: 1.0; --quick: 0.05)")
-    bench.add_argument("--max-softmax-tokens", type=positive_int, default=16384, metavar="N",
-                       help="skip SDPA above this N (O(N²); default: %(default)s)")
-    bench.add_argument("--matmul-size", type=positive_int, metavar="S",
-                       help="square matmul for the machine's GFLOP/s (default: 4096; --quick: 1024)")
-    bench.add_argument("--no-op-memory", action="store_true",
-                       help="skip the per-N peak-memory subprocesses of the fused op")
-    bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (explicit options win)")
-    bench.set_defaults(handler=cmd_bench)
-
     export = commands.add_parser(
         "export", help="export a model to ONNX (dynamo exporter), verified against eager PyTorch in onnxruntime",
         description="Exports with torch.onnx's dynamo exporter, then runs the written file in onnxruntime on random "
@@ -303,13 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(handler=cmd_export)
 
-    from .lra.cli import add_lra_parser
-
-    add_lra_parser(commands)
-    from .dense.cli import add_dense_parsers
-
-    add_dense_parsers(commands)
-    return parser
 
 
 # `train` options and the config keys they set (with --config or --data-path).
@@ -323,7 +221,7 @@ TRAIN_FLAG_KEYS = {
 
 def cmd_train(args: argparse.Namespace) -> int:
     if args.data is not None and args.data_path is not None:
-        return _usage_error("train", f"give --data {args.data} or --data-path DIR, not both")
+        return usage_error("train", f"give --data {args.data} or --data-path DIR, not both")
     # Settings shared by both modes, as config overrides applied after --opts.
     extra = []
     if args.resume == "auto":
@@ -345,7 +243,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = make_config(args.model or DEFAULT_MODEL, args.data or DEFAULT_DATA,
                              model_kwargs=dict(args.model_kwargs or []), **overrides)
         metrics = run_training(config, opts=opts)
-        if _is_main_process():
+        if is_main_process():
             print(
                 f"final test top-1: {metrics['final_test_top1']:.2f}% "
                 f"(epochs={config.epochs}, time={metrics['wall_time_s']:.1f}s) -> {metrics['checkpoint']}"
@@ -359,7 +257,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.MODEL.KWARGS.merge(dict(args.model_kwargs or []), source="--model-kwarg")
     merge_opts(cfg, extra)
     metrics = run_training(cfg)
-    if _is_main_process():
+    if is_main_process():
         ema = f"EMA {metrics['best_ema_top1']:.2f}%, " if "best_ema_top1" in metrics else ""
         print(
             f"best top-1: {metrics.get('best_test_top1', float('nan')):.2f}% ({ema}final "
@@ -367,11 +265,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"time={metrics['wall_time_s']:.1f}s) -> {metrics['output']}"
         )
     return 0
-
-
-def _is_main_process() -> bool:
-    """Rank 0 under torchrun (which sets RANK), or a plain process."""
-    return os.environ.get("RANK", "0") == "0"
 
 
 # `eval` options that only make sense with --data-path (an image folder).
@@ -386,7 +279,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
         return _eval_folder(args)
     given = [option for name, option in FOLDER_EVAL_OPTIONS.items() if getattr(args, name) not in (None, False)]
     if given:
-        return _usage_error("eval", f"{given[0]} needs --data-path DIR (it applies to image folders)")
+        return usage_error("eval", f"{given[0]} needs --data-path DIR (it applies to image folders)")
     metrics, checkpoint = evaluate_checkpoint(args.checkpoint, data=args.data, arch=args.model, device=args.device,
                                               allow_nonfinite=args.allow_nonfinite)
     print(
@@ -398,11 +291,11 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 def _eval_folder(args: argparse.Namespace) -> int:
     if args.data is not None:
-        return _usage_error("eval", "give --data (an embedded data set) or --data-path DIR, not both")
+        return usage_error("eval", "give --data (an embedded data set) or --data-path DIR, not both")
     if args.crop_pct is not None and not 0 < args.crop_pct <= 1:
-        return _usage_error("eval", f"--crop-pct must be in (0, 1], got {args.crop_pct}")
+        return usage_error("eval", f"--crop-pct must be in (0, 1], got {args.crop_pct}")
     if args.workers is not None and args.workers < 0:
-        return _usage_error("eval", f"--workers must be >= 0, got {args.workers}")
+        return usage_error("eval", f"--workers must be >= 0, got {args.workers}")
     try:
         result = evaluate_folder_checkpoint(
             args.checkpoint, args.data_path, model=args.model, model_kwargs=dict(args.model_kwargs or []),
@@ -411,7 +304,7 @@ def _eval_folder(args: argparse.Namespace) -> int:
             device=args.device, amp=args.amp, allow_nonfinite=args.allow_nonfinite,
         )
     except (EvalError, DatasetError) as e:
-        return _usage_error(None, str(e))
+        return usage_error(None, str(e))
     m, load = result.metrics, result.load
     weights = f"{load.entry!r} weights" if load.entry else "state dict"
     epoch = f", epoch {load.epoch}" if load.epoch is not None else ""
@@ -425,14 +318,14 @@ def _eval_folder(args: argparse.Namespace) -> int:
 
 def cmd_throughput(args: argparse.Namespace) -> int:
     if args.warmup < 0:
-        return _usage_error("throughput", f"--warmup must be >= 0, got {args.warmup}")
+        return usage_error("throughput", f"--warmup must be >= 0, got {args.warmup}")
     try:
         result = model_throughput(
             args.model, model_kwargs=dict(args.model_kwargs or []), img_size=args.img_size,
             batch_size=args.batch_size, warmup=args.warmup, iters=args.iters, device=args.device, amp=args.amp,
         )
     except EvalError as e:
-        return _usage_error(None, str(e))
+        return usage_error(None, str(e))
     c, h, w = result.input_size
     print(
         f"throughput: {result.images_per_s:.1f} images/s ({args.model}, batch {result.batch_size}, {c}x{h}x{w}, "
@@ -443,7 +336,7 @@ def cmd_throughput(args: argparse.Namespace) -> int:
 
 
 def cmd_analyze(args: argparse.Namespace) -> int:
-    from .analysis import AnalyzeError, analyze
+    from ..analysis import AnalyzeError, analyze
 
     try:
         result = analyze(
@@ -452,7 +345,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
             max_rows=args.max_rows, dpi=args.dpi,
         )
     except AnalyzeError as e:
-        return _usage_error("analyze", str(e))
+        return usage_error("analyze", str(e))
     fractions = result["theorem1"]["all_layers"]
     drop = fractions["pola same-sign vs relu"]["fraction_drop"]
     print(
@@ -463,46 +356,16 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .benchmarks.suite import (
-        DEFAULT_MODELS, DEFAULT_SIZES, DEFAULT_TOKENS, QUICK_SIZES, QUICK_TOKENS, BenchConfig, run_bench,
-    )
-
-    if args.head_dim % 2:
-        return _usage_error("bench", f"--head-dim must be even (Pola splits values in two), got {args.head_dim}")
-    min_run_time = args.min_run_time if args.min_run_time is not None else (0.05 if args.quick else 1.0)
-    if not min_run_time > 0:
-        return _usage_error("bench", f"--min-run-time must be > 0, got {args.min_run_time}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        return _usage_error("bench", f"--out {args.out!r} exists and is not a folder")
-    config = BenchConfig(
-        out=args.out,
-        tokens=tuple(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)),
-        heads=args.heads, head_dim=args.head_dim,
-        sizes=tuple(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)),
-        models=() if args.no_models else tuple(args.models or DEFAULT_MODELS),
-        min_run_time=min_run_time, max_softmax_tokens=args.max_softmax_tokens,
-        matmul_size=args.matmul_size or (1024 if args.quick else 4096),
-        op_memory=not args.no_op_memory, quick=args.quick,
-    )
-    results = run_bench(config, log=lambda msg: print(msg, flush=True))
-    exponent = results["op_summary"].get("fused_pola_fwd_bwd_exponent")
-    exponent_text = "n/a (needs 2 sizes in 4096..65536)" if exponent is None else f"{exponent:.3f} (N 4096..65536)"
-    print(f"fused Pola fwd+bwd time exponent {exponent_text}; wrote results.json, {', '.join(results['plots'])} "
-          f"-> {args.out} ({results['wall_time_s']:.0f} s)")
-    return 0
-
-
 VERIFICATION_FAILED = 1  # `export`: the file did not reproduce the model and was deleted
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import DEFAULT_ATOL, ExportError, ExportVerificationError, export_model
+    from ..export import DEFAULT_ATOL, ExportError, ExportVerificationError, export_model
 
     if args.atol is not None and not args.atol >= 0:
-        return _usage_error("export", f"--atol must be >= 0, got {args.atol}")
+        return usage_error("export", f"--atol must be >= 0, got {args.atol}")
     if args.checkpoint is None and args.weights != "auto":
-        return _usage_error("export", "--weights needs --checkpoint FILE")
+        return usage_error("export", "--weights needs --checkpoint FILE")
     try:
         result = export_model(
             args.model, args.out, checkpoint=args.checkpoint, weights=args.weights,
@@ -514,57 +377,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"polaformer export: error: {e}", file=sys.stderr)
         return VERIFICATION_FAILED
     except ExportError as e:
-        return _usage_error("export", str(e))
+        return usage_error("export", str(e))
     print(result.summary(args.model))
     return 0
-
-
-def _usage_error(command: str | None, message: str) -> int:
-    prog = f"polaformer {command}" if command else "polaformer"
-    print(one_line(f"{prog}: error: {message}"), file=sys.stderr)
-    return USAGE_ERROR
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    tune_cpu_allocator()  # reuse freed large CPU buffers instead of page-faulting them in again
-    with _log_to_stderr():
-        try:
-            return args.handler(args)
-        except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
-                TrainingDivergedError) as e:
-            return _usage_error(None, str(e))
-        except OSError as e:  # the environment: a full disk, a file that cannot be written or read
-            where = f": {e.filename}" if e.filename else ""
-            return _usage_error(None, f"{(e.strerror or str(e)).lower()}{where}")
-        except KeyboardInterrupt as e:
-            note = ""
-            if isinstance(e, TrainingInterrupted):
-                saved = e.checkpoint
-                note = f"; last saved checkpoint: {saved}" if saved else "; no checkpoint saved by this run"
-            print(one_line(f"polaformer: interrupted{note}"), file=sys.stderr)
-            return INTERRUPTED
-
-
-@contextmanager
-def _log_to_stderr():
-    # The engine logs one line per epoch. Attach a handler to our own logger (not the root) for
-    # this call only, bound to the current sys.stderr, which tests may have swapped.
-    logger = logging.getLogger("polaformer")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    previous_level = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        logger.removeHandler(handler)
-        logger.setLevel(previous_level)
-
-
-def _version() -> str:
-    try:
-        return version("polaformer")
-    except PackageNotFoundError:
-        return "unknown (not installed)"

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cli import parse_model_kwarg, positive_int
+from .common import parse_model_kwarg, positive_int
 
 __all__ = ["add_dense_parsers"]
 
@@ -97,8 +97,8 @@ def add_dense_parsers(commands) -> None:
 
 
 def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
-    from .config import load_recipe
-    from .runner import train_task
+    from ..dense.config import load_recipe
+    from ..dense.runner import train_task
 
     overrides = {
         "model.backbone": args.backbone, "model.backbone_weights": args.backbone_weights,
@@ -130,7 +130,7 @@ def cmd_segment_train(args) -> int:
 
 
 def cmd_detect_eval(args) -> int:
-    from .runner import evaluate_checkpoint
+    from ..dense.runner import evaluate_checkpoint
 
     coco = {"val_images": args.val_images, "val_annotations": args.val_annotations}
     data = {**coco, "val_size": args.val_size}
@@ -141,7 +141,7 @@ def cmd_detect_eval(args) -> int:
 
 
 def cmd_segment_eval(args) -> int:
-    from .runner import evaluate_checkpoint
+    from ..dense.runner import evaluate_checkpoint
 
     data = {"root": args.root, "format": "ade" if args.root else None, "val_size": args.val_size}
     print(json.dumps(evaluate_checkpoint("segment", args.checkpoint, data, args.device)))
@@ -149,7 +149,7 @@ def cmd_segment_eval(args) -> int:
 
 
 def cmd_detect_predict(args) -> int:
-    from .runner import predict_images
+    from ..dense.runner import predict_images
 
     for path in predict_images(args.checkpoint, args.images, Path(args.out), score_threshold=args.score_threshold,
                                device=args.device):

@@ -5,7 +5,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import parse_model_kwarg, positive_int
+from .common import parse_model_kwarg, positive_int
 
 __all__ = ["add_lra_parser"]
 
@@ -95,8 +95,8 @@ def add_lra_parser(commands) -> None:
 
 def _errors():
     from ..checkpoint import CheckpointError
-    from .config import LRAConfigError
-    from .data import LRADataError
+    from ..lra.config import LRAConfigError
+    from ..lra.data import LRADataError
 
     return LRAConfigError, LRADataError, CheckpointError
 
@@ -107,8 +107,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_lra_train(args: argparse.Namespace) -> int:
-    from .config import LRAConfigError, load_lra_config, train_settings
-    from .train import train_lra
+    from ..lra.config import LRAConfigError, load_lra_config, train_settings
+    from ..lra.train import train_lra
 
     try:
         if args.config is None and args.task is None:
@@ -142,8 +142,8 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
     from ..engine.device import resolve_device
-    from .data import collate_lra, load_lra_split
-    from .train import evaluate_lra, load_lra_model
+    from ..lra.data import collate_lra, load_lra_split
+    from ..lra.train import evaluate_lra, load_lra_model
 
     try:
         model, checkpoint = load_lra_model(args.checkpoint)
@@ -160,7 +160,7 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_lra_generate(args: argparse.Namespace) -> int:
-    from .listops import generate_listops
+    from ..lra.listops import generate_listops
 
     if args.min_length > args.max_length:
         return _fail(f"--min-length {args.min_length} exceeds --max-length {args.max_length}")
@@ -189,8 +189,8 @@ def _listops_report_text(report: dict, out: str) -> str:
 
 
 def cmd_lra_curves(args: argparse.Namespace) -> int:
-    from .config import LRAConfigError
-    from .curves import plot_curves
+    from ..lra.config import LRAConfigError
+    from ..lra.curves import plot_curves
 
     try:
         result = plot_curves(args.runs, args.out, title=args.title)
@@ -204,7 +204,7 @@ def cmd_lra_curves(args: argparse.Namespace) -> int:
 
 
 def cmd_lra_bench(args: argparse.Namespace) -> int:
-    from .bench import run_lra_bench
+    from ..lra.bench import run_lra_bench
 
     try:
         result = run_lra_bench(
