@@ -13,7 +13,7 @@ import pytest
 from polaformer.bench import harness
 from polaformer.bench.native import run_native
 from polaformer.cli import main
-from polaformer.ops.native import native_kernels
+from polaformer.backends.cpu.native import native_kernels
 
 REPO = Path(__file__).resolve().parents[1]
 # The torch ops, not the native kernels: these runs check the benchmarks, not the kernels, and should not

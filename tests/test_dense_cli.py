@@ -64,7 +64,7 @@ def test_detect_on_a_coco_folder_and_resume(tmp_path, capsys):
     assert code == 0, err
     code, out, err = run([*common, "--steps", "2", "--resume", "auto"], capsys)
     assert code == 0, err
-    assert torch.load(out_dir / "last.pth", weights_only=True)["step"] == 2
+    assert torch.load(out_dir / "last.pth", weights_only=True)["num_updates"] == 2
     lines = (out_dir / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(x)["step"] for x in lines] == [1, 2]
     code, out, err = run(["detect", "eval", "--checkpoint", str(out_dir / "last.pth"), "--val-images", str(images),
@@ -128,3 +128,36 @@ def test_paper_recipes_load():
     assert load_recipe("segment", "configs/dense/upernet_pola_swin_t_160k.yaml")["train"]["steps"] == 160000
     with pytest.raises(ConfigError, match="unknown key 'lr_rate'"):
         load_recipe("segment", overrides={"train.lr_rate": 1})
+
+
+def test_run_folder_guarantees_and_checkpoints_of_the_earlier_layout(tmp_path, capsys):
+    """The engine's guarantees hold for dense tasks (a finished run refused, a busy folder refused), and a
+    checkpoint in the layout dense training wrote before the one engine still evaluates and resumes."""
+    from polaformer.engine.output import OutputLock
+
+    out_dir = tmp_path / "run"
+    train = ["segment", "train", "--decoder", "fpn", "--backbone", "pola_pvt_tiny", *kwarg_flags("pola_pvt_tiny"),
+             "--batch-size", "2", "--no-progress", "--device", "cpu", *DIGITS]
+    code, out, err = run([*train, "--steps", "1", "--output", str(out_dir)], capsys)
+    assert code == 0, err
+    code, out, err = run([*train, "--steps", "1", "--output", str(out_dir)], capsys)
+    assert code == 2 and "already holds a run" in err
+    lock = OutputLock(out_dir)
+    try:
+        code, out, err = run([*train, "--steps", "2", "--resume", "auto", "--output", str(out_dir)], capsys)
+    finally:
+        lock.release()
+    assert code == 2 and "is in use by process" in err
+
+    new = torch.load(out_dir / "last.pth", weights_only=True)
+    old_dir = tmp_path / "old"
+    old_dir.mkdir()
+    torch.save({"task": "segment", "config": new["config"], "model": new["model"], "step": 1, "metrics": new["metrics"],
+                "best": new["best"]["mIoU"], "optimizer": new["optimizer"]}, old_dir / "last.pth")
+    code, out, err = run(["segment", "eval", "--checkpoint", str(old_dir / "last.pth"), "--val-size", "2",
+                          "--device", "cpu"], capsys)
+    assert code == 0, err
+    assert last_json(out)["mIoU"] == pytest.approx(new["metrics"]["mIoU"])
+    code, out, err = run([*train, "--steps", "2", "--resume", "auto", "--output", str(old_dir)], capsys)
+    assert code == 0, err
+    assert torch.load(old_dir / "last.pth", weights_only=True)["num_updates"] == 2

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from polaformer.engine import Trainer, load_config, run_training
+from polaformer.engine import build_trainer, load_config, run_training
 from polaformer.engine.optim import unwrap
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,7 +41,7 @@ def _worker(rank: int, world_size: int, port: int, opts: list, folder: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size))
     torch.set_num_threads(1)  # as torchrun sets OMP_NUM_THREADS=1
-    trainer = Trainer(load_config(None, opts))
+    trainer = build_trainer(load_config(None, opts))
     trainer.fit()
     torch.save({"model": unwrap(trainer.model).state_dict(), "ema": trainer.model_ema.module.state_dict()},
                Path(folder) / f"rank{rank}.pt")

@@ -23,8 +23,8 @@ from polaformer.engine import (
     make_config,
     run_training,
     save_checkpoint,
-    train_one_epoch,
 )
+from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task
 from polaformer.engine.train import model_kwargs_for
 
 # A ViT small enough to train for an epoch on digits in about a second.
@@ -233,27 +233,66 @@ def test_evaluate_counts_top1_and_top5():
     assert metrics["loss"] == pytest.approx(expected_loss)
 
 
-def test_train_one_epoch_steps_the_schedule_per_update():
+class LinearTask(Task):
+    """A linear classifier on a fixed tensor data set: the loop with nothing else around it."""
+
+    name = "linear"
+    best_files = {}
+
+    def __init__(self, x, y, make_optimizer, make_scheduler):
+        self.train_set = TensorDataset(x, y)
+        self.make_optimizer, self.make_scheduler = make_optimizer, make_scheduler
+        self.lrs, self.losses = [], []
+
+    def build(self, engine, resuming):
+        torch.manual_seed(1)
+        return nn.Linear(self.train_set.tensors[0].shape[1], 3)
+
+    def build_optimizer(self, model):
+        return self.make_optimizer(model)
+
+    def build_scheduler(self, optimizer, updates_per_epoch, total_updates):
+        return self.make_scheduler(optimizer, updates_per_epoch)
+
+    def step(self, model, batch, device):
+        x, y = batch
+        return StepOutput(nn.functional.cross_entropy(model(x), y), len(y))
+
+    def evaluate(self, model, engine):
+        return {}
+
+    def record(self, engine, train, results):
+        self.lrs.append(train["lr"])
+        self.losses.append(train["loss"])
+        return {"epoch": engine.epoch, "train_loss": train["loss"], "lr": train["lr"]}
+
+
+def train_linear(tmp_path, x, y, make_optimizer, make_scheduler, **settings):
+    task = LinearTask(x, y, make_optimizer, make_scheduler)
+    engine = Engine(task, LoopSettings(output=tmp_path, device="cpu", show_progress=False, **settings))
+    try:
+        engine.fit()
+    finally:
+        engine.close()
+    return engine, task
+
+
+def test_the_loop_steps_the_schedule_per_update(tmp_path):
     from timm.optim import create_optimizer_v2
     from timm.scheduler import CosineLRScheduler
 
     torch.manual_seed(0)
     x = torch.randn(64, 4)
     y = (x[:, 0] > 0).long()
-    loader = DataLoader(TensorDataset(x, y), batch_size=8)
-    model = nn.Linear(4, 2)
-    optimizer = create_optimizer_v2(model, opt="adamw", lr=0.1)
-    scheduler = CosineLRScheduler(optimizer, t_initial=3 * len(loader), warmup_t=4, warmup_lr_init=0.01, t_in_epochs=False)
-    lrs = []
-    first = None
-    for epoch in range(3):
-        result = train_one_epoch(model, loader, optimizer, scheduler, nn.CrossEntropyLoss(),
-                                 num_updates=epoch * len(loader), clip_grad=1.0)
-        first = first or result["loss"]
-        lrs.append(result["lr"])
-    assert result["num_updates"] == 3 * len(loader)
-    assert result["loss"] < first
-    assert lrs[0] > lrs[1] > lrs[2]  # cosine decay across epochs after the 4-update warm-up
+    engine, task = train_linear(
+        tmp_path, x, y, lambda model: create_optimizer_v2(model, opt="adamw", lr=0.1),
+        lambda optimizer, per_epoch: CosineLRScheduler(optimizer, t_initial=3 * per_epoch, warmup_t=4,
+                                                       warmup_lr_init=0.01, t_in_epochs=False),
+        batch_size=8, epochs=3, clip_grad_norm=1.0,
+    )
+    assert engine.num_updates == 3 * (64 // 8)
+    assert task.losses[-1] < task.losses[0]
+    assert task.lrs[0] > task.lrs[1] > task.lrs[2]  # cosine decay across epochs after the 4-update warm-up
 
 
 def test_run_training_writes_checkpoint_and_metrics(tmp_path):
@@ -284,8 +323,8 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy  # noqa
 
 from polaformer.engine import (  # noqa: E402
     TrainData,
-    Trainer,
     build_optimizer,
+    build_trainer,
     build_scheduler,
     load_config,
 )
@@ -347,21 +386,17 @@ def test_loss_follows_the_official_choice():
     assert type(build_criterion(load_config(None, ["MODEL.LABEL_SMOOTHING", "0"]), None)) is nn.CrossEntropyLoss
 
 
-def test_gradient_accumulation_equals_the_larger_batch():
+def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
     torch.manual_seed(0)
     x, y = torch.randn(64, 4), torch.randint(0, 3, (64,))
     weights = []
+    cfg = load_config(None, ["TRAIN.BASE_BATCH_SIZE", "0", "TRAIN.EPOCHS", "1", "TRAIN.WARMUP_EPOCHS", "0"])
     for batch_size, steps in ((16, 1), (8, 2)):
-        torch.manual_seed(1)
-        model = nn.Linear(4, 3)
-        cfg = load_config(None, ["TRAIN.BASE_BATCH_SIZE", "0", "TRAIN.EPOCHS", "1", "TRAIN.WARMUP_EPOCHS", "0"])
-        optimizer = build_optimizer(cfg, model)
-        scheduler = build_scheduler(cfg, optimizer, 64 // 16)
-        loader = DataLoader(TensorDataset(x, y), batch_size=batch_size)
-        result = train_one_epoch(model, loader, optimizer, scheduler, nn.CrossEntropyLoss(),
-                                 accumulation_steps=steps, clip_grad=1.0)
-        assert result["num_updates"] == 4
-        weights.append(model.weight.detach().clone())
+        engine, _ = train_linear(tmp_path / f"{batch_size}", x, y, lambda model: build_optimizer(cfg, model),
+                                 lambda optimizer, per_epoch: build_scheduler(cfg, optimizer, per_epoch),
+                                 batch_size=batch_size, epochs=1, accumulation_steps=steps, clip_grad_norm=1.0)
+        assert engine.num_updates == 4
+        weights.append(engine.model.weight.detach().clone())
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
 
 
@@ -422,7 +457,7 @@ def test_trainer_writes_last_best_and_metrics(tmp_path):
 def test_ema_amp_and_activation_checkpointing(tmp_path):
     cfg = tiny_config(tmp_path, "TRAIN.EMA.ENABLE", "true", "TRAIN.EMA.DECAY", "0.9", "AMP", "true",
                       "TRAIN.USE_CHECKPOINT", "true", "TRAIN.EPOCHS", "1")
-    trainer = Trainer(cfg, data=random_data())
+    trainer = build_trainer(cfg, data=random_data())
     assert trainer.amp_dtype == torch.bfloat16 and not trainer.scaler.is_enabled()  # bf16 on the CPU
     assert trainer.model.grad_checkpointing
     summary = trainer.fit()
@@ -437,8 +472,8 @@ def test_ema_amp_and_activation_checkpointing(tmp_path):
 
 def test_mixup_trains_with_soft_targets(tmp_path):
     mixup = Mixup(mixup_alpha=0.8, cutmix_alpha=1.0, label_smoothing=0.1, num_classes=NUM_CLASSES)
-    trainer = Trainer(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=random_data(mixup))
-    assert isinstance(trainer.criterion, SoftTargetCrossEntropy)
+    trainer = build_trainer(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=random_data(mixup))
+    assert isinstance(trainer.task.criterion, SoftTargetCrossEntropy)
     summary = trainer.fit()
     trainer.close()
     assert math.isfinite(summary["epochs"][0]["train_loss"])
@@ -455,7 +490,7 @@ def test_resume_auto_extends_a_finished_run(tmp_path):
 def test_resume_refuses_another_architecture(tmp_path):
     run_training(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=random_data())
     with pytest.raises(ArchitectureMismatchError, match="does not fit"):
-        Trainer(tiny_config(tmp_path, "MODEL.RESUME", str(tmp_path / "last.pth"), "MODEL.KWARGS.embed_dim", "32"),
+        build_trainer(tiny_config(tmp_path, "MODEL.RESUME", str(tmp_path / "last.pth"), "MODEL.KWARGS.embed_dim", "32"),
                 data=random_data())
 
 

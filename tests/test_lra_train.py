@@ -14,7 +14,7 @@ from polaformer.lra.config import RECIPES, LRAConfig, LRAConfigError, TrainSetti
 from polaformer.lra.data import TASKS, LRADataset, collate_lra
 from polaformer.lra.listops import generate_listops
 from polaformer.lra.model import LRAClassifier, LRAModelConfig
-from polaformer.lra.train import LRASplits, load_lra_checkpoint, train_lra
+from polaformer.lra.train import LRASplits, load_lra_model, train_lra
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lra"
 # Attentions whose output for a sequence does not depend on how much padding follows it
@@ -105,8 +105,8 @@ def test_training_writes_checkpoints_metrics_and_evaluates_the_best(listops_dir,
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [4, 8]
     # best.pth scores the test split exactly as the run reported
-    model, checkpoint = load_lra_checkpoint(tmp_path / "run" / "best.pth")
-    assert checkpoint["step"] == summary["best_step"]
+    model, checkpoint = load_lra_model(tmp_path / "run" / "best.pth")
+    assert checkpoint["num_updates"] == summary["best_step"]
     from polaformer.lra.train import _eval_loader, evaluate_lra
     from polaformer.lra.data import load_lra_split
 
@@ -130,7 +130,7 @@ def test_interrupted_run_resumes_bit_identically(listops_dir, tmp_path):
 
     with pytest.raises(Crash):
         train_lra(cfg, listops_dir, tmp_path / "broken", show_progress=False, on_step=crash_at)
-    assert torch.load(tmp_path / "broken" / "last.pth", weights_only=True)["step"] == 6  # saved at step 6
+    assert torch.load(tmp_path / "broken" / "last.pth", weights_only=True)["num_updates"] == 6  # saved at step 6
     resumed = train_lra(cfg, listops_dir, tmp_path / "broken", resume="auto", show_progress=False)
     a = torch.load(tmp_path / "full" / "last.pth", weights_only=True)
     b = torch.load(tmp_path / "broken" / "last.pth", weights_only=True)
@@ -168,7 +168,7 @@ def test_cli_attention_options_eval_and_errors(listops_dir, tmp_path, capsys):
                  "--attention-option", "alpha=7", "--attention-option", "gate_init=zeros", "--steps", "2",
                  "--batch-size", "8", "--eval-every", "2", "--output", str(out)]) == 0
     capsys.readouterr()
-    model, checkpoint = load_lra_checkpoint(out / "best.pth")
+    model, checkpoint = load_lra_model(out / "best.pth")
     layer = model.blocks[0].attn.layer
     assert layer.alpha == 7 and checkpoint["config"]["attention_options"] == {"alpha": 7, "gate_init": "zeros"}
 
@@ -223,3 +223,71 @@ def test_cli_curves_plots_runs_side_by_side(listops_dir, tmp_path, capsys):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["lra", "curves", str(tmp_path), "--out", str(png)]) == 2
     assert "holds no metrics.json" in capsys.readouterr().err
+
+
+def test_cli_run_folder_guarantees_come_from_the_engine(listops_dir, tmp_path, capsys, monkeypatch):
+    """A finished run is refused unless continued or replaced, a busy folder is refused naming its holder,
+    and Ctrl-C ends with status 130 naming the last checkpoint: the guarantees every engine task has."""
+    from polaformer.engine.output import OutputLock
+    from polaformer.lra.train import LRATask
+
+    out = tmp_path / "run"
+    base = ["lra", "train", "--task", "listops", "--data", str(listops_dir), "--attention", "pola", "--batch-size", "8",
+            "--eval-every", "2", "--output", str(out)]
+    assert main([*base, "--steps", "2"]) == 0
+    capsys.readouterr()
+    assert main([*base, "--steps", "2"]) == 2
+    assert "already holds a run (last.pth" in capsys.readouterr().err
+    assert main([*base, "--steps", "4", "--resume", "auto"]) == 0
+    capsys.readouterr()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2, 4]
+    assert main([*base, "--steps", "2", "--overwrite"]) == 0
+    capsys.readouterr()
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [2]
+
+    lock = OutputLock(out)
+    try:
+        assert main([*base, "--steps", "2", "--resume", "auto"]) == 2
+    finally:
+        lock.release()
+    assert "is in use by process" in capsys.readouterr().err
+
+    step = LRATask.step
+    calls = []
+
+    def interrupt_at_third_step(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return step(self, *args)
+
+    monkeypatch.setattr(LRATask, "step", interrupt_at_third_step)
+    assert main([*base, "--steps", "6", "--overwrite"]) == 130
+    assert capsys.readouterr().err.strip().endswith(f"interrupted; last saved checkpoint: {out / 'last.pth'}")
+    assert not (out / ".polaformer.lock").exists()
+
+
+def test_checkpoints_of_the_earlier_lra_layout_still_evaluate_and_resume(listops_dir, tmp_path, capsys):
+    """Before the one engine, LRA wrote its own layout: 'step' counted updates, 'scheduler', one 'rng'."""
+    cfg = tiny_cfg(steps=4, eval_every=2, save_every=2)
+
+    def crash_at(step):
+        if step == 3:
+            raise Crash
+
+    with pytest.raises(Crash):
+        train_lra(cfg, listops_dir, tmp_path / "new", show_progress=False, on_step=crash_at)
+    new = torch.load(tmp_path / "new" / "last.pth", weights_only=True)
+    assert new["num_updates"] == 2
+    window = new["window"][0]
+    old = {"model": new["model"], "optimizer": new["optimizer"], "scheduler": new["lr_scheduler"],
+           "scaler": new["scaler"], "step": 2, "best": {"accuracy": new["best"]["dev_accuracy"], "step": 2},
+           "history": new["history"],
+           "window": {"loss": window["loss_sum"], "correct": 0.0, "seen": window["samples"], "time": 0.0},
+           "rng": new["rng"][0], "config": new["config"], "model_config": new["model_config"]}
+    (tmp_path / "old").mkdir()
+    torch.save(old, tmp_path / "old" / "last.pth")
+    assert main(["lra", "eval", "--checkpoint", str(tmp_path / "old" / "last.pth"), "--data", str(listops_dir)]) == 0
+    assert "step 2) <-" in capsys.readouterr().out
+    summary = train_lra(cfg, listops_dir, tmp_path / "old", resume="auto", show_progress=False)
+    assert [r["step"] for r in summary["history"]] == [2, 4] and summary["steps"] == 4

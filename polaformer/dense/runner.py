@@ -1,22 +1,36 @@
-"""What ``polaformer detect`` and ``polaformer segment`` do: data from a recipe, train, evaluate, predict."""
+"""What ``polaformer detect`` and ``polaformer segment`` do: data from a recipe, train, evaluate, predict.
+
+Training is a task of the one engine (:mod:`polaformer.engine.loop`): AdamW with no weight decay
+on norms, biases and position tables (as the papers' mmdet/mmseg recipes), linear warm-up, then
+step decay (detection: x0.1 at the milestones) or polynomial decay (segmentation). The engine
+writes ``last.pth`` every ``save_every`` steps and at each evaluation, ``best.pth`` by the key
+metric (box AP, mIoU), and resumes exactly (``--resume``).
+"""
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
+from torch import nn
 from torch.utils.data import DataLoader
 
+from ..engine.checkpoint import DENSE_KEY_METRICS, read_task_checkpoint
 from ..engine.config import ConfigError
+from ..engine.device import place_model, resolve_device
+from ..engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
-from .loop import Schedule, load_dense_checkpoint, train_steps
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss
 
-__all__ = ["detection_data", "segmentation_data", "train_task", "evaluate_checkpoint", "predict_images"]
+__all__ = ["DenseTask", "Schedule", "detection_data", "segmentation_data", "train_task", "evaluate_checkpoint",
+           "predict_images"]
+
+NO_DECAY_NAMES = ("pos_embed", "pos_block", "relative_position_bias_table", "absolute_pos_embed", "cls_token")
 
 _logger = logging.getLogger(__name__)
 
@@ -69,10 +83,34 @@ def _build(task: str, recipe: dict, num_classes: int, *, load_weights: bool = Tr
                            backbone_kwargs=m["backbone_kwargs"], decoder_channels=m["decoder_channels"])
 
 
-def _device(name: str | None) -> torch.device:
-    if name in (None, "auto"):
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+@dataclass
+class Schedule:
+    steps: int
+    lr: float
+    weight_decay: float
+    warmup_steps: int = 0
+    policy: str = "step"  # 'step': x gamma at each milestone; 'poly': (1 - t/T) ** power
+    milestones: tuple[int, ...] = ()
+    gamma: float = 0.1
+    power: float = 1.0
+    clip_grad: float | None = None
+
+    def factor(self, step: int) -> float:
+        warm = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
+        if self.policy == "poly":
+            return warm * max(0.0, 1 - step / self.steps) ** self.power
+        return warm * self.gamma ** sum(step >= m for m in self.milestones)
+
+
+def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        (no_decay if p.ndim <= 1 or any(k in name for k in NO_DECAY_NAMES) else decay).append(p)
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
+    )
 
 
 def _schedule(train: dict, steps_per_epoch: int) -> Schedule:
@@ -90,48 +128,90 @@ def _schedule(train: dict, steps_per_epoch: int) -> Schedule:
                     gamma=float(train["gamma"]), power=float(train["power"]), clip_grad=train["clip_grad"])
 
 
-def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = None, device: str | None = None,
-               progress: bool = True):
-    """Train ``task`` ('detect' or 'segment') as ``recipe`` says; returns the loop's result."""
-    dev = _device(device)
+class DenseTask(Task):
+    """Detection (box AP) or semantic segmentation (mIoU) on a recipe's data."""
+
+    resume_hint = "it holds weights only; use --backbone-weights or another --output"
+
+    def __init__(self, task: str, recipe: dict, train_set, val_set, num_classes: int, classes, schedule: Schedule):
+        self.name, self.recipe, self.schedule = task, recipe, schedule
+        self.train_set, self.train_collate = train_set, collate
+        self.val_set, self.num_classes, self.classes = val_set, num_classes, classes
+        self.key_metric = DENSE_KEY_METRICS[task]
+        self.best_files = {"best.pth": self.key_metric}
+        self.loss_fn = detection_loss if task == "detect" else segmentation_loss
+        self.config = {**recipe, "classes": list(classes), "num_classes": num_classes}
+
+    def build(self, engine: Engine, resuming: bool) -> nn.Module:
+        data = self.recipe["data"]
+        self.val_loader = DataLoader(self.val_set, batch_size=data["batch_size"], collate_fn=collate,
+                                     num_workers=data["workers"])
+        if self.name == "detect":
+            self.coco_gt, self.category_ids = self.val_set.coco(), self.val_set.category_ids()
+        return _build(self.name, self.recipe, self.num_classes, load_weights=not resuming)
+
+    def check_resume(self, checkpoint: dict, path: Path) -> None:
+        saved = checkpoint.get("config", {})
+        if saved.get("num_classes") != self.num_classes:
+            raise ConfigError(f"{path} was trained for {saved.get('num_classes')} classes, the data has "
+                              f"{self.num_classes}")
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return make_optimizer(model, self.schedule.lr, self.schedule.weight_decay)
+
+    def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule.factor)
+
+    def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
+        losses = self.loss_fn(model, batch)
+        return StepOutput(sum(losses.values()), len(batch[0]))
+
+    def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        if self.name == "detect":
+            return evaluate_detector(model, self.val_loader, self.coco_gt, self.category_ids)
+        return evaluate_segmenter(model, self.val_loader, self.num_classes)
+
+    def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
+        return {"step": engine.num_updates, "train_loss": train["loss"], "lr": train["lr"], **results["model"]}
+
+    def describe(self, record: dict, improved: bool) -> str:
+        values = ", ".join(f"{k} {v:.4g}" for k, v in record.items() if k != "step" and isinstance(v, float))
+        return f"step {record['step']}: {values}"
+
+    def summary(self, engine: Engine) -> dict:
+        metrics = {k: v for k, v in engine.history[-1].items() if k != "step"} if engine.history else {}
+        return {"step": engine.num_updates, "best": engine.best.get(self.key_metric), **metrics}
+
+    def metadata(self, engine: Engine) -> dict:
+        return {"config": self.config}
+
+
+def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = None, overwrite: bool = False,
+               device: str | None = None, progress: bool = True) -> dict:
+    """Train ``task`` ('detect' or 'segment') as ``recipe`` says; returns what metrics.json holds."""
     data, train_cfg = recipe["data"], recipe["train"]
-    torch.manual_seed(train_cfg["seed"])
     if task == "detect":
         train_set, val_set = detection_data(data)
         num_classes, classes = train_set.num_classes, train_set.classes
     else:
         train_set, val_set, num_classes, classes = segmentation_data(data)
-    model = _build(task, recipe, num_classes).to(dev)
-
-    def make_loader(epoch: int):
-        generator = torch.Generator().manual_seed(train_cfg["seed"] * 1000 + epoch)
-        return DataLoader(train_set, batch_size=data["batch_size"], shuffle=True, drop_last=len(train_set) > data["batch_size"],
-                          collate_fn=collate, num_workers=data["workers"], generator=generator)
-
-    val_loader = DataLoader(val_set, batch_size=data["batch_size"], collate_fn=collate, num_workers=data["workers"])
-    if task == "detect":
-        coco_gt, category_ids = val_set.coco(), val_set.category_ids()
-        evaluate = lambda m: evaluate_detector(m, val_loader, coco_gt, category_ids)  # noqa: E731
-        loss_fn, key = detection_loss, "bbox_AP"
-    else:
-        evaluate = lambda m: evaluate_segmenter(m, val_loader, num_classes)  # noqa: E731
-        loss_fn, key = segmentation_loss, "mIoU"
-    schedule = _schedule(train_cfg, len(make_loader(0)))
-    config = {**recipe, "classes": list(classes), "num_classes": num_classes}
-    return train_steps(
-        model, loss_fn, make_loader, schedule, output=output, task=task, config=config, evaluate=evaluate,
-        key_metric=key, eval_every=train_cfg["eval_every"] or schedule.steps, save_every=train_cfg["save_every"],
-        resume=resume, progress=progress,
+    schedule = _schedule(train_cfg, max(1, len(train_set) // data["batch_size"]))
+    settings = LoopSettings(
+        output=Path(output), batch_size=data["batch_size"], steps=schedule.steps,
+        eval_every=train_cfg["eval_every"] or schedule.steps, save_every_steps=train_cfg["save_every"],
+        clip_grad_norm=schedule.clip_grad, seed=train_cfg["seed"], num_workers=data["workers"],
+        device=device or "auto", resume=resume, overwrite=overwrite, show_progress=progress,
     )
+    return train(DenseTask(task, recipe, train_set, val_set, num_classes, classes, schedule), settings)
 
 
 def load_model(task: str, path: str, device: str | None = None):
-    """The model of a ``detect``/``segment`` checkpoint, and its recipe."""
-    checkpoint = load_dense_checkpoint(path, task)
+    """The model of a ``detect``/``segment`` checkpoint (of any version), and its recipe."""
+    checkpoint = read_task_checkpoint(path, task)
     config = checkpoint["config"]
     model = _build(task, config, config["num_classes"], load_weights=False)
     model.load_state_dict(checkpoint["model"])
-    return model.to(_device(device)).eval(), config
+    return place_model(model, resolve_device(device or "auto"), inference=True), config
 
 
 def evaluate_checkpoint(task: str, path: str, data_overrides: dict | None = None, device: str | None = None) -> dict:

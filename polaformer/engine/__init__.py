@@ -1,4 +1,4 @@
-"""Training and evaluation: configuration, the loop, model creation through timm, checkpoints."""
+"""Training and evaluation: configuration, the one loop under every task, devices, model creation, checkpoints."""
 from .checkpoint import (
     ArchitectureMismatchError,
     CheckpointError,
@@ -22,19 +22,24 @@ from .config import (
 )
 from .factory import ModelBuildError, create_model, create_model_from_checkpoint
 from .optim import build_optimizer, build_scheduler
+from .device import amp_dtype, autocast, resolve_device
+from .loop import Engine, LoopSettings, StepOutput, Task, TrainingDivergedError, TrainingInterrupted, train
 from .train import (
+    ClassificationTask,
     TrainData,
-    Trainer,
-    TrainingDivergedError,
-    TrainingInterrupted,
+    build_trainer,
     evaluate,
     evaluate_checkpoint,
     run_training,
-    train_one_epoch,
 )
 
 __all__ = [
     "ArchitectureMismatchError",
+    "ClassificationTask",
+    "Engine",
+    "LoopSettings",
+    "StepOutput",
+    "Task",
     "CheckpointError",
     "CheckpointNotFoundError",
     "Config",
@@ -45,12 +50,14 @@ __all__ = [
     "ModelBuildError",
     "TrainConfig",
     "TrainData",
-    "Trainer",
     "TrainingDivergedError",
     "TrainingInterrupted",
+    "amp_dtype",
     "atomic_write",
+    "autocast",
     "build_optimizer",
     "build_scheduler",
+    "build_trainer",
     "config_from_train_config",
     "create_model",
     "create_model_from_checkpoint",
@@ -61,7 +68,8 @@ __all__ = [
     "load_config",
     "load_model_state",
     "make_config",
+    "resolve_device",
     "run_training",
     "save_checkpoint",
-    "train_one_epoch",
+    "train",
 ]

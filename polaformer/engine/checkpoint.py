@@ -1,12 +1,21 @@
-"""Our training checkpoints: written atomically, loaded safely, failing with one clear line.
+"""Our checkpoints, of every task: written here only (atomically), read back safely, one-line errors.
 
-A checkpoint is a plain dict (so it loads with ``weights_only=True``)::
+A checkpoint is a plain dict (so it loads with ``weights_only=True``). The engine's
+(:mod:`.loop`) hold the training state::
 
-    {'model': state_dict, 'arch': timm model name, 'model_kwargs': {...}, 'num_classes': int,
-     'epoch': int, 'metrics': {...}, ...extra keys such as 'config'}
+    {'task': 'classification' | 'lra' | 'detect' | 'segment', 'model': state_dict, 'model_ema'?,
+     'optimizer', 'lr_scheduler', 'scaler', 'epoch', 'step' (batches into the epoch),
+     'num_updates', 'window', 'history', 'best', 'best_at', 'metrics', 'world_size',
+     'batch_size', 'rng', ...the task's entries that rebuild its model}
 
-``arch`` + ``num_classes`` + ``model_kwargs`` are enough to rebuild the model with
-``timm.create_model``; see :func:`polaformer.engine.factory.create_model_from_checkpoint`.
+Classification adds ``'arch'`` + ``'num_classes'`` + ``'model_kwargs'`` (enough to rebuild the
+model with ``timm.create_model``, see :func:`polaformer.engine.factory.create_model_from_checkpoint`),
+``'config'``, ``'max_accuracy'`` (and ``'max_accuracy_ema'``); LRA ``'config'`` and
+``'model_config'``; detection and segmentation ``'config'`` (the recipe, with the class names).
+
+Files written by earlier versions (LRA's and the dense tasks' own formats, classification's
+``'epoch_progress'``) are read through :func:`upgrade_legacy`. Foreign files (the authors',
+timm's) are read by :mod:`polaformer.checkpoint`.
 """
 from __future__ import annotations
 
@@ -30,6 +39,9 @@ from ..checkpoint import (  # noqa: F401  (re-exported)
 )
 
 REQUIRED_KEYS = ("model", "arch", "model_kwargs", "num_classes")
+TRAINING_STATE_KEYS = ("optimizer", "lr_scheduler", "epoch")
+# The record key each dense task keeps its best checkpoint by (for files of earlier versions).
+DENSE_KEY_METRICS = {"detect": "bbox_AP", "segment": "mIoU"}
 
 
 def save_checkpoint(
@@ -105,3 +117,91 @@ def load_model_state(
         )
     check_weight_values(model.state_dict(), checkpoint["model"], path, allow_nonfinite=allow_nonfinite)
     model.load_state_dict(checkpoint["model"])
+
+
+# --- the engine's training state ---------------------------------------------------------------
+
+def save_training_state(folder: Path, names: list[str], state: dict) -> Path:
+    """Write ``state`` to ``folder/names[0]`` atomically, then copy it to the other names; returns the first."""
+    first = atomic_write(folder / names[0], lambda f: torch.save(state, f))
+    for name in names[1:]:
+        atomic_write(folder / name, lambda f: f.write(first.read_bytes()))
+    return first
+
+
+def read_task_checkpoint(path: str | os.PathLike, task: str) -> dict:
+    """A checkpoint of ``task`` (any version), refusing other files in one line."""
+    checkpoint = read_checkpoint(path)
+    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+        raise CorruptCheckpointError(path, f"not a checkpoint of a {task!r} run (no 'model')")
+    checkpoint = upgrade_legacy(checkpoint)
+    found = checkpoint.get("task")
+    if found != task:
+        what = f"a {found!r} checkpoint" if found else "not a polaformer training checkpoint"
+        raise CorruptCheckpointError(path, f"{what}, not a {task!r} one")
+    return checkpoint
+
+
+def read_training_state(path: str | os.PathLike, task: str, hint: str) -> dict:
+    """A checkpoint of ``task`` that holds a training state to resume; ``hint`` says what to do otherwise."""
+    checkpoint = read_task_checkpoint(path, task)
+    missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
+    if missing:
+        raise CorruptCheckpointError(path, f"holds weights but no training state ({', '.join(missing)}): {hint}")
+    return checkpoint
+
+
+def upgrade_legacy(checkpoint: dict) -> dict:
+    """A checkpoint of an earlier version in today's layout (a new dict; today's files unchanged)."""
+    if "task" not in checkpoint and "arch" in checkpoint:
+        return _upgrade_classification(checkpoint)
+    if "task" not in checkpoint and "model_config" in checkpoint:
+        return _upgrade_lra(checkpoint)
+    if checkpoint.get("task") in DENSE_KEY_METRICS and "num_updates" not in checkpoint:
+        return _upgrade_dense(checkpoint)
+    return checkpoint
+
+
+def _upgrade_classification(old: dict) -> dict:
+    new = {**old, "task": "classification"}
+    progresses = old.get("epoch_progress")
+    if progresses is not None:
+        new["window"] = [{"loss_sum": p.get("loss_sum", 0.0), "samples": p.get("seen", 0),
+                          "time": p.get("train_time", 0.0), "stats": {"skipped": p.get("skipped", 0)}}
+                         for p in progresses]
+    new["best"] = {"test_top1": old.get("max_accuracy", 0.0)}
+    if "max_accuracy_ema" in old and "model_ema" in old:
+        new["best"]["ema_top1"] = old["max_accuracy_ema"]
+    return new
+
+
+def _upgrade_lra(old: dict) -> dict:
+    # The step counted updates; the position in the epoch was not kept (the data order restarts).
+    steps = int(old.get("step", 0))
+    new = {**old, "task": "lra", "num_updates": steps, "step": 0, "epoch": 0}
+    if old.get("history"):
+        new["elapsed_s"] = old["history"][-1].get("elapsed_s", 0.0)
+    if "scheduler" in old:
+        new["lr_scheduler"] = old["scheduler"]
+    best = old.get("best") or {}
+    if best.get("accuracy", -1) >= 0:
+        new["best"] = {"dev_accuracy": best["accuracy"]}
+        new["best_at"] = {"dev_accuracy": best.get("step", steps)}
+    window = old.get("window")
+    if window:
+        new["window"] = [{"loss_sum": window.get("loss", 0.0), "samples": window.get("seen", 0),
+                          "time": window.get("time", 0.0), "stats": {"correct": window.get("correct", 0)}}]
+    if isinstance(old.get("rng"), dict):
+        new["rng"] = [old["rng"]]
+    return new
+
+
+def _upgrade_dense(old: dict) -> dict:
+    # No schedule state was kept: the engine recomputes the rate of update 'step'.
+    steps = int(old.get("step", 0))
+    new = {**old, "num_updates": steps, "step": 0, "epoch": 0, "rng": []}
+    if "optimizer" in old:
+        new["lr_scheduler"] = None
+    if old.get("best") is not None:
+        new["best"] = {DENSE_KEY_METRICS[old["task"]]: old["best"]}
+    return new

@@ -19,7 +19,6 @@ would hide the ``polaformer.engine.evaluate`` function of the training loop.)
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -44,11 +43,12 @@ from ..checkpoint import (
     strip_wrapper_prefixes,
 )
 from ..data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
-from .config import OFFICIAL_MODEL_NAMES, ConfigError
+from .config import OFFICIAL_MODEL_NAMES
 from .factory import create_model
 from .limits import check_batch_memory
+from .device import amp_dtype, autocast, place_model
+from .device import resolve_device as resolve_engine_device
 from .train import evaluate
-from .train import resolve_device as resolve_train_device
 
 __all__ = [
     "EvalError",
@@ -73,19 +73,8 @@ class EvalError(ValueError):
 
 
 def resolve_device(device: str | torch.device) -> torch.device:
-    """The training engine's device resolution, with its errors as evaluation errors."""
-    try:
-        return resolve_train_device(str(device))
-    except ConfigError as e:
-        raise EvalError(str(e)) from None
-
-
-def autocast_context(device: torch.device, enabled: bool):
-    """AMP as in training: float16 on CUDA, bfloat16 on the CPU."""
-    if not enabled:
-        return contextlib.nullcontext()
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    return torch.autocast(device.type, dtype=dtype)
+    """The engine's device resolution, with its errors as evaluation errors."""
+    return resolve_engine_device(device, EvalError)
 
 
 # --- evaluation ------------------------------------------------------------------------------
@@ -99,8 +88,7 @@ def evaluate_loader(model: nn.Module, loader, device: torch.device | str = "cpu"
     five classes, top-5 counts the top ``num_classes``.
     """
     device = torch.device(device)
-    amp_dtype = (torch.float16 if device.type == "cuda" else torch.bfloat16) if amp else None
-    metrics = evaluate(model, loader, device, amp_dtype=amp_dtype)
+    metrics = evaluate(model, loader, device, amp_dtype=amp_dtype(device, amp))
     if not metrics["images"]:
         raise EvalError("no readable images to evaluate")
     return metrics
@@ -292,7 +280,7 @@ def evaluate_folder_checkpoint(
     source = f"{loaded.entry!r} weights" if loaded.entry else "state dict"
     log.info("evaluating %s (%s) on %s: %d images, %d classes, %dx%d %s, %s, device %s",
              arch, source, val_dir, len(dataset), num_classes, size, size, interpolation, crop_text, device)
-    metrics = evaluate_loader(network.to(device), loader, device, amp=amp)
+    metrics = evaluate_loader(place_model(network, device, inference=True), loader, device, amp=amp)
     if metrics["skipped"]:
         log.warning("skipped %d unreadable images in %s", metrics["skipped"], val_dir)
     return FolderEvaluation(metrics, arch, loaded, size, crop_text, num_classes, device)
@@ -366,7 +354,7 @@ def measure_throughput(
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    with autocast_context(device, amp):
+    with autocast(device, amp_dtype(device, amp)):
         for _ in range(warmup):
             model(images)
         synchronize()
@@ -407,4 +395,5 @@ def model_throughput(
     channels = _input_channels(network, kwargs_)
     check_batch_memory(kwargs.get("batch_size", 64), channels, size, size, device, EvalError)
     check_forward(network, (channels, size, size), arch)
+    network = place_model(network, device, inference=True)
     return measure_throughput(network, input_size=(channels, size, size), device=device, **kwargs)

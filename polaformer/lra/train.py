@@ -1,24 +1,21 @@
-"""Step-based LRA training and evaluation (the Skyformer protocol), crash-safe and resumable.
+"""LRA training and evaluation (the Skyformer protocol) as a task of the one engine.
 
 :func:`train_lra` trains ``train.steps`` optimizer steps with AdamW (``eps`` 1e-6, no weight decay
 by default), ``OneCycleLR`` with linear warm-up over ``warmup_steps`` and linear decay (PyTorch's
 defaults otherwise, as the Skyformer code: start and end at lr/25 and lr/25e4, beta1 cycling
 0.95 -> 0.85 -> 0.95) and element-wise gradient clipping. Every ``eval_every`` steps it scores the
 dev split, keeps ``best.pth`` (highest dev accuracy) and ``last.pth`` (everything a resumed run
-needs), both written atomically, and appends a line to ``metrics.jsonl``. At the end the best
-weights are scored on the test split and ``metrics.json`` holds the whole run.
+needs), and appends a line to ``metrics.jsonl``. At the end the best weights are scored on the
+test split and ``metrics.json`` holds the whole run.
 
-Resuming (``resume="auto"`` or a file) restores model, optimizer, scheduler, scaler, step, best
-accuracy, history and random states, and continues with the very batches that followed: with
-``num_workers = 0`` a resumed run ends bit-identical to an uninterrupted one.
+The loop, the output folder (lock, no finished run replaced unless ``overwrite``), checkpoints,
+bit-identical resuming (``resume="auto"`` or a file), AMP and Ctrl-C are the engine's
+(:mod:`polaformer.engine.loop`).
 """
 from __future__ import annotations
 
-import json
 import logging
-import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -27,12 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
-from tqdm import tqdm
 
 from ..checkpoint import CorruptCheckpointError
-from ..engine.checkpoint import atomic_write, read_checkpoint
-from ..engine.distributed import DistContext, TrainSampler
-from ..engine.train import resolve_device, rng_state, seed_everything, set_rng_state, write_json
+from ..engine.checkpoint import read_checkpoint, read_task_checkpoint
+from ..engine.device import autocast
+from ..engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from .config import LRAConfig, LRAConfigError
 from .data import TASKS, collate_lra, load_lra_split
 from .model import LRAClassifier, LRAModelConfig
@@ -41,7 +37,7 @@ log = logging.getLogger(__name__)
 
 LAST, BEST = "last.pth", "best.pth"
 
-__all__ = ["build_lra_model", "evaluate_lra", "train_lra", "load_lra_checkpoint", "LRASplits", "LAST", "BEST"]
+__all__ = ["LRATask", "build_lra_model", "evaluate_lra", "train_lra", "load_lra_model", "LRASplits", "LAST", "BEST"]
 
 
 @dataclass
@@ -77,15 +73,9 @@ def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
     return model(batch["tokens"], batch["padding_mask"], batch.get("tokens_b"), batch.get("padding_mask_b"))
 
 
-def _autocast(device: torch.device, amp: bool):
-    if not amp:
-        return nullcontext()
-    return torch.autocast(device.type, dtype=torch.float16 if device.type == "cuda" else torch.bfloat16)
-
-
 @torch.no_grad()
 def evaluate_lra(model: nn.Module, loader: DataLoader, device: torch.device | str = "cpu", *,
-                 max_batches: int = 0, amp: bool = False) -> dict:
+                 max_batches: int = 0, amp_dtype: torch.dtype | None = None) -> dict:
     """Accuracy (%) and mean cross-entropy over ``loader`` (its first ``max_batches`` if > 0)."""
     device = torch.device(device)
     was_training = model.training
@@ -96,7 +86,7 @@ def evaluate_lra(model: nn.Module, loader: DataLoader, device: torch.device | st
         if max_batches and index >= max_batches:
             break
         batch = _to_device(batch, device)
-        with _autocast(device, amp):
+        with autocast(device, amp_dtype):
             logits = _logits(model, batch)
         logits = logits.float()
         loss_sum += F.cross_entropy(logits, batch["label"], reduction="sum").item()
@@ -113,18 +103,10 @@ def _eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoa
                       generator=torch.Generator())
 
 
-def load_lra_checkpoint(path: str | Path) -> tuple[LRAClassifier, dict]:
-    """Rebuild the model a checkpoint of :func:`train_lra` holds; returns ``(model, checkpoint)``."""
-    checkpoint = read_checkpoint(path)
-    if not isinstance(checkpoint, dict) or not {"model", "config"} <= set(checkpoint):
-        raise CorruptCheckpointError(path, "not an LRA checkpoint (no 'model' and 'config')")
-    raw = checkpoint["config"]
-    try:
-        cfg = LRAConfig(task=raw["task"], attention=raw["attention"], attention_options=raw["attention_options"],
-                        model=raw["model"])
-        cfg.check()
-    except (KeyError, TypeError, LRAConfigError) as e:
-        raise CorruptCheckpointError(path, f"its LRA configuration is unusable: {e}") from None
+def load_lra_model(path: str | Path) -> tuple[LRAClassifier, dict]:
+    """Rebuild the model an LRA checkpoint holds (of any version); returns ``(model, checkpoint)``."""
+    checkpoint = read_task_checkpoint(path, LRATask.name)
+    cfg = _saved_config(checkpoint, path)
     model = build_lra_model(cfg)
     try:
         model.load_state_dict(checkpoint["model"])
@@ -133,198 +115,136 @@ def load_lra_checkpoint(path: str | Path) -> tuple[LRAClassifier, dict]:
     return model, checkpoint
 
 
-class _StepTrainer:
-    def __init__(self, cfg: LRAConfig, splits: LRASplits, output: Path, device: torch.device, show_progress: bool):
-        self.cfg, self.splits, self.output, self.device = cfg, splits, output, device
-        self.show_progress = show_progress
-        t = cfg.train
-        seed_everything(t.seed)
-        self.model = build_lra_model(cfg).to(device)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
-                                           weight_decay=t.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.OneCycleLR(
-            self.optimizer, max_lr=t.lr, total_steps=t.steps, pct_start=t.warmup_steps / t.steps,
-            anneal_strategy="linear",
-        )
-        self.scaler = torch.amp.GradScaler(device.type, enabled=t.amp and device.type == "cuda")
-        if len(splits.train) < t.batch_size:
+def _saved_config(checkpoint: dict, path) -> LRAConfig:
+    raw = checkpoint.get("config")
+    try:
+        cfg = LRAConfig(task=raw["task"], attention=raw["attention"], attention_options=raw["attention_options"],
+                        model=raw["model"])
+        cfg.check()
+    except (KeyError, TypeError, LRAConfigError) as e:
+        raise CorruptCheckpointError(path, f"its LRA configuration is unusable: {e}") from None
+    return cfg
+
+
+class LRATask(Task):
+    """One attention on one LRA task: cross-entropy, dev accuracy, the best weights scored on test."""
+
+    name = "lra"
+    best_files = {BEST: "dev_accuracy"}
+    resume_hint = "it holds weights only; use another --output"
+
+    def __init__(self, cfg: LRAConfig, splits: LRASplits):
+        self.cfg, self.splits = cfg, splits
+        self.train_set, self.train_collate = splits.train, collate_lra
+
+    def build(self, engine: Engine, resuming: bool) -> nn.Module:
+        t = self.cfg.train
+        if len(self.splits.train) < t.batch_size:
             raise LRAConfigError(
-                f"the training split has {len(splits.train)} examples, fewer than one batch of {t.batch_size}"
+                f"the training split has {len(self.splits.train)} examples, fewer than one batch of {t.batch_size}"
             )
-        self.sampler = TrainSampler(splits.train, DistContext(), seed=t.seed)
-        # Its own generator: each new iterator (a resumed run makes one mid-epoch) would otherwise draw
-        # from the global RNG, and the dropout masks after a resume would differ.
-        self.loader = DataLoader(splits.train, batch_size=t.batch_size, sampler=self.sampler, drop_last=True,
-                                 collate_fn=collate_lra, num_workers=t.num_workers,
-                                 generator=torch.Generator().manual_seed(t.seed))
-        self.batches_per_epoch = len(splits.train) // t.batch_size
-        self.dev_loader = _eval_loader(splits.dev, t.batch_size, t.num_workers)
-        self.step = 0
-        self.lr = t.lr
-        self.best = {"accuracy": -1.0, "step": 0}
-        self.history: list[dict] = []
-        self.window = {"loss": 0.0, "correct": 0.0, "seen": 0, "time": 0.0}
+        self.dev_loader = _eval_loader(self.splits.dev, t.batch_size, t.num_workers)
+        return build_lra_model(self.cfg)
 
-    # -- checkpoints
+    def start_message(self, engine: Engine) -> str:
+        t = self.cfg.train
+        return (f"training {self.cfg.attention} on LRA {self.cfg.task}: "
+                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.splits.train)} train / "
+                f"{len(self.splits.dev)} dev / {len(self.splits.test)} test examples, {t.steps} steps of batch "
+                f"{t.batch_size}, device {engine.device}")
 
-    def _state(self) -> dict:
-        return {
-            "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(), "scaler": self.scaler.state_dict(), "step": self.step,
-            "best": dict(self.best), "history": self.history, "window": dict(self.window),
-            "rng": rng_state(self.device), "config": self.cfg.to_dict(),
-            "model_config": self.model.cfg.to_dict(),
-        }
-
-    def save(self, name: str, state: dict | None = None) -> None:
-        state = state if state is not None else self._state()
-        atomic_write(self.output / name, lambda f: torch.save(state, f))
-
-    def restore(self, path: Path) -> None:
-        state = read_checkpoint(path)
-        if not isinstance(state, dict) or "optimizer" not in state:
-            raise CorruptCheckpointError(path, "not a resumable LRA checkpoint (no optimizer state)")
-        saved, ours = state.get("config", {}), self.cfg.to_dict()
+    def check_resume(self, checkpoint: dict, path: Path) -> None:
+        saved, ours = checkpoint.get("config", {}), self.cfg.to_dict()
         for key in ("task", "attention", "attention_options", "model"):
             if saved.get(key) != ours[key]:
                 raise LRAConfigError(
                     f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for {ours[key]!r}"
                 )
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])
-        self.step, self.best, self.history = int(state["step"]), dict(state["best"]), list(state["history"])
-        self.window = dict(state["window"])
-        set_rng_state(state["rng"], self.device)
-        log.info("resumed from %s at step %d of %d (best dev accuracy %.2f%%)", path, self.step,
-                 self.cfg.train.steps, max(self.best["accuracy"], 0.0))
 
-    # -- the loop
-
-    def _batches(self):
-        """Training batches from ``self.step`` on: epochs reshuffle, a resumed run picks up mid-epoch."""
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train
-        epoch, within = divmod(self.step, self.batches_per_epoch)
-        while True:
-            self.sampler.set_epoch(epoch)
-            self.sampler.set_start(within * t.batch_size)
-            yield from self.loader
-            epoch, within = epoch + 1, 0
+        return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=tuple(t.betas), eps=t.adam_eps,
+                                 weight_decay=t.weight_decay)
 
-    def _train_step(self, batch: dict) -> None:
+    def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
         t = self.cfg.train
-        start = time.perf_counter()
-        batch = _to_device(batch, self.device)
-        with _autocast(self.device, t.amp):
-            logits = _logits(self.model, batch)
-            loss = F.cross_entropy(logits.float(), batch["label"])
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scaler.scale(loss).backward()
-        if t.clip_grad_value:
-            self.scaler.unscale_(self.optimizer)
-            nn.utils.clip_grad_value_(self.model.parameters(), t.clip_grad_value)
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.lr = self.optimizer.param_groups[0]["lr"]  # the rate this step used
-        self.scheduler.step()
-        self.step += 1
-        value = loss.item()
-        if not math.isfinite(value):
-            raise FloatingPointError(f"training loss became {value} at step {self.step}")
-        n = len(batch["label"])
-        self.window["loss"] += value * n
-        self.window["correct"] += (logits.argmax(dim=-1) == batch["label"]).sum().item()
-        self.window["seen"] += n
-        self.window["time"] += time.perf_counter() - start
+        return torch.optim.lr_scheduler.OneCycleLR(
+            optimizer, max_lr=t.lr, total_steps=t.steps, pct_start=t.warmup_steps / t.steps, anneal_strategy="linear",
+        )
 
-    def _evaluate(self, started: float) -> dict:
-        t = self.cfg.train
-        w = self.window
-        dev = evaluate_lra(self.model, self.dev_loader, self.device, max_batches=t.eval_batches, amp=t.amp)
-        record = {
-            "step": self.step,
-            "lr": self.lr,
-            "train_loss": w["loss"] / max(w["seen"], 1),
-            "train_accuracy": 100.0 * w["correct"] / max(w["seen"], 1),
-            "train_samples_per_s": w["seen"] / max(w["time"], 1e-9),
+    def restore_scheduler(self, scheduler, state: dict) -> None:
+        # The schedule's shape is this run's (a resumed run may have more steps); the position is the file's.
+        shape = {key: scheduler.__dict__[key] for key in ("total_steps", "_schedule_phases")}
+        scheduler.load_state_dict(state)
+        scheduler.__dict__.update(shape)
+        scheduler.last_epoch -= 1
+        scheduler.step()  # the rate and momentum of that position under this shape
+
+    def step(self, model: nn.Module, batch: dict, device: torch.device) -> StepOutput:
+        batch = _to_device(batch, device)
+        logits = _logits(model, batch)
+        loss = F.cross_entropy(logits.float(), batch["label"])
+        correct = (logits.argmax(dim=-1) == batch["label"]).sum().item()
+        return StepOutput(loss, len(batch["label"]), {"correct": correct})
+
+    def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        return evaluate_lra(model, self.dev_loader, engine.device, max_batches=self.cfg.train.eval_batches,
+                            amp_dtype=engine.amp_dtype)
+
+    def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
+        dev = results["model"]
+        return {
+            "step": engine.num_updates,
+            "lr": train["lr"],
+            "train_loss": train["loss"],
+            "train_accuracy": 100.0 * train["stats"].get("correct", 0) / max(train["samples"], 1),
+            "train_samples_per_s": train["samples"] / max(train["time"], 1e-9),
             "dev_loss": dev["loss"],
             "dev_accuracy": dev["accuracy"],
-            "elapsed_s": time.perf_counter() - started,
+            "elapsed_s": engine.elapsed,
         }
-        self.window = {"loss": 0.0, "correct": 0.0, "seen": 0, "time": 0.0}
-        self.history.append(record)
-        improved = dev["accuracy"] > self.best["accuracy"]
-        if improved:
-            self.best = {"accuracy": dev["accuracy"], "step": self.step}
-        state = self._state()
-        if improved:
-            self.save(BEST, state)
-        self.save(LAST, state)
-        with open(self.output / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        log.info("step %d/%d: train loss %.4f acc %.2f%%, dev loss %.4f acc %.2f%%%s", self.step, t.steps,
-                 record["train_loss"], record["train_accuracy"], dev["loss"], dev["accuracy"],
-                 " (best)" if improved else "")
-        return record
 
-    def fit(self, on_step: Callable[[int], None] | None = None) -> dict:
-        t = self.cfg.train
-        self.output.mkdir(parents=True, exist_ok=True)
-        # metrics.jsonl holds exactly the evaluations of the state we continue from
-        lines = "".join(json.dumps(r) + "\n" for r in self.history)
-        atomic_write(self.output / "metrics.jsonl", lambda f: f.write(lines.encode()))
-        started = time.perf_counter() - (self.history[-1]["elapsed_s"] if self.history else 0.0)
-        self.model.train()
-        bar = tqdm(total=t.steps, initial=self.step, desc=f"lra {self.cfg.task} / {self.cfg.attention}",
-                   disable=None if self.show_progress else True)
-        batches = self._batches()
-        try:
-            while self.step < t.steps:
-                self._train_step(next(batches))
-                bar.update()
-                w = self.window
-                bar.set_postfix(loss=f"{w['loss'] / max(w['seen'], 1):.4f}",
-                                acc=f"{100 * w['correct'] / max(w['seen'], 1):.1f}",
-                                lr=f"{self.lr:.2e}", refresh=False)
-                if self.step % t.eval_every == 0 or self.step == t.steps:
-                    self._evaluate(started)
-                elif self.step % t.save_every == 0:
-                    self.save(LAST)
-                if on_step is not None:
-                    on_step(self.step)
-        finally:
-            bar.close()
-        return self._finish(started)
+    def describe(self, record: dict, improved: bool) -> str:
+        return (f"step {record['step']}/{self.cfg.train.steps}: train loss {record['train_loss']:.4f} acc "
+                f"{record['train_accuracy']:.2f}%, dev loss {record['dev_loss']:.4f} acc {record['dev_accuracy']:.2f}%"
+                f"{' (best)' if improved else ''}")
 
-    def _finish(self, started: float) -> dict:
-        t = self.cfg.train
-        best_path = self.output / BEST
-        if best_path.exists():
-            self.model.load_state_dict(read_checkpoint(best_path)["model"])
-        test_loader = _eval_loader(self.splits.test, t.batch_size, t.num_workers)
-        test = evaluate_lra(self.model, test_loader, self.device, amp=t.amp)
-        summary = {
+    def summary(self, engine: Engine) -> dict:
+        return {
             "task": self.cfg.task,
             "attention": self.cfg.attention,
             "config": self.cfg.to_dict(),
-            "parameters": sum(p.numel() for p in self.model.parameters()),
-            "steps": self.step,
-            "evaluations": len(self.history),
-            "best_dev_accuracy": self.best["accuracy"],
-            "best_step": self.best["step"],
+            "parameters": sum(p.numel() for p in engine.model.parameters()),
+            "steps": engine.num_updates,
+            "evaluations": len(engine.history),
+            "best_dev_accuracy": engine.best.get("dev_accuracy", -1.0),
+            "best_step": engine.best_at.get("dev_accuracy", 0),
+            "history": engine.history,
+            "output": str(engine.output),
+        }
+
+    def finish(self, engine: Engine) -> dict:
+        t = self.cfg.train
+        model = engine.model
+        best_path = engine.output / BEST
+        if best_path.exists():
+            model.load_state_dict(read_checkpoint(best_path)["model"])
+        test_loader = _eval_loader(self.splits.test, t.batch_size, t.num_workers)
+        test = evaluate_lra(model, test_loader, engine.device, amp_dtype=engine.amp_dtype)
+        summary = {
+            **self.summary(engine),
             "test_accuracy": test["accuracy"],
             "test_loss": test["loss"],
             "test_examples": test["examples"],
             "majority_class_test_accuracy": majority_rate(self.splits.test),
-            "history": self.history,
-            "wall_time_s": time.perf_counter() - started,
-            "output": str(self.output),
+            "wall_time_s": engine.elapsed,
         }
-        write_json(self.output / "metrics.json", summary)
         log.info("test accuracy %.2f%% (best dev %.2f%% at step %d; majority class %.2f%%)", test["accuracy"],
-                 self.best["accuracy"], self.best["step"], summary["majority_class_test_accuracy"])
+                 summary["best_dev_accuracy"], summary["best_step"], summary["majority_class_test_accuracy"])
         return summary
+
+    def metadata(self, engine: Engine) -> dict:
+        return {"config": self.cfg.to_dict(), "model_config": engine.model.cfg.to_dict()}
 
 
 def majority_rate(dataset: Dataset) -> float:
@@ -342,6 +262,7 @@ def train_lra(
     output: str | Path,
     *,
     resume: str | Path | None = None,
+    overwrite: bool = False,
     device: str = "auto",
     splits: LRASplits | None = None,
     show_progress: bool = True,
@@ -354,18 +275,15 @@ def train_lra(
     contents of ``metrics.json``.
     """
     cfg.check()
-    output = Path(output)
     if splits is None:
         if data_dir is None:
             raise LRAConfigError("no data: give the task's data folder")
         splits = load_splits(cfg, data_dir)
-    trainer = _StepTrainer(cfg, splits, output, resolve_device(device), show_progress)
-    if resume is not None:
-        path = output / LAST if resume == "auto" else Path(resume)
-        if path.exists() or resume != "auto":
-            trainer.restore(path)
-    log.info("training %s on LRA %s: %d parameters, %d train / %d dev / %d test examples, %d steps of batch %d, "
-             "device %s", cfg.attention, cfg.task, sum(p.numel() for p in trainer.model.parameters()),
-             len(splits.train), len(splits.dev), len(splits.test), cfg.train.steps, cfg.train.batch_size,
-             trainer.device)
-    return trainer.fit(on_step)
+    t = cfg.train
+    settings = LoopSettings(
+        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
+        save_every_steps=t.save_every, clip_grad_value=t.clip_grad_value or None, amp=t.amp, seed=t.seed,
+        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
+        overwrite=overwrite, last_name=LAST, show_progress=show_progress, on_update=on_step,
+    )
+    return train(LRATask(cfg, splits), settings)

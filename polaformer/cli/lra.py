@@ -5,7 +5,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..cli import add_lra_bench_arguments, parse_model_kwarg, positive_int
+from .bench import add_lra_bench_arguments
+from .common import parse_model_kwarg, positive_int
 
 __all__ = ["add_lra_parser"]
 
@@ -48,6 +49,8 @@ def add_lra_parser(commands) -> None:
     train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lra/TASK-ATTENTION)")
     train.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    train.add_argument("--overwrite", action="store_true",
+                       help="start afresh in an output folder that holds a run, replacing its files")
     train.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
     train.set_defaults(handler=cmd_lra_train)
 
@@ -87,8 +90,8 @@ def add_lra_parser(commands) -> None:
 
 def _errors():
     from ..checkpoint import CheckpointError
-    from .config import LRAConfigError
-    from .data import LRADataError
+    from ..lra.config import LRAConfigError
+    from ..lra.data import LRADataError
 
     return LRAConfigError, LRADataError, CheckpointError
 
@@ -99,8 +102,8 @@ def _fail(message: str) -> int:
 
 
 def cmd_lra_train(args: argparse.Namespace) -> int:
-    from .config import LRAConfigError, load_lra_config, train_settings
-    from .train import train_lra
+    from ..lra.config import LRAConfigError, load_lra_config, train_settings
+    from ..lra.train import train_lra
 
     try:
         if args.config is None and args.task is None:
@@ -121,7 +124,7 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
             # a short run keeps the recipe's warm-up fraction instead of failing
             cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
         output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
-        summary = train_lra(cfg, args.data, output, resume=args.resume, device=args.device)
+        summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
     except _errors() as e:
         return _fail(str(e))
     print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at step "
@@ -133,26 +136,26 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
 def cmd_lra_eval(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
-    from ..engine.train import resolve_device
-    from .data import collate_lra, load_lra_split
-    from .train import evaluate_lra, load_lra_checkpoint
+    from ..engine.device import place_model, resolve_device
+    from ..lra.data import collate_lra, load_lra_split
+    from ..lra.train import evaluate_lra, load_lra_model
 
     try:
-        model, checkpoint = load_lra_checkpoint(args.checkpoint)
+        model, checkpoint = load_lra_model(args.checkpoint)
         task = checkpoint["config"]["task"]
         dataset = load_lra_split(task, args.data, args.split, limit=args.limit)
         device = resolve_device(args.device)
         loader = DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate_lra)
-        result = evaluate_lra(model.to(device), loader, device)
+        result = evaluate_lra(place_model(model, device, inference=True), loader, device)
     except _errors() as e:
         return _fail(str(e))
     print(f"{args.split} accuracy: {result['accuracy']:.2f}% (loss {result['loss']:.4f}, {result['examples']} examples; "
-          f"{task}, {checkpoint['config']['attention']}, step {checkpoint.get('step', '?')}) <- {args.checkpoint}")
+          f"{task}, {checkpoint['config']['attention']}, step {checkpoint.get('num_updates', '?')}) <- {args.checkpoint}")
     return 0
 
 
 def cmd_lra_generate(args: argparse.Namespace) -> int:
-    from .listops import generate_listops
+    from ..lra.listops import generate_listops
 
     if args.min_length > args.max_length:
         return _fail(f"--min-length {args.min_length} exceeds --max-length {args.max_length}")
@@ -181,8 +184,8 @@ def _listops_report_text(report: dict, out: str) -> str:
 
 
 def cmd_lra_curves(args: argparse.Namespace) -> int:
-    from .config import LRAConfigError
-    from .curves import plot_curves
+    from ..lra.config import LRAConfigError
+    from ..lra.curves import plot_curves
 
     try:
         result = plot_curves(args.runs, args.out, title=args.title)

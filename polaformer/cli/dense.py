@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..cli import parse_model_kwarg, positive_int
+from .common import parse_model_kwarg, positive_int
 
 __all__ = ["add_dense_parsers"]
 
@@ -33,6 +33,8 @@ def _common_train(parser, task: str) -> None:
         parser.add_argument(flag, type=kind, help=text)
     parser.add_argument("--output", metavar="DIR", help=f"output folder (default: runs/{task}/BACKBONE)")
     parser.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an output folder that holds a run, replacing its files")
     parser.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -95,8 +97,8 @@ def add_dense_parsers(commands) -> None:
 
 
 def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
-    from .config import load_recipe
-    from .runner import train_task
+    from ..dense.config import load_recipe
+    from ..dense.runner import train_task
 
     overrides = {
         "model.backbone": args.backbone, "model.backbone_weights": args.backbone_weights,
@@ -109,8 +111,9 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
     }
     recipe = load_recipe(task, args.config, overrides)
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
-    result = train_task(task, recipe, output, resume=args.resume, device=args.device, progress=not args.no_progress)
-    print(json.dumps({"step": result.step, "best": result.best, **result.metrics, "output": str(output)}))
+    summary = train_task(task, recipe, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                         progress=not args.no_progress)
+    print(json.dumps({**summary, "output": str(output)}))
     return 0
 
 
@@ -127,7 +130,7 @@ def cmd_segment_train(args) -> int:
 
 
 def cmd_detect_eval(args) -> int:
-    from .runner import evaluate_checkpoint
+    from ..dense.runner import evaluate_checkpoint
 
     coco = {"val_images": args.val_images, "val_annotations": args.val_annotations}
     data = {**coco, "val_size": args.val_size}
@@ -138,7 +141,7 @@ def cmd_detect_eval(args) -> int:
 
 
 def cmd_segment_eval(args) -> int:
-    from .runner import evaluate_checkpoint
+    from ..dense.runner import evaluate_checkpoint
 
     data = {"root": args.root, "format": "ade" if args.root else None, "val_size": args.val_size}
     print(json.dumps(evaluate_checkpoint("segment", args.checkpoint, data, args.device)))
@@ -146,7 +149,7 @@ def cmd_segment_eval(args) -> int:
 
 
 def cmd_detect_predict(args) -> int:
-    from .runner import predict_images
+    from ..dense.runner import predict_images
 
     for path in predict_images(args.checkpoint, args.images, Path(args.out), score_threshold=args.score_threshold,
                                device=args.device):

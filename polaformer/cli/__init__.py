@@ -1,0 +1,90 @@
+"""The ``polaformer`` command: one module per task, each adding its subcommands to one parser.
+
+- :mod:`.classification`: ``train`` a model, ``eval`` a checkpoint, ``throughput``, ``analyze``,
+  ``export`` to ONNX;
+- :mod:`.bench`: ``bench`` (the attention op and model benchmarks);
+- :mod:`.lra`: ``lra train|eval|generate|curves|bench`` (the Long Range Arena);
+- :mod:`.dense`: ``detect train|eval|predict`` and ``segment train|eval``.
+
+Dependencies point one way: this package -> the tasks -> the engine. Every user error (a bad option,
+a missing or foreign checkpoint, an unknown model) and every environmental fault (a full disk, a busy
+output folder, a diverged training) ends the command with exit status 2 and a single
+``polaformer...: error: ...`` line on stderr of at most MAX_MESSAGE characters; Ctrl-C ends it with
+status 130 and one line. docs/errors.md lists the cases.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from contextlib import contextmanager
+from importlib.metadata import PackageNotFoundError, version
+
+from ..data import UnknownDatasetError
+from ..data.folder import DatasetError
+from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
+from ..engine.evaluation import EvalError
+from ..runtime import tune_cpu_allocator
+from .bench import add_bench_parser
+from .classification import add_classification_parsers
+from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
+from .dense import add_dense_parsers
+from .lra import add_lra_parser
+
+__all__ = ["MAX_MESSAGE", "build_parser", "main"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="polaformer", description="Train and evaluate PolaFormer models.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    add_classification_parsers(commands)
+    add_bench_parser(commands)
+    add_lra_parser(commands)
+    add_dense_parsers(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    tune_cpu_allocator()  # reuse freed large CPU buffers instead of page-faulting them in again
+    with _log_to_stderr():
+        try:
+            return args.handler(args)
+        except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
+                TrainingDivergedError) as e:
+            return usage_error(None, str(e))
+        except OSError as e:  # the environment: a full disk, a file that cannot be written or read
+            where = f": {e.filename}" if e.filename else ""
+            return usage_error(None, f"{(e.strerror or str(e)).lower()}{where}")
+        except KeyboardInterrupt as e:
+            note = ""
+            if isinstance(e, TrainingInterrupted):
+                saved = e.checkpoint
+                note = f"; last saved checkpoint: {saved}" if saved else "; no checkpoint saved by this run"
+            print(one_line(f"polaformer: interrupted{note}"), file=sys.stderr)
+            return INTERRUPTED
+
+
+@contextmanager
+def _log_to_stderr():
+    # The engine logs one line per epoch. Attach a handler to our own logger (not the root) for
+    # this call only, bound to the current sys.stderr, which tests may have swapped.
+    logger = logging.getLogger("polaformer")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    previous_level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous_level)
+
+
+def _version() -> str:
+    try:
+        return version("polaformer")
+    except PackageNotFoundError:
+        return "unknown (not installed)"

@@ -1,0 +1,282 @@
+"""``polaformer bench [FAMILY]``: the scaling suite, or one benchmark family of :mod:`polaformer.bench`."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .common import positive_int, usage_error
+
+__all__ = ["add_bench_parser", "add_lra_bench_arguments"]
+
+
+def add_bench_parser(commands) -> None:
+    """``polaformer bench``: the scaling suite itself, or one benchmark family named after it."""
+    bench = commands.add_parser(
+        "bench", help="speed and memory benchmarks: op/model scaling with a matmul roofline by default, or a FAMILY",
+        description="Without FAMILY: (a) op level: fused Pola vs SDPA softmax vs ELU+1 and focused linear attention "
+                    "(and, with --methods, the official two-stream formulation), forward and forward+backward, over N "
+                    "tokens; (b) model level: images/s and peak memory of Pola-PVT-T and Pola-Swin-T against softmax "
+                    "attention over input sizes; (c) large-matmul GFLOP/s and each op's roofline fraction. Writes "
+                    "DIR/results.json, DIR/bench_ops.png, DIR/bench_models.png. 'polaformer bench FAMILY --help' "
+                    "describes the others.",
+    )
+    # --out is checked in cmd_bench: a required option here would be demanded of every FAMILY too.
+    bench.add_argument("--out", metavar="DIR", help="output folder (required without FAMILY)")
+    bench.add_argument("--tokens", type=positive_int, nargs="+", metavar="N",
+                       help="op sequence lengths (default: 196 1024 4096 16384 65536; --quick: 196 1024 4096)")
+    bench.add_argument("--heads", type=positive_int, default=8, help="op heads (default: %(default)s)")
+    bench.add_argument("--head-dim", type=positive_int, default=64, help="op head size, even (default: %(default)s)")
+    bench.add_argument("--batch", type=positive_int, default=1, help="op batch (default: %(default)s)")
+    bench.add_argument("--methods", nargs="+", metavar="NAME",
+                       help="op methods: fused_pola sdpa_softmax elu_linear focused_linear two_stream_pola "
+                            "(default: all but two_stream_pola)")
+    bench.add_argument("--sizes", type=positive_int, nargs="+", metavar="S",
+                       help="model input sizes (default: 224 448 640 1024; --quick: 224)")
+    bench.add_argument("--models", nargs="+", metavar="NAME", choices=["pola_pvt_tiny", "pola_swin_t"],
+                       help="models to compare with their softmax variants (default: pola_pvt_tiny pola_swin_t)")
+    bench.add_argument("--no-models", action="store_true", help="skip the model-level part")
+    bench.add_argument("--min-run-time", type=float, metavar="S",
+                       help="seconds per measurement (default: 1.0; --quick: 0.05)")
+    bench.add_argument("--max-softmax-tokens", type=positive_int, default=16384, metavar="N",
+                       help="skip SDPA above this N (O(N²); default: %(default)s)")
+    bench.add_argument("--matmul-size", type=positive_int, metavar="S",
+                       help="square matmul for the machine's GFLOP/s (default: 4096; --quick: 1024)")
+    bench.add_argument("--no-op-memory", action="store_true",
+                       help="skip the per-N peak-memory subprocesses of the fused op")
+    bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (explicit options win)")
+    bench.set_defaults(handler=cmd_bench)
+    families = bench.add_subparsers(dest="bench_family", metavar="FAMILY")
+
+    def rows_files(parser, markdown=False):
+        parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
+        parser.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (scalar fields)")
+        if markdown:
+            parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+
+    official = families.add_parser(
+        "official", help="whole models against the authors' code: inference and training step, same weights",
+        description="Builds the official models from local checkouts (POLAFORMER_OFFICIAL_DIR, "
+                    "POLAFORMERPP_OFFICIAL_DIR; a family without one is skipped), loads their weights into ours, "
+                    "checks equal outputs, then times both interleaved. Pola-DeiT and Pola-PVTv2 are compared with "
+                    "our model running the official formulation. Also: python benchmarks/bench_models_vs_official.py.",
+    )
+    official.add_argument("--models", nargs="+", metavar="NAME", default=["pola_pvt_tiny", "pola_swin_t", "POLA_b0",
+                          "pola_deit_tiny_patch16_224", "pola_pvt_v2_b0"], help="default: all five")
+    official.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
+    official.add_argument("--modes", nargs="+", choices=["infer", "train"], default=["infer", "train"])
+    official.add_argument("--threads", type=positive_int, default=2)
+    official.add_argument("--rounds", type=positive_int, default=15, help="interleaved rounds (default: %(default)s)")
+    official.add_argument("--min-time", type=float, default=0.05, metavar="S",
+                          help="seconds per timing sample, at least one step (default: %(default)s)")
+    official.add_argument("--compile", action="store_true", help="also time torch.compile(ours)")
+    official.add_argument("--floor", action="store_true",
+                          help="also time ours with the attention cores removed (bounds the reachable ratio)")
+    official.add_argument("--matmul-floor", action="store_true",
+                          help="also time ours with the linear-attention cores reduced to their matrix products")
+    rows_files(official, markdown=True)
+    official.set_defaults(handler=cmd_bench_family, run_family=_bench_official, seconds_flags=("--min-time",))
+
+    native = families.add_parser(
+        "native", help="the native CPU kernels against the torch ops of the same stages, interleaved",
+        description="The Pola and PaCS ops at the models' stage shapes (and whole models with --models), inference "
+                    "and training, with the native kernels and with the torch ops; ratio torch ops / native.",
+    )
+    native.add_argument("--models", nargs="*", default=[], metavar="NAME", help="timm names of whole models to time")
+    native.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
+    native.add_argument("--threads", type=positive_int, default=2)
+    native.add_argument("--rounds", type=positive_int, default=3)
+    native.add_argument("--min-time", type=float, default=0.3, metavar="S", help="seconds per op sample")
+    native.add_argument("--model-steps", type=positive_int, default=6, help="steps per whole-model sample")
+    rows_files(native)
+    native.set_defaults(handler=cmd_bench_family, run_family=_bench_native, seconds_flags=("--min-time",))
+
+    pacs = families.add_parser(
+        "pacs", help="PolaFormer++'s fused PaCS op against its functional graph, forward and forward+backward",
+        description="Shapes of POLA_b0's linear stages at 224 px (head_dim 32, RoPE on), timed interleaved.",
+    )
+    pacs.add_argument("--batch", type=positive_int, default=8)
+    pacs.add_argument("--threads", type=positive_int, default=2)
+    pacs.add_argument("--rounds", type=positive_int, default=5)
+    pacs.add_argument("--min-time", type=float, default=0.2, metavar="S")
+    rows_files(pacs)
+    pacs.set_defaults(handler=cmd_bench_family, run_family=_bench_pacs, seconds_flags=("--min-time",))
+
+    dense = families.add_parser(
+        "dense", help="backbone forward time and peak memory at detection resolutions, Pola vs softmax",
+        description="Pola-PVT-T and Pola-Swin-T against their softmax versions, features_only forward, batch 1, "
+                    "one subprocess per (model, size) so that every peak memory is its own. See docs/dense.md.",
+    )
+    dense.add_argument("--sizes", nargs="+", default=["512", "800x1344", "1024", "1536"], metavar="HxW",
+                       help="HxW or S (square); multiples of 32 (800x1333 is padded to 800x1344 by the detectors)")
+    dense.add_argument("--device", default="cpu")
+    dense.add_argument("--min-run-time", type=float, default=1.0, metavar="S",
+                       help="seconds of timing per measurement")
+    rows_files(dense)
+    dense.set_defaults(handler=cmd_bench_family, run_family=_bench_dense, seconds_flags=("--min-run-time",))
+
+    deploy = families.add_parser(
+        "deploy", help="inference speed under the CPU deployment options: eager, channels-last, bf16, compile, ONNX",
+        description="Every variant of a (model, batch) timed in interleaved rounds, with its one-off cost and its "
+                    "max |diff| against eager fp32. Writes DIR/results.json and DIR/table.md. See docs/deployment.md.",
+    )
+    deploy.add_argument("--out", required=True, metavar="DIR", help="folder for results.json and table.md")
+    deploy.add_argument("--models", nargs="+", metavar="NAME", default=["pola_deit_tiny_patch16_224", "pola_pvt_tiny",
+                        "pola_pvt_v2_b0", "pola_swin_t", "POLA_b0"])
+    deploy.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8], metavar="B")
+    deploy.add_argument("--img-size", type=positive_int, default=224)
+    deploy.add_argument("--variants", nargs="+", metavar="NAME",
+                        help="eager_fp32 eager_channels_last eager_bf16 compile_fp32 onnxruntime_fp32 (default: all)")
+    deploy.add_argument("--threads", type=int, default=0, help="torch and onnxruntime intra-op threads (0: torch's default)")
+    deploy.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds per row")
+    deploy.add_argument("--min-run-time", type=float, default=1.0, metavar="S", help="seconds per variant and round")
+    deploy.add_argument("--row-budget", type=float, default=240.0, metavar="S",
+                        help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take longer")
+    deploy.add_argument("--warm-cache", action="store_true",
+                        help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
+    deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy, seconds_flags=("--min-run-time", "--row-budget"))
+
+    lra = families.add_parser(
+        "lra", help="the paper's Table 6: LRA training throughput and peak memory of every attention, vs softmax",
+        description="Also 'polaformer lra bench'. See docs/lra.md.",
+    )
+    add_lra_bench_arguments(lra)
+
+
+def add_lra_bench_arguments(parser) -> None:
+    """The options of ``polaformer bench lra``, also ``polaformer lra bench``."""
+    parser.add_argument("--out", required=True, metavar="DIR", help="writes results.json, table.md, bench_lra.png")
+    parser.add_argument("--attentions", nargs="+", metavar="NAME", help="default: all")
+    parser.add_argument("--lengths", nargs="+", type=positive_int, metavar="N", help="default: 1024 2048 4096")
+    parser.add_argument("--batch-size", type=positive_int, help="fixed batch for every measurement (default: 4)")
+    parser.add_argument("--steps", type=positive_int, help="timed training steps per measurement (default: 3)")
+    parser.add_argument("--device", default="cpu")
+    parser.set_defaults(handler=cmd_bench_family, run_family=_bench_lra, seconds_flags=())
+
+
+def _print_line(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from ..bench.scaling import (
+        DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SIZES, DEFAULT_TOKENS, OP_METHODS, QUICK_SIZES, QUICK_TOKENS,
+        BenchConfig, run_bench,
+    )
+
+    if args.out is None:
+        return usage_error("bench", "the following arguments are required: --out")
+    if args.head_dim % 2:
+        return usage_error("bench", f"--head-dim must be even (Pola splits values in two), got {args.head_dim}")
+    min_run_time = args.min_run_time if args.min_run_time is not None else (0.05 if args.quick else 1.0)
+    if not min_run_time > 0:
+        return usage_error("bench", f"--min-run-time must be > 0, got {args.min_run_time}")
+    unknown = [m for m in args.methods or () if m not in OP_METHODS]
+    if unknown:
+        return usage_error("bench", f"unknown --methods {' '.join(unknown)}; known: {' '.join(OP_METHODS)}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        return usage_error("bench", f"--out {args.out!r} exists and is not a folder")
+    config = BenchConfig(
+        out=args.out,
+        tokens=tuple(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)),
+        heads=args.heads, head_dim=args.head_dim, batch=args.batch,
+        methods=tuple(dict.fromkeys(args.methods or DEFAULT_METHODS)),
+        sizes=tuple(args.sizes or (QUICK_SIZES if args.quick else DEFAULT_SIZES)),
+        models=() if args.no_models else tuple(args.models or DEFAULT_MODELS),
+        min_run_time=min_run_time, max_softmax_tokens=args.max_softmax_tokens,
+        matmul_size=args.matmul_size or (1024 if args.quick else 4096),
+        op_memory=not args.no_op_memory, quick=args.quick,
+    )
+    results = run_bench(config, log=_print_line)
+    exponent = results["op_summary"].get("fused_pola_fwd_bwd_exponent")
+    exponent_text = "n/a (needs 2 sizes in 4096..65536)" if exponent is None else f"{exponent:.3f} (N 4096..65536)"
+    print(f"fused Pola fwd+bwd time exponent {exponent_text}; wrote results.json, {', '.join(results['plots'])} "
+          f"-> {args.out} ({results['wall_time_s']:.0f} s)")
+    return 0
+
+
+def cmd_bench_family(args: argparse.Namespace) -> int:
+    """Checks the options every family shares, then runs it; its ValueError/RuntimeError is a one-line error."""
+    command = "lra bench" if args.command == "lra" else f"bench {args.bench_family}"
+    for flag in args.seconds_flags:
+        value = getattr(args, flag.lstrip("-").replace("-", "_"))
+        if not value > 0:
+            return usage_error(command, f"{flag} must be > 0, got {value}")
+    try:
+        return args.run_family(args)
+    except (ValueError, RuntimeError) as e:
+        return usage_error(command, str(e))
+
+
+def _write_bench_rows(args: argparse.Namespace, rows: list, document=None, table: str | None = None) -> None:
+    """The files a family's --json/--csv/--markdown ask for: JSON is ``document`` (default: the rows)."""
+    from ..bench.harness import write_csv, write_json, write_text
+
+    if getattr(args, "json", None):
+        write_json(args.json, rows if document is None else document)
+    if getattr(args, "csv", None):
+        write_csv(args.csv, rows)
+    if getattr(args, "markdown", None) and table is not None:
+        write_text(args.markdown, table)
+
+
+def _bench_official(args: argparse.Namespace) -> int:
+    from ..bench.official import markdown_table, run_official
+
+    result = run_official(models=args.models, batches=args.batches, modes=args.modes, threads=args.threads,
+                          rounds=args.rounds, min_time=args.min_time, compile=args.compile, floor=args.floor,
+                          matmul_floor=args.matmul_floor, log=_print_line)
+    if not result["rows"]:
+        print("nothing to run", file=sys.stderr)
+        return 0
+    _write_bench_rows(args, result["rows"], result, markdown_table(result["rows"], result["meta"]))
+    return 0
+
+
+def _bench_native(args: argparse.Namespace) -> int:
+    from ..bench.native import run_native
+
+    rows = run_native(models=args.models, batches=args.batches, threads=args.threads, rounds=args.rounds,
+                      min_time=args.min_time, model_steps=args.model_steps, log=_print_line)
+    _write_bench_rows(args, rows, {"threads": args.threads, "rows": rows})
+    return 0
+
+
+def _bench_pacs(args: argparse.Namespace) -> int:
+    from ..bench.pacs import run_pacs, table
+
+    rows = run_pacs(batch=args.batch, threads=args.threads, rounds=args.rounds, min_time=args.min_time)
+    print(table(rows), end="")
+    _write_bench_rows(args, rows)
+    return 0
+
+
+def _bench_dense(args: argparse.Namespace) -> int:
+    from ..bench.dense import run_dense, table
+
+    rows = run_dense(sizes=args.sizes, device=args.device, min_run_time=args.min_run_time, log=_print_line)
+    print(table(rows, args.device), end="")
+    _write_bench_rows(args, rows)
+    return 0
+
+
+def _bench_deploy(args: argparse.Namespace) -> int:
+    from ..bench.deploy import VARIANTS, run_deploy
+
+    if args.threads < 0:
+        raise ValueError(f"--threads must be >= 0, got {args.threads}")
+    result = run_deploy(args.out, models=args.models, batches=args.batches, img_size=args.img_size,
+                        variants=args.variants or VARIANTS, threads=args.threads, rounds=args.rounds,
+                        min_run_time=args.min_run_time, row_budget=args.row_budget, warm_cache=args.warm_cache,
+                        log=_print_line)
+    print(result["table"], end="")
+    return 0
+
+
+def _bench_lra(args: argparse.Namespace) -> int:
+    from ..bench.lra import run_lra_bench
+
+    result = run_lra_bench(args.out, attentions=args.attentions, lengths=args.lengths, batch_size=args.batch_size,
+                           steps=args.steps, device=args.device, log=_print_line)
+    print(f"wrote {', '.join(result['files'])} -> {args.out} ({result['wall_time_s']:.0f} s)")
+    return 0
