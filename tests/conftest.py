@@ -5,7 +5,8 @@ from pathlib import Path
 import pytest
 import torch
 
-REFERENCE = Path(__file__).resolve().parents[1].parent / "shared" / "reference"
+REPO = Path(__file__).resolve().parents[1]  # the repository root
+REFERENCE = REPO.parent / "shared" / "reference"
 
 
 def require_reference(path: Path) -> Path:

@@ -15,8 +15,9 @@ from polaformer.lra.data import TASKS, LRADataset, collate_lra
 from polaformer.lra.listops import generate_listops
 from polaformer.lra.model import LRAClassifier, LRAModelConfig
 from polaformer.lra.train import LRASplits, load_lra_model, train_lra
+from conftest import REPO
 
-CONFIGS = Path(__file__).resolve().parent.parent / "configs" / "lra"
+CONFIGS = REPO / "configs" / "lra"
 # Attentions whose output for a sequence does not depend on how much padding follows it
 # (Nyström's landmarks average over the padded length).
 PADDING_INVARIANT = sorted(set(ATTENTIONS) - {"nystrom"})

@@ -1,8 +1,9 @@
 """The README's model table is generated, never typed: it must equal the script's output."""
 import importlib.util
 from pathlib import Path
+from conftest import REPO
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "model_table.py"
+SCRIPT = REPO / "scripts" / "model_table.py"
 
 
 def test_readme_model_table_is_current():

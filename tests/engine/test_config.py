@@ -7,6 +7,7 @@ import timm
 from polaformer.cli import main
 from polaformer.engine import ConfigError, default_config, load_config, make_config
 from polaformer.engine.config import (
+from conftest import REPO
     OFFICIAL_MODEL_NAMES,
     Config,
     check_config,
@@ -14,7 +15,6 @@ from polaformer.engine.config import (
     resolve_model_name,
 )
 
-REPO = Path(__file__).resolve().parents[1]
 
 # The keys of the official PolaFormer cfgs/pola_pvt_t.yaml (written out here, not copied).
 OFFICIAL_PVT_T = """\

@@ -14,8 +14,9 @@ import yaml
 from timm.models import get_pretrained_cfg
 
 import polaformer.models  # noqa: F401  (registers the zoo with timm)
+from conftest import REPO
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 CONFIG_DIR = ROOT / "configs"
 RECIPES_DOC = ROOT / "docs" / "recipes.md"
 # Image-classification recipes; configs/lra/ holds the LRA recipes (tests/test_lra_train.py checks those),

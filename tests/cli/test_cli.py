@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from polaformer.cli import main
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = [
     "--model", "vit_tiny_patch16_224",
     "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 
 from polaformer.engine import build_trainer, load_config, run_training
 from polaformer.engine.optim import unwrap
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 PER_PROCESS_BATCH = 16
 OPTS = [
     "DATA.DATASET", "digits", "MODEL.NAME", "vit_tiny_patch16_224",

@@ -24,8 +24,8 @@ from PIL import Image
 import polaformer.checkpoint
 from polaformer.cli import MAX_MESSAGE, main
 from polaformer.engine.output import OutputLock
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
 DEIT = "pola_deit_tiny_patch16_224"

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from polaformer.engine import load_config
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 OPTS = [
     "DATA.DATASET", "digits", "MODEL.NAME", "pola_deit_digits", "MODEL.DROP_PATH_RATE", "0.1",
     "AUG.DIGITS_SHIFT", "true", "DATA.BATCH_SIZE", "32", "DATA.NUM_WORKERS", "0",

@@ -14,8 +14,8 @@ from polaformer.bench import harness
 from polaformer.bench.native import run_native
 from polaformer.cli import main
 from polaformer.backends.cpu.native import native_kernels
+from conftest import REPO
 
-REPO = Path(__file__).resolve().parents[1]
 # The torch ops, not the native kernels: these runs check the benchmarks, not the kernels, and should not
 # wait on a native build that another process holds.
 TORCH_OPS_ONLY = {"POLAFORMER_NATIVE": "0"}
