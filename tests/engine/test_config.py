@@ -1,13 +1,12 @@
 """Configuration: the official key tree, YAML files (official cfgs included), overrides, errors."""
-from pathlib import Path
 
 import pytest
 import timm
 
+from conftest import REPO
 from polaformer.cli import main
 from polaformer.engine import ConfigError, default_config, load_config, make_config
 from polaformer.engine.config import (
-from conftest import REPO
     OFFICIAL_MODEL_NAMES,
     Config,
     check_config,

@@ -1,6 +1,5 @@
 """The README's model table is generated, never typed: it must equal the script's output."""
 import importlib.util
-from pathlib import Path
 from conftest import REPO
 
 SCRIPT = REPO / "scripts" / "model_table.py"
