@@ -14,7 +14,7 @@ from typing import Callable
 
 import torch
 
-import polaformer.ops.pola_attention as attention_module
+import polaformer.backends.cpu.native as native_module
 from polaformer.ops import learnable_power, pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
 from polaformer.backends.cpu.native import native_kernels
 
@@ -78,11 +78,11 @@ def time_ab(step, rounds, threads, min_time, steps=None):
     """Medians over ``rounds`` of each variant's sample: ``steps`` calls per sample if given (whole models,
     whose single steps are noisy), else torch.utils.benchmark's blocked autorange of ``min_time`` seconds."""
     native = native_kernels()
-    original = attention_module.native_kernels
+    original = native_module.native_kernels
 
     def with_lookup(lookup):
         def run():
-            attention_module.native_kernels = lookup
+            native_module.native_kernels = lookup  # what ops.dispatch asks for the kernels
             step()
         return run
 
@@ -90,7 +90,7 @@ def time_ab(step, rounds, threads, min_time, steps=None):
     try:
         return medians(interleaved(variants, rounds, min_time, calls=steps, threads=threads))
     finally:
-        attention_module.native_kernels = original
+        native_module.native_kernels = original
 
 
 def run_native(*, models=(), batches=(1, 8), threads: int = 2, rounds: int = 3, min_time: float = 0.3,
