@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from polaformer.ops import rope_2d, rope_angles
-from polaformer.ops.pola_attention import _pacs_attention_graph, _PacsAttention
+from polaformer.ops.pacs_attention import _pacs_attention_graph, _PacsAttention
 
 from .harness import interleaved, markdown_table, medians
 

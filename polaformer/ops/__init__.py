@@ -21,7 +21,8 @@ from .naive import (
     softmax_attention_weights,
 )
 from .layout import tokens_to_map
-from .pola_attention import linear_attention, pacs_linear_attention, pola_linear_attention
+from .pacs_attention import pacs_linear_attention
+from .pola_attention import linear_attention, pola_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_2d, rope_angles, rotate_pairs
 from .window_softmax import window_softmax_attention

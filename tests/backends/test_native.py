@@ -7,6 +7,7 @@ import torch
 
 import polaformer.backends.cpu.native as native_mod
 import polaformer.ops.dispatch as dispatch
+import polaformer.ops.pacs_attention as pacs
 import polaformer.ops.pola_attention as pa
 from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
@@ -336,14 +337,14 @@ def test_pacs_halves_match_torch_ops(native, rope, token_major, with_exp):
     x[1, 2, 3, 5] = float("nan")
     out, same = native.pacs_halves(x, rope, with_exp)
     assert same is out  # no tables: the features are their own numerator
-    ref = _torch_op(pa._relu_halves, x, rope, with_exp)
+    ref = _torch_op(pacs._relu_halves, x, rope, with_exp)
     _equal_nan(out, ref, rtol=1e-13, atol=1e-15)
     if rope:
         sin, cos = rope_2d(rope_angles(2 * 18 * 3, 3, dtype=F64), 3, 3)
-        tables = pa._arrange_rope_tables(sin, cos)
+        tables = pacs._arrange_rope_tables(sin, cos)
         feat, rotated = native.pacs_halves(x, rope, with_exp, tables[0][:1], tables[1][:1])
         _equal_nan(feat, ref, rtol=1e-13, atol=1e-15)
-        _equal_nan(rotated, pa._rotate(ref, tables[0][0], tables[1][0]), rtol=1e-13, atol=1e-15)
+        _equal_nan(rotated, pacs._rotate(ref, tables[0][0], tables[1][0]), rtol=1e-13, atol=1e-15)
 
 
 @pytest.mark.parametrize("temp_shape", [(2, 3, 2, 1, 36), (1, 3, 2, 1, 36), (1, 1, 2, 1, 36)])
@@ -355,13 +356,13 @@ def test_pacs_exp_features_match_torch_ops(native, temp_shape):
     assert same is phi
     _equal_nan(phi, ref, rtol=1e-13, atol=1e-15)
     sin, cos = rope_2d(rope_angles(36 * 3, 3, dtype=F64), 3, 3)
-    tables = pa._arrange_rope_tables(sin, cos)
+    tables = pacs._arrange_rope_tables(sin, cos)
     phi, rotated = native.pacs_exp_features(p, temps, *tables)
     _equal_nan(phi, ref, rtol=1e-13, atol=1e-15)
-    _equal_nan(rotated, pa._rotate(ref, *tables), rtol=1e-13, atol=1e-15)
+    _equal_nan(rotated, pacs._rotate(ref, *tables), rtol=1e-13, atol=1e-15)
     # a block of rows of the tables (the no-gradient forward passes strided views)
     phi, rotated = native.pacs_exp_features(p[:, :, 2:5].contiguous(), temps, *(t[:, 2:5] for t in tables))
-    _equal_nan(rotated, pa._rotate(ref[:, :, :, 2:5], *(t[:, 2:5] for t in tables)), rtol=1e-13, atol=1e-15)
+    _equal_nan(rotated, pacs._rotate(ref[:, :, :, 2:5], *(t[:, 2:5] for t in tables)), rtol=1e-13, atol=1e-15)
     # with the key means, each stream's normaliser phi . k_mean + eps as well (w = 36 = 2 vectors + a tail
     # at AVX-512 float64, one vector + a tail at AVX2)
     k_means = _x((2, 3, 2, 36, 1), seed=4).abs_()
@@ -384,12 +385,12 @@ def test_pacs_backward_kernels_match_torch_ops(native, rope):
     grad_phi_q = _x(tuple(phi_q.shape), seed=2)
     grad_q, grad_t = native.pacs_query_backward(q, p_q, phi_q, grad_phi_q, temps, rope, True)
     grad_pre = grad_phi_q * (phi_q + 1)
-    ref_grad_q = _torch_op(pa._unrelu, q, (grad_pre * temps).sum(2), rope)
+    ref_grad_q = _torch_op(pacs._unrelu, q, (grad_pre * temps).sum(2), rope)
     torch.testing.assert_close(grad_q, ref_grad_q, rtol=1e-13, atol=1e-13)
     torch.testing.assert_close(grad_t, (grad_pre * p_q.unsqueeze(2)).sum(3, keepdim=True), rtol=1e-12, atol=1e-12)
     phi_k = native.pacs_halves(k, rope, True)[0]
     grad_phi_k = _x(tuple(phi_k.shape), seed=3)
-    ref_grad_k = _torch_op(pa._unrelu, k, grad_phi_k * (phi_k + 1), rope)
+    ref_grad_k = _torch_op(pacs._unrelu, k, grad_phi_k * (phi_k + 1), rope)
     torch.testing.assert_close(native.pacs_key_backward(k, phi_k, grad_phi_k, rope), ref_grad_k, rtol=1e-14, atol=0)
     nan_k = k.clone()
     nan_k[0, 0, 0, 0] = float("nan")
@@ -438,8 +439,8 @@ def test_fused_pacs_op_equals_reference_forward_and_backward(native, case, monke
     elif case == "long":
         sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), 20, 30)
     backward_calls = []
-    real = pa._pacs_backward_fused
-    monkeypatch.setattr(pa, "_pacs_backward_fused", lambda *a: backward_calls.append(1) or real(*a))
+    real = pacs._pacs_backward_fused
+    monkeypatch.setattr(pacs, "_pacs_backward_fused", lambda *a: backward_calls.append(1) or real(*a))
     leaves = (q, k, v, t_same, t_opp)
     fast = pacs_linear_attention(*leaves, sin, cos)
     ref = naive_pacs_linear_attention(*leaves, sin, cos)
@@ -484,7 +485,7 @@ def test_fused_pacs_op_hands_overflow_to_the_rescaling_path(native):
     q[0, 0, 2, 1] = 89.0  # exp(0.99 · 89) = 2e38 is finite in float32; its products with S are not
     k, v = torch.randn(1, 1, 6, 4, generator=gen), 100 * torch.randn(1, 1, 6, 4, generator=gen)
     t_same, t_opp = torch.full((1, 1, 1, 8), 0.99), torch.full((1, 1, 1, 8), 0.97)
-    results, finite = native.pacs_fused_forward(q, k, v, pa._pacs_stacked_temperatures(t_same, t_opp, 4, False,
+    results, finite = native.pacs_fused_forward(q, k, v, pacs._pacs_stacked_temperatures(t_same, t_opp, 4, False,
                                                                                         q.device))
     assert not finite
     out = pacs_linear_attention(q, k, v, t_same, t_opp)

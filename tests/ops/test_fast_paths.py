@@ -16,7 +16,7 @@ from polaformer.ops import (
     rope_angles,
     tokens_to_map,
 )
-from polaformer.ops.pola_attention import _ROPE_TABLE_CACHE
+from polaformer.ops.pacs_attention import _ROPE_TABLE_CACHE
 
 F64 = torch.float64
 

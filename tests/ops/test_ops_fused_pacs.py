@@ -10,7 +10,7 @@ from polaformer.ops import (
     rope_2d,
     rope_angles,
 )
-from polaformer.ops.pola_attention import _pacs_attention_graph
+from polaformer.ops.pacs_attention import _pacs_attention_graph
 
 F64 = torch.float64
 
