@@ -1,16 +1,23 @@
 """Where the ops choose their kernel: the one capture check and the one backend switch.
 
-Every op has a plain torch formulation, the one graph capture sees. In eager mode on the CPU the ops call
-the native kernels of :mod:`polaformer.backends.cpu` where those are built and allowed. Nothing else in
+Every op has a plain torch formulation, the one graph capture sees. In eager mode the ops call the native
+kernels of :mod:`polaformer.backends.cpu` on CPU tensors and the Triton kernels of
+:mod:`polaformer.backends.triton` on CUDA tensors, where those are available and allowed. Nothing else in
 the package asks these questions.
 
-Switches (environment variables):
+Switches:
 
+- :func:`set_attention_backend` (or ``POLAFORMER_ATTENTION_BACKEND``): ``auto`` (default: native on CPU,
+  Triton on CUDA), ``torch`` (the plain formulation everywhere), ``native`` (CPU kernels only) or
+  ``triton`` (Triton kernels, also on CPU tensors when ``TRITON_INTERPRET=1`` was set before triton was
+  imported, which is how the kernels are tested without a GPU).
 - ``POLAFORMER_NATIVE=0``: no native CPU kernels; the ops run their torch formulation.
 - ``POLAFORMER_ONEDNN=0|narrow|wide``: the oneDNN linear layers of :func:`polaformer.accelerate`
   (:mod:`polaformer.backends.cpu.onednn`).
 """
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -21,7 +28,39 @@ try:
 except ImportError:  # older torch: only the flag that torch.export sets as well
     from torch.fx._symbolic_trace import is_fx_tracing as _fx_tracing
 
-__all__ = ["capturing", "cpu_kernels", "legacy_onnx_export"]
+__all__ = [
+    "attention_backend",
+    "capturing",
+    "cpu_kernels",
+    "legacy_onnx_export",
+    "set_attention_backend",
+    "triton_kernels",
+]
+
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+_backend_override: str | None = None
+
+
+def _check_backend(name: str, source: str) -> str:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"{source} must be one of {', '.join(ATTENTION_BACKENDS)}; got {name!r}")
+    return name
+
+
+def attention_backend() -> str:
+    """The attention backend in force: the last :func:`set_attention_backend`, else the environment."""
+    if _backend_override is not None:
+        return _backend_override
+    return _check_backend(os.environ.get("POLAFORMER_ATTENTION_BACKEND", "auto"), "POLAFORMER_ATTENTION_BACKEND")
+
+
+def set_attention_backend(name: str | None) -> str | None:
+    """Select the attention kernels for eager calls (see the module docstring); ``None`` returns to the
+    environment's choice. Returns the previous override so a caller can restore it."""
+    global _backend_override
+    previous = _backend_override
+    _backend_override = None if name is None else _check_backend(name, "attention backend")
+    return previous
 
 
 def capturing() -> bool:
@@ -48,4 +87,22 @@ def cpu_kernels(x: torch.Tensor):
     runs). For eager calls: a caller under :func:`capturing` takes the plain formulation before asking."""
     if x.device.type != "cpu" or x.dtype not in (torch.float32, torch.float64):
         return None
+    if attention_backend() not in ("auto", "native"):
+        return None
     return native.native_kernels()
+
+
+def triton_kernels(x: torch.Tensor):
+    """The Triton kernels module (:mod:`polaformer.backends.triton`) for an eager call on ``x``, or None:
+    CUDA tensors under the ``auto`` or ``triton`` backend, CPU tensors only under ``triton`` with
+    ``TRITON_INTERPRET=1``. Imported on first use, so importing polaformer never imports triton."""
+    backend = attention_backend()
+    if x.device.type == "cuda":
+        wanted = backend in ("auto", "triton")
+    else:
+        wanted = backend == "triton" and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if not wanted:
+        return None
+    from ..backends import triton as triton_backend
+
+    return triton_backend if triton_backend.available() else None
