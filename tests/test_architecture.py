@@ -119,10 +119,18 @@ def test_models_and_layers_use_neither_backends_nor_private_ops(layer):
     assert offending == []
 
 
-def test_ops_and_layers_do_not_reach_up():
-    upward = {"polaformer.ops": ("polaformer.layers", "polaformer.models", "polaformer.engine", "polaformer.cli"),
-              "polaformer.layers": ("polaformer.models", "polaformer.engine", "polaformer.cli"),
-              "polaformer.models": ("polaformer.engine", "polaformer.cli")}
+def test_no_layer_reaches_up():
+    order = ["polaformer.ops", "polaformer.layers", "polaformer.models", "polaformer.engine", "polaformer.tasks",
+             "polaformer.cli"]
+    upward = {low: tuple(order[i + 1:]) for i, low in enumerate(order[:-1])}
     offending = [(module, owner) for module, owner, _ in IMPORTED_NAMES for low, highs in upward.items()
                  if module.startswith(low) and owner.startswith(highs)]
     assert offending == []
+
+
+def test_tasks_are_siblings_over_the_engine():
+    tasks = {"polaformer.tasks.classification", "polaformer.tasks.lra", "polaformer.tasks.dense"}
+    assert tasks <= set(MODULES)
+    crossing = [(module, owner) for module, owner, _ in IMPORTED_NAMES for task in tasks
+                if module.startswith(task) and owner.startswith("polaformer.tasks.") and not owner.startswith(task)]
+    assert crossing == []

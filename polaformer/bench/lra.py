@@ -1,6 +1,6 @@
 """``polaformer bench lra`` (also ``polaformer lra bench``): the paper's Table 6 (appendix A.3), measured here.
 
-For every (sequence length, attention) the Long Range Arena model of :mod:`polaformer.lra.model`
+For every (sequence length, attention) the Long Range Arena model of :mod:`polaformer.tasks.lra.model`
 (the paper's LRA setting: dim 64, FFN 128, 2 heads × 32, 2 layers; vocabulary 512, 10
 classes, ``max_len`` = the length, the attention with its default options) runs full training
 steps — forward, cross-entropy, backward, AdamW step — on random tokens of exactly that length,
@@ -80,7 +80,7 @@ def _train_child(spec: dict) -> dict:
     """Throughput and peak memory of training steps of one (attention, length); runs in a fresh process."""
     from torch.nn import functional as F
 
-    from ..lra.model import LRAClassifier, LRAModelConfig
+    from ..tasks.lra.model import LRAClassifier, LRAModelConfig
 
     release_freed_buffers()
     torch.set_num_threads(spec["threads"])
@@ -161,7 +161,7 @@ def _emit(msg: str, log: Callable[[str], None] | None) -> None:
 
 
 def _resolve_attentions(attentions) -> list[str]:
-    from ..lra.attention import ATTENTIONS
+    from ..tasks.lra.attention import ATTENTIONS
 
     if attentions is None:
         names = list(ATTENTIONS)
@@ -303,7 +303,7 @@ def run_lra_bench(out, *, attentions=None, lengths=None, batch_size=None, steps=
                   log: Callable[[str], None] | None = None, timeout_s: float | None = None) -> dict:
     """Measure training throughput and peak memory of every (attention, length); write the Table 6 files.
 
-    ``attentions``: names of :data:`polaformer.lra.attention.ATTENTIONS` (default all; softmax is
+    ``attentions``: names of :data:`polaformer.tasks.lra.attention.ATTENTIONS` (default all; softmax is
     added as the ratios' reference if missing). ``lengths`` default 1024 2048 4096, ``batch_size``
     4, ``steps`` 3 timed steps (after a warm-up, a memory step and an allocator refill step).
     ``timeout_s`` bounds each subprocess (default 600 s). A failed or timed-out measurement is kept

@@ -23,7 +23,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ..data import UnknownDatasetError
 from ..data.folder import DatasetError
 from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
-from ..engine.evaluation import EvalError
+from ..tasks.classification.evaluation import EvalError
 from ..runtime import tune_cpu_allocator
 from .bench import add_bench_parser
 from .classification import add_classification_parsers

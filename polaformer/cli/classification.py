@@ -5,9 +5,9 @@ import argparse
 import sys
 
 from ..data import DATASETS, DEFAULT_DATA
-from ..engine import DEFAULT_MODEL, evaluate_checkpoint, load_config, make_config, run_training
+from ..tasks.classification import DEFAULT_MODEL, evaluate_checkpoint, load_config, make_config, run_training
 from ..engine.config import merge_opts
-from ..engine.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
+from ..tasks.classification.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
 from ..data.folder import DatasetError
 from .common import is_main_process, parse_model_kwarg, positive_int, usage_error
 

@@ -31,6 +31,8 @@ def _common_train(parser, task: str) -> None:
         ("--val-size", positive_int, "digits: number of validation canvases (data.val_size)"),
     ):
         parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
+                        help="override recipe keys, e.g. --opts train.lr 1e-4 data.batch_size 4")
     parser.add_argument("--output", metavar="DIR", help=f"output folder (default: runs/{task}/BACKBONE)")
     parser.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
     parser.add_argument("--overwrite", action="store_true",
@@ -97,8 +99,8 @@ def add_dense_parsers(commands) -> None:
 
 
 def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
-    from ..dense.config import load_recipe
-    from ..dense.runner import train_task
+    from ..tasks.dense.config import load_recipe
+    from ..tasks.dense.runner import train_task
 
     overrides = {
         "model.backbone": args.backbone, "model.backbone_weights": args.backbone_weights,
@@ -109,7 +111,7 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
         "data.workers": args.workers, "data.train_size": args.train_size, "data.val_size": args.val_size,
         **{f"model.{k}": v for k, v in extra_model.items()}, **{f"data.{k}": v for k, v in extra_data.items()},
     }
-    recipe = load_recipe(task, args.config, overrides)
+    recipe = load_recipe(task, args.config, overrides, opts=args.opts)
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
     summary = train_task(task, recipe, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
                          progress=not args.no_progress)
@@ -130,7 +132,7 @@ def cmd_segment_train(args) -> int:
 
 
 def cmd_detect_eval(args) -> int:
-    from ..dense.runner import evaluate_checkpoint
+    from ..tasks.dense.runner import evaluate_checkpoint
 
     coco = {"val_images": args.val_images, "val_annotations": args.val_annotations}
     data = {**coco, "val_size": args.val_size}
@@ -141,7 +143,7 @@ def cmd_detect_eval(args) -> int:
 
 
 def cmd_segment_eval(args) -> int:
-    from ..dense.runner import evaluate_checkpoint
+    from ..tasks.dense.runner import evaluate_checkpoint
 
     data = {"root": args.root, "format": "ade" if args.root else None, "val_size": args.val_size}
     print(json.dumps(evaluate_checkpoint("segment", args.checkpoint, data, args.device)))
@@ -149,7 +151,7 @@ def cmd_segment_eval(args) -> int:
 
 
 def cmd_detect_predict(args) -> int:
-    from ..dense.runner import predict_images
+    from ..tasks.dense.runner import predict_images
 
     for path in predict_images(args.checkpoint, args.images, Path(args.out), score_threshold=args.score_threshold,
                                device=args.device):

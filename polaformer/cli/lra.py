@@ -47,6 +47,8 @@ def add_lra_parser(commands) -> None:
     ):
         train.add_argument(flag, type=kind, help=help_text)
     train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
+    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
+                       help="override config keys, e.g. --opts train.lr 2e-4 model.num_layers 4")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lra/TASK-ATTENTION)")
     train.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
     train.add_argument("--overwrite", action="store_true",
@@ -90,10 +92,10 @@ def add_lra_parser(commands) -> None:
 
 def _errors():
     from ..checkpoint import CheckpointError
-    from ..lra.config import LRAConfigError
-    from ..lra.data import LRADataError
+    from ..engine.config import ConfigError
+    from ..tasks.lra.data import LRADataError
 
-    return LRAConfigError, LRADataError, CheckpointError
+    return ConfigError, LRADataError, CheckpointError
 
 
 def _fail(message: str) -> int:
@@ -102,27 +104,27 @@ def _fail(message: str) -> int:
 
 
 def cmd_lra_train(args: argparse.Namespace) -> int:
-    from ..lra.config import LRAConfigError, load_lra_config, train_settings
-    from ..lra.train import train_lra
+    from ..tasks.lra.config import LRAConfigError, check_lra_config, load_lra_config
+    from ..tasks.lra.train import train_lra
 
     try:
         if args.config is None and args.task is None:
             raise LRAConfigError("give --task or --config")
-        cfg = load_lra_config(args.config, task=args.task)
-        if args.attention:
-            if args.attention != cfg.attention:
-                cfg.attention_options = {}  # the file's options belong to the file's attention
+        cfg = load_lra_config(args.config, task=args.task, opts=args.opts or ())
+        if args.attention and args.attention != cfg.attention:
+            cfg.attention_options.clear()  # the file's options belong to the file's attention
             cfg.attention = args.attention
-        cfg.attention_options.update(dict(args.attention_options or []))
+        cfg.attention_options.merge(dict(args.attention_options or []), source="--attention-option")
         flags = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps",
                  "eval_every": "eval_every", "eval_batches": "eval_batches", "save_every": "save_every",
                  "seed": "seed", "workers": "num_workers", "limit_train": "limit_train", "limit_dev": "limit_dev",
                  "limit_test": "limit_test", "amp": "amp"}
-        given = {key: getattr(args, flag) for flag, key in flags.items() if getattr(args, flag) is not None}
-        cfg.train = train_settings(given, cfg.train)
+        cfg.train.merge({key: getattr(args, flag) for flag, key in flags.items() if getattr(args, flag) is not None},
+                        source="the command line")
         if args.steps is not None and args.warmup_steps is None and cfg.train.warmup_steps >= cfg.train.steps:
             # a short run keeps the recipe's warm-up fraction instead of failing
             cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
+        check_lra_config(cfg)
         output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
         summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
     except _errors() as e:
@@ -137,8 +139,8 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
     from torch.utils.data import DataLoader
 
     from ..engine.device import place_model, resolve_device
-    from ..lra.data import collate_lra, load_lra_split
-    from ..lra.train import evaluate_lra, load_lra_model
+    from ..tasks.lra.data import collate_lra, load_lra_split
+    from ..tasks.lra.train import evaluate_lra, load_lra_model
 
     try:
         model, checkpoint = load_lra_model(args.checkpoint)
@@ -155,7 +157,7 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_lra_generate(args: argparse.Namespace) -> int:
-    from ..lra.listops import generate_listops
+    from ..tasks.lra.listops import generate_listops
 
     if args.min_length > args.max_length:
         return _fail(f"--min-length {args.min_length} exceeds --max-length {args.max_length}")
@@ -184,8 +186,8 @@ def _listops_report_text(report: dict, out: str) -> str:
 
 
 def cmd_lra_curves(args: argparse.Namespace) -> int:
-    from ..lra.config import LRAConfigError
-    from ..lra.curves import plot_curves
+    from ..tasks.lra.config import LRAConfigError
+    from ..tasks.lra.curves import plot_curves
 
     try:
         result = plot_curves(args.runs, args.out, title=args.title)

@@ -9,33 +9,14 @@ from .checkpoint import (
     load_model_state,
     save_checkpoint,
 )
-from .config import (
-    DEFAULT_MODEL,
-    DIGITS_PRESETS,
-    Config,
-    ConfigError,
-    TrainConfig,
-    config_from_train_config,
-    default_config,
-    load_config,
-    make_config,
-)
+from .config import Config, ConfigError, configure
 from .factory import ModelBuildError, create_model, create_model_from_checkpoint
 from .optim import build_optimizer, build_scheduler
 from .device import amp_dtype, autocast, resolve_device
 from .loop import Engine, LoopSettings, StepOutput, Task, TrainingDivergedError, TrainingInterrupted, train
-from .train import (
-    ClassificationTask,
-    TrainData,
-    build_trainer,
-    evaluate,
-    evaluate_checkpoint,
-    run_training,
-)
 
 __all__ = [
     "ArchitectureMismatchError",
-    "ClassificationTask",
     "Engine",
     "LoopSettings",
     "StepOutput",
@@ -44,12 +25,9 @@ __all__ = [
     "CheckpointNotFoundError",
     "Config",
     "ConfigError",
+    "configure",
     "CorruptCheckpointError",
-    "DEFAULT_MODEL",
-    "DIGITS_PRESETS",
     "ModelBuildError",
-    "TrainConfig",
-    "TrainData",
     "TrainingDivergedError",
     "TrainingInterrupted",
     "amp_dtype",
@@ -57,19 +35,11 @@ __all__ = [
     "autocast",
     "build_optimizer",
     "build_scheduler",
-    "build_trainer",
-    "config_from_train_config",
     "create_model",
     "create_model_from_checkpoint",
-    "default_config",
-    "evaluate",
-    "evaluate_checkpoint",
     "load_checkpoint",
-    "load_config",
     "load_model_state",
-    "make_config",
     "resolve_device",
-    "run_training",
     "save_checkpoint",
     "train",
 ]

@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from polaformer.engine import build_trainer, load_config, run_training
+from polaformer.tasks.classification import build_trainer, load_config, run_training
 from polaformer.engine.optim import unwrap
 from conftest import REPO
 

@@ -7,25 +7,27 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from polaformer.engine import (
-    DEFAULT_MODEL,
     ArchitectureMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ModelBuildError,
-    TrainConfig,
     atomic_write,
     create_model,
     create_model_from_checkpoint,
-    evaluate,
-    evaluate_checkpoint,
     load_checkpoint,
     load_model_state,
-    make_config,
-    run_training,
     save_checkpoint,
 )
+from polaformer.tasks.classification import (
+    DEFAULT_MODEL,
+    TrainConfig,
+    evaluate,
+    evaluate_checkpoint,
+    make_config,
+    run_training,
+)
 from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task
-from polaformer.engine.train import model_kwargs_for
+from polaformer.tasks.classification.train import model_kwargs_for
 
 # A ViT small enough to train for an epoch on digits in about a second.
 TINY_ARCH = "vit_tiny_patch16_224"
@@ -202,7 +204,7 @@ def test_default_digits_model_builds():
 # --- configuration ---------------------------------------------------------------------------
 
 def test_make_config_layers_defaults_preset_and_overrides(monkeypatch):
-    from polaformer.engine import config as config_module
+    from polaformer.tasks.classification import config as config_module
 
     monkeypatch.setitem(config_module.DIGITS_PRESETS, "m", {"model_kwargs": {"depth": 4, "embed_dim": 64}, "lr": 0.5})
     config = make_config("m", model_kwargs={"depth": 2}, epochs=3, batch_size=None)
@@ -321,15 +323,10 @@ import timm  # noqa: E402
 from timm.data import Mixup  # noqa: E402
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy  # noqa: E402
 
-from polaformer.engine import (  # noqa: E402
-    TrainData,
-    build_optimizer,
-    build_trainer,
-    build_scheduler,
-    load_config,
-)
+from polaformer.engine import build_optimizer, build_scheduler
+from polaformer.tasks.classification import TrainData, build_trainer, load_config
 from polaformer.engine.optim import global_batch_size, lr_scale, no_weight_decay_names  # noqa: E402
-from polaformer.engine.train import build_criterion  # noqa: E402
+from polaformer.tasks.classification.train import build_criterion  # noqa: E402
 
 ATTENTION_TEMPERATURES = ("scale", "power", "positional_encoding", "s1", "s2")
 
@@ -513,7 +510,7 @@ def test_digits_run_is_the_config_run(tmp_path):
     kwargs = {k: v for k, v in TINY_KWARGS.items() if k not in ("in_chans", "img_size")}
     train_config = make_config(TINY_ARCH, model_kwargs=kwargs, epochs=1, batch_size=256, output=str(tmp_path / "a"))
     run_training(train_config)
-    from polaformer.engine import config_from_train_config
+    from polaformer.tasks.classification import config_from_train_config
 
     cfg = config_from_train_config(train_config)
     cfg.OUTPUT = str(tmp_path / "b")

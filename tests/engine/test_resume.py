@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from polaformer.engine import load_config
+from polaformer.tasks.classification import load_config
 from conftest import REPO
 
 OPTS = [

@@ -7,7 +7,7 @@ import torch
 from PIL import Image
 
 from polaformer.cli import main
-from polaformer.dense.config import load_recipe
+from polaformer.tasks.dense.config import load_recipe
 from polaformer.engine.config import ConfigError
 
 from dense_helpers import kwarg_flags, write_ade, write_coco
@@ -42,7 +42,7 @@ def test_detect_train_eval_predict_on_digits(tmp_path, capsys, detector, backbon
     assert code == 0, err
     assert last_json(out)["bbox_AP"] == pytest.approx(metrics["bbox_AP"])
     if detector == "maskrcnn":
-        from polaformer.dense.data import DigitScenes
+        from polaformer.tasks.dense.data import DigitScenes
 
         image = DigitScenes("val", size=1)[0][0]
         Image.fromarray((image.permute(1, 2, 0) * 255).byte().numpy()).save(tmp_path / "scene.png")
@@ -112,10 +112,23 @@ def test_one_line_errors(tmp_path, capsys):
         (["detect", "train", "--backbone", "nope", *TINY], "unknown backbone 'nope'"),
         (["detect", "eval", "--checkpoint", str(tmp_path / "none.pth")], "none.pth"),
         (["segment", "train", "--root", str(tmp_path / "nowhere"), *TINY], "no such folder"),
-        (["segment", "train", "--config", str(tmp_path / "missing.yaml")], "no such config file"),
+        (["segment", "train", "--config", str(tmp_path / "missing.yaml")], "config file not found"),
+        (["segment", "train", "--opts", "train.lrr", "1e-3"], "unknown config key 'train.lrr'"),
+        (["segment", "train", "--opts", "train.lr", ".nan"], "train.lr must be a finite number > 0"),
+        (["detect", "train", "--opts", "data.batch_size", "two"], "data.batch_size expects int"),
     ]:
         code, out, err = run(argv, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
+
+
+def test_recipes_take_base_files_opts_and_flags_in_that_order(tmp_path):
+    (tmp_path / "base.yaml").write_text("task: segment\ntrain: {lr: 0.5, seed: 3}\nmodel: {backbone_kwargs: {depth: 1}}\n")
+    (tmp_path / "run.yaml").write_text("BASE: base.yaml\ntrain: {lr: 0.25}\n")
+    recipe = load_recipe("segment", tmp_path / "run.yaml", {"train.seed": 7}, opts=["train.lr", "0.125", "train.seed", "5"])
+    assert recipe["train"]["lr"] == 0.125 and recipe["train"]["seed"] == 7
+    assert recipe["model"]["backbone_kwargs"] == {"depth": 1} and "task" not in recipe
+    with pytest.raises(ConfigError, match="is a 'segment' recipe, not a 'detect' one"):
+        load_recipe("detect", tmp_path / "run.yaml")
 
 
 def test_paper_recipes_load():
@@ -126,7 +139,7 @@ def test_paper_recipes_load():
     sem = load_recipe("segment", "configs/dense/semfpn_pola_pvt_tiny_40k.yaml")
     assert (sem["train"]["steps"], sem["train"]["lr"], sem["train"]["weight_decay"]) == (40000, 2e-4, 1e-3)
     assert load_recipe("segment", "configs/dense/upernet_pola_swin_t_160k.yaml")["train"]["steps"] == 160000
-    with pytest.raises(ConfigError, match="unknown key 'lr_rate'"):
+    with pytest.raises(ConfigError, match="unknown config key 'train.lr_rate'"):
         load_recipe("segment", overrides={"train.lr_rate": 1})
 
 

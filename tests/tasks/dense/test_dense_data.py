@@ -6,7 +6,7 @@ import pytest
 import torch
 from PIL import Image
 
-from polaformer.dense.data import (
+from polaformer.tasks.dense.data import (
     IGNORE_INDEX, AdeSegmentation, CocoInstances, DenseDataError, DigitScenes, RandomCrop,
 )
 

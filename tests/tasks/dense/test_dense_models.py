@@ -3,9 +3,9 @@ import pytest
 import timm
 import torch
 
-from polaformer.dense.backbone import BackboneError, build_backbone, pyramid_indices
-from polaformer.dense.detection import build_detector
-from polaformer.dense.segmentation import ConfusionMatrix, build_segmenter
+from polaformer.tasks.dense.backbone import BackboneError, build_backbone, pyramid_indices
+from polaformer.tasks.dense.detection import build_detector
+from polaformer.tasks.dense.segmentation import ConfusionMatrix, build_segmenter
 
 from dense_helpers import SMALL
 

@@ -1,4 +1,4 @@
-"""The LRA model's token mixers by name (polaformer.lra.attention): registry, options, Pola/PaCS adapters."""
+"""The LRA model's token mixers by name (polaformer.tasks.lra.attention): registry, options, Pola/PaCS adapters."""
 import pytest
 import torch
 from token_mixer_helpers import (
@@ -15,7 +15,7 @@ from token_mixer_helpers import (
 )
 
 from polaformer.layers import NystromAttention, PacsSequenceAttention, PolaSequenceAttention, SoftmaxAttention
-from polaformer.lra.attention import ATTENTIONS, attention_options, build_attention
+from polaformer.tasks.lra.attention import ATTENTIONS, attention_options, build_attention
 
 ADAPTED = ["pola", "pacs"]
 

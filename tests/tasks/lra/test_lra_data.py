@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from polaformer.lra.data import (
+from polaformer.tasks.lra.data import (
     TASKS,
     LRADataError,
     cifar10_grayscale,

@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from polaformer.lra.data import load_lra_split
-from polaformer.lra.listops import (
+from polaformer.tasks.lra.data import load_lra_split
+from polaformer.tasks.lra.listops import (
     LISTOPS_VOCAB,
     OPERATORS,
     encode_listops,

@@ -8,12 +8,13 @@ import torch
 import yaml
 
 from polaformer.cli import main
-from polaformer.lra.attention import ATTENTIONS
-from polaformer.lra.config import RECIPES, LRAConfig, LRAConfigError, TrainSettings, load_lra_config
-from polaformer.lra.data import TASKS, LRADataset, collate_lra
-from polaformer.lra.listops import generate_listops
-from polaformer.lra.model import LRAClassifier, LRAModelConfig
-from polaformer.lra.train import LRASplits, load_lra_model, train_lra
+from polaformer.tasks.lra.attention import ATTENTIONS
+from polaformer.engine.config import ConfigError
+from polaformer.tasks.lra.config import RECIPES, LRAConfigError, load_lra_config, lra_config
+from polaformer.tasks.lra.data import TASKS, LRADataset, collate_lra
+from polaformer.tasks.lra.listops import generate_listops
+from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig
+from polaformer.tasks.lra.train import LRASplits, load_lra_model, train_lra
 from conftest import REPO
 
 CONFIGS = REPO / "configs" / "lra"
@@ -33,8 +34,8 @@ def listops_dir(tmp_path_factory):
 def tiny_cfg(attention="pola", **train):
     settings = dict(batch_size=8, lr=1e-3, warmup_steps=2, steps=8, eval_every=4, save_every=2, seed=0)
     settings.update(train)
-    return LRAConfig(task="listops", attention=attention, model=dict(dim=16, hidden_dim=32, num_heads=2, head_dim=8),
-                     train=TrainSettings(**settings))
+    return lra_config("listops", {"attention": attention, "model": dict(dim=16, hidden_dim=32, num_heads=2, head_dim=8),
+                                  "train": settings})
 
 
 @pytest.mark.parametrize("attention", PADDING_INVARIANT)
@@ -74,7 +75,7 @@ def test_recipe_files_match_the_built_in_recipes():
         for key, value in recipe.items():
             assert getattr(cfg.train, key) == pytest.approx(value), (task, key)
         assert cfg.train.steps == 50_000 and cfg.train.adam_eps == 1e-6 and cfg.train.clip_grad_value == 1.0
-        assert cfg.model == dict(dim=64, hidden_dim=128, num_heads=2, head_dim=32, num_layers=2, dropout=0.1,
+        assert cfg.model.to_dict() == dict(dim=64, hidden_dim=128, num_heads=2, head_dim=32, num_layers=2, dropout=0.1,
                                  attention_dropout=0.1)
         assert load_lra_config(task=task).train == cfg.train
     assert set(RECIPES) == set(TASKS)
@@ -83,19 +84,21 @@ def test_recipe_files_match_the_built_in_recipes():
 @pytest.mark.parametrize(
     "text,message",
     [
-        ("task: listops\ntrain: {batch_sise: 3}\n", "unknown train key.*batch_sise"),
-        ("task: listops\nmodel: {depth: 3}\n", "unknown model key"),
-        ("task: listops\nextra: 1\n", "unknown key"),
-        ("task: listops\ntrain: {steps: many}\n", "train.steps"),
+        ("task: listops\ntrain: {batch_sise: 3}\n", "unknown config key 'train.batch_sise'"),
+        ("task: listops\nmodel: {depth: 3}\n", "unknown config key 'model.depth'"),
+        ("task: listops\nextra: 1\n", "unknown config key 'extra'"),
+        ("task: listops\ntrain: {steps: many}\n", "train.steps expects int"),
+        ("task: listops\ntrain: {lr: .nan}\n", "train.lr must be a finite number"),
+        ("task: listops\ntrain: {limit_dev: 0}\n", "train.limit_dev must be a positive integer"),
+        ("task: sorting\n", "unknown task 'sorting'"),
         ("[1, 2]\n", "mapping"),
     ],
 )
 def test_bad_config_files_give_one_line_errors(tmp_path, text, message):
     path = tmp_path / "c.yaml"
     path.write_text(text)
-    with pytest.raises(LRAConfigError, match=message):
-        cfg = load_lra_config(path)
-        cfg.check()
+    with pytest.raises(ConfigError, match=message):
+        load_lra_config(path)
 
 
 def test_training_writes_checkpoints_metrics_and_evaluates_the_best(listops_dir, tmp_path):
@@ -107,8 +110,8 @@ def test_training_writes_checkpoints_metrics_and_evaluates_the_best(listops_dir,
     # best.pth scores the test split exactly as the run reported
     model, checkpoint = load_lra_model(tmp_path / "run" / "best.pth")
     assert checkpoint["num_updates"] == summary["best_step"]
-    from polaformer.lra.train import _eval_loader, evaluate_lra
-    from polaformer.lra.data import load_lra_split
+    from polaformer.tasks.lra.train import _eval_loader, evaluate_lra
+    from polaformer.tasks.lra.data import load_lra_split
 
     test = evaluate_lra(model, _eval_loader(load_lra_split("listops", listops_dir, "test"), 8, 0))
     assert test["accuracy"] == summary["test_accuracy"]
@@ -229,7 +232,7 @@ def test_cli_run_folder_guarantees_come_from_the_engine(listops_dir, tmp_path, c
     """A finished run is refused unless continued or replaced, a busy folder is refused naming its holder,
     and Ctrl-C ends with status 130 naming the last checkpoint: the guarantees every engine task has."""
     from polaformer.engine.output import OutputLock
-    from polaformer.lra.train import LRATask
+    from polaformer.tasks.lra.train import LRATask
 
     out = tmp_path / "run"
     base = ["lra", "train", "--task", "listops", "--data", str(listops_dir), "--attention", "pola", "--batch-size", "8",
@@ -291,3 +294,29 @@ def test_checkpoints_of_the_earlier_lra_layout_still_evaluate_and_resume(listops
     assert "step 2) <-" in capsys.readouterr().out
     summary = train_lra(cfg, listops_dir, tmp_path / "old", resume="auto", show_progress=False)
     assert [r["step"] for r in summary["history"]] == [2, 4] and summary["steps"] == 4
+
+
+def test_config_takes_base_files_and_opts(tmp_path):
+    (tmp_path / "base.yaml").write_text("task: text\ntrain: {lr: 0.5, seed: 3}\nmodel: {num_layers: 1}\n")
+    (tmp_path / "run.yaml").write_text("BASE: base.yaml\ntrain: {lr: 0.25}\n")
+    cfg = load_lra_config(tmp_path / "run.yaml", opts=["train.seed", "5", "attention", "pola", "attention_options.alpha", "3"])
+    assert (cfg.task, cfg.train.lr, cfg.train.seed, cfg.model.num_layers) == ("text", 0.25, 5, 1)
+    assert cfg.train.warmup_steps == RECIPES["text"]["warmup_steps"]  # the file's task chose the recipe
+    assert cfg.attention_options.to_dict() == {"alpha": 3}
+    with pytest.raises(LRAConfigError, match="config for task 'text', not 'listops'"):
+        load_lra_config(tmp_path / "run.yaml", task="listops")
+
+
+def test_cli_opts_reach_the_run(listops_dir, tmp_path, capsys):
+    out = tmp_path / "run"
+    code = main(["lra", "train", "--task", "listops", "--data", str(listops_dir), "--attention", "softmax",
+                 "--steps", "2", "--batch-size", "8", "--eval-every", "2", "--output", str(out),
+                 "--opts", "model.num_layers", "1", "model.dim", "16", "model.hidden_dim", "16", "model.head_dim", "8"])
+    err = capsys.readouterr().err
+    assert code == 0, err
+    saved = json.loads((out / "metrics.json").read_text())["config"]
+    assert saved["model"]["num_layers"] == 1 and saved["model"]["dim"] == 16
+    code = main(["lra", "train", "--task", "listops", "--data", str(listops_dir), "--output", str(tmp_path / "x"),
+                 "--opts", "train.stepz", "3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unknown config key 'train.stepz'" in err and err.count("\n") == 1

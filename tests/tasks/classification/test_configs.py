@@ -15,6 +15,7 @@ from timm.models import get_pretrained_cfg
 
 import polaformer.models  # noqa: F401  (registers the zoo with timm)
 from conftest import REPO
+from polaformer.tasks.classification import default_config, load_config
 
 ROOT = REPO
 CONFIG_DIR = ROOT / "configs"
@@ -164,11 +165,7 @@ def test_model_name_is_a_registered_model_and_the_file_name(path):
 # ----------------------------------------------------------------- keys: the engine's default tree
 
 def _default_tree() -> dict:
-    config = pytest.importorskip("polaformer.engine.config")
-    if not hasattr(config, "default_config"):
-        pytest.skip("polaformer.engine.config.default_config is not available")
-    defaults = config.default_config()
-    return defaults.to_dict() if hasattr(defaults, "to_dict") else dict(defaults)
+    return default_config().to_dict()
 
 
 def _compatible(value, default) -> bool:
@@ -239,11 +236,8 @@ def test_only_official_keys_besides_documented_command_line_settings(path):
 
 @pytest.mark.parametrize("path", FILES, ids=IDS)
 def test_load_config_reads_the_file(path):
-    config = pytest.importorskip("polaformer.engine.config")
-    if not hasattr(config, "load_config"):
-        pytest.skip("polaformer.engine.config.load_config is not available")
     raw = read(path)
-    cfg = config.load_config(str(path), ["TRAIN.EPOCHS", "3"])
+    cfg = load_config(str(path), ["TRAIN.EPOCHS", "3"])
     assert cfg.MODEL.NAME == raw["MODEL"]["NAME"]
     assert cfg.DATA.BATCH_SIZE == raw["DATA"]["BATCH_SIZE"]
     assert math.isclose(cfg.TRAIN.BASE_LR, raw["TRAIN"]["BASE_LR"])

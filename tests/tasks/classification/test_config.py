@@ -5,10 +5,11 @@ import timm
 
 from conftest import REPO
 from polaformer.cli import main
-from polaformer.engine import ConfigError, default_config, load_config, make_config
-from polaformer.engine.config import (
+from polaformer.engine import ConfigError
+from polaformer.tasks.classification import default_config, load_config, make_config
+from polaformer.engine.config import Config
+from polaformer.tasks.classification.config import (
     OFFICIAL_MODEL_NAMES,
-    Config,
     check_config,
     config_from_train_config,
     resolve_model_name,

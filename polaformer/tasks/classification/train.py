@@ -1,7 +1,7 @@
 """Image classification over the engine: the digits demo and ImageNet-scale runs.
 
-:func:`run_training` takes a :class:`~polaformer.engine.config.Config` (the official key tree) or
-the digits demo's :class:`~polaformer.engine.config.TrainConfig` and trains
+:func:`run_training` takes a :class:`~polaformer.engine.config.Config` (the official key tree of :mod:`.config`) or
+the digits demo's :class:`~.config.TrainConfig` and trains
 :class:`ClassificationTask` through the one loop (:mod:`.loop`, which owns checkpoints, resume,
 DDP, EMA, AMP and the output folder):
 
@@ -31,24 +31,16 @@ from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..checkpoint import ArchitectureMismatchError, CorruptCheckpointError
-from ..data import DATASETS, DEFAULT_DATA, get_data_spec
-from .checkpoint import REQUIRED_KEYS, check_metadata, load_checkpoint, load_model_state
-from .config import (
-    DIGITS_EVAL_BATCH_SIZE,
-    Config,
-    ConfigError,
-    TrainConfig,
-    check_config,
-    config_from_train_config,
-    merge_opts,
-    resolve_model_name,
-)
-from .device import autocast, place_model, resolve_device
-from .distributed import DistContext, ShardSampler, all_reduce_sum
-from .factory import create_model, create_model_from_checkpoint
-from .loop import Engine, LoopSettings, StepOutput, Task, train
-from .optim import build_optimizer, build_scheduler, global_batch_size, lr_scale
+from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
+from ...data import DATASETS, DEFAULT_DATA, get_data_spec
+from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_checkpoint, load_model_state
+from ...engine.config import Config, ConfigError, merge_opts
+from ...engine.device import autocast, place_model, resolve_device
+from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
+from ...engine.factory import create_model, create_model_from_checkpoint
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.optim import build_optimizer, build_scheduler, global_batch_size, lr_scale
+from .config import DIGITS_EVAL_BATCH_SIZE, TrainConfig, check_config, config_from_train_config, resolve_model_name
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +125,7 @@ def build_data(cfg: Config, ctx: DistContext | None = None) -> TrainData:
         spec = get_data_spec(cfg.DATA.DATASET)
         train_set, val_set = spec.build(augment=cfg.AUG.DIGITS_SHIFT)
         return TrainData(train_set, val_set, spec.num_classes, {"in_chans": spec.in_chans, "img_size": spec.img_size})
-    from ..data.folder import build_folder_datasets, build_mixup
+    from ...data.folder import build_folder_datasets, build_mixup
 
     train_set, val_set, num_classes = build_folder_datasets(cfg, is_distributed=bool(ctx and ctx.is_distributed))
     return TrainData(
@@ -210,7 +202,7 @@ class ClassificationTask(Task):
                 raise ConfigError(f"TRAIN.USE_CHECKPOINT: model {self.arch!r} has no set_grad_checkpointing()")
             model.set_grad_checkpointing(True)
         if not resuming and cfg.MODEL.PRETRAINED:
-            from ..finetune import load_for_finetune
+            from ...finetune import load_for_finetune
 
             result = load_for_finetune(model, cfg.MODEL.PRETRAINED)
             log.info("fine-tuning from %s (%s weights)", cfg.MODEL.PRETRAINED, result.entry or "state dict")

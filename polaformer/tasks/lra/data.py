@@ -5,7 +5,7 @@
 a. Skyformer's preprocessed pickles ``{name}.{train,dev,test}.pickle`` (what the PolaFormer paper
    trained on), through an unpickler that admits numpy arrays and numbers only;
 b. the LRA release's ListOps ``basic_{train,val,test}.tsv`` (or our generator's, see
-   :mod:`polaformer.lra.listops`);
+   :mod:`polaformer.tasks.lra.listops`);
 c. IMDb's ``aclImdb/`` folder;
 d. the LRA release's AAN pairs ``new_aan_pairs.{train,eval,test}.tsv``;
 e. CIFAR-10's ``cifar-10-batches-py/`` folder;
@@ -673,7 +673,7 @@ def load_lra_split(
     examples. ``pathfinder_difficulty`` picks ``curv_baseline``, ``curv_contour_length_9`` or
     ``curv_contour_length_14`` (LRA's Pathfinder-32 "hard", the default). ``listops_tokens``
     (``lra`` or ``skyformer``) picks the ListOps tokenisation of TSV files, see
-    :func:`polaformer.lra.listops.encode_listops`. ``pathfinder_seed`` fixes the 80/10/10 shuffle.
+    :func:`polaformer.tasks.lra.listops.encode_listops`. ``pathfinder_seed`` fixes the 80/10/10 shuffle.
     """
     if task not in TASKS:
         raise LRADataError(f"unknown LRA task {task!r}; expected one of {', '.join(TASKS)}")

@@ -21,7 +21,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ..layers import (
+from ...layers import (
     CosformerAttention,
     FocusedLinearAttention,
     KernelizedAttention,
@@ -34,7 +34,7 @@ from ..layers import (
     SkyformerAttention,
     SoftmaxAttention,
 )
-from ..layers.baseline_attention import check_mixer_inputs, check_mixer_sizes
+from ...layers.baseline_attention import check_mixer_inputs, check_mixer_sizes
 
 __all__ = ["ATTENTIONS", "build_attention", "attention_options", "build_pola", "build_pacs", "SequenceLayerAdapter"]
 

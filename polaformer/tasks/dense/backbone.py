@@ -23,9 +23,9 @@ from torch import nn
 from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool, LastLevelP6P7
 
-from .. import models as _register  # noqa: F401  (registers the Pola families with timm)
-from ..engine.factory import ModelBuildError
-from ..finetune import load_for_finetune
+from ... import models as _register  # noqa: F401  (registers the Pola families with timm)
+from ...engine.factory import ModelBuildError
+from ...finetune import load_for_finetune
 
 __all__ = ["BackboneError", "FeaturePyramidBackbone", "SimplePyramid", "build_backbone", "pyramid_indices"]
 

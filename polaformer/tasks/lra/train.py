@@ -25,11 +25,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ..checkpoint import CorruptCheckpointError
-from ..engine.checkpoint import read_checkpoint, read_task_checkpoint
-from ..engine.device import autocast
-from ..engine.loop import Engine, LoopSettings, StepOutput, Task, train
-from .config import LRAConfig, LRAConfigError
+from ...checkpoint import CorruptCheckpointError
+from ...engine.checkpoint import read_checkpoint, read_task_checkpoint
+from ...engine.device import autocast
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.config import Config
+from .config import LRAConfigError, check_lra_config, lra_config
 from .data import TASKS, collate_lra, load_lra_split
 from .model import LRAClassifier, LRAModelConfig
 
@@ -47,11 +48,11 @@ class LRASplits:
     test: Dataset
 
 
-def build_lra_model(cfg: LRAConfig) -> LRAClassifier:
+def build_lra_model(cfg: Config) -> LRAClassifier:
     spec = TASKS[cfg.task]
     model_cfg = LRAModelConfig(
         vocab_size=spec.vocab_size, num_classes=spec.num_classes, max_len=spec.max_len, dual=spec.dual,
-        attention=cfg.attention, attention_options=dict(cfg.attention_options), **cfg.model,
+        attention=cfg.attention, attention_options=cfg.attention_options.to_dict(), **cfg.model.to_dict(),
     )
     try:
         return LRAClassifier(model_cfg)
@@ -59,7 +60,7 @@ def build_lra_model(cfg: LRAConfig) -> LRAClassifier:
         raise LRAConfigError(f"cannot build the {cfg.attention} model: {e}") from None
 
 
-def load_splits(cfg: LRAConfig, data_dir: str | Path) -> LRASplits:
+def load_splits(cfg: Config, data_dir: str | Path) -> LRASplits:
     t = cfg.train
     return LRASplits(*(load_lra_split(cfg.task, data_dir, split, limit=limit)
                        for split, limit in (("train", t.limit_train), ("dev", t.limit_dev), ("test", t.limit_test))))
@@ -115,12 +116,11 @@ def load_lra_model(path: str | Path) -> tuple[LRAClassifier, dict]:
     return model, checkpoint
 
 
-def _saved_config(checkpoint: dict, path) -> LRAConfig:
+def _saved_config(checkpoint: dict, path) -> Config:
     raw = checkpoint.get("config")
     try:
-        cfg = LRAConfig(task=raw["task"], attention=raw["attention"], attention_options=raw["attention_options"],
-                        model=raw["model"])
-        cfg.check()
+        cfg = lra_config(raw["task"], {key: raw[key] for key in ("attention", "attention_options", "model")})
+        check_lra_config(cfg)
     except (KeyError, TypeError, LRAConfigError) as e:
         raise CorruptCheckpointError(path, f"its LRA configuration is unusable: {e}") from None
     return cfg
@@ -133,7 +133,7 @@ class LRATask(Task):
     best_files = {BEST: "dev_accuracy"}
     resume_hint = "it holds weights only; use another --output"
 
-    def __init__(self, cfg: LRAConfig, splits: LRASplits):
+    def __init__(self, cfg: Config, splits: LRASplits):
         self.cfg, self.splits = cfg, splits
         self.train_set, self.train_collate = splits.train, collate_lra
 
@@ -155,6 +155,11 @@ class LRATask(Task):
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
         saved, ours = checkpoint.get("config", {}), self.cfg.to_dict()
+        try:  # older files list only the model keys they changed: compare with the defaults filled in
+            saved = lra_config(saved["task"], {k: saved[k] for k in ("attention", "attention_options", "model")
+                                               if k in saved}).to_dict()
+        except (KeyError, TypeError, ValueError):
+            pass
         for key in ("task", "attention", "attention_options", "model"):
             if saved.get(key) != ours[key]:
                 raise LRAConfigError(
@@ -257,7 +262,7 @@ def majority_rate(dataset: Dataset) -> float:
 
 
 def train_lra(
-    cfg: LRAConfig,
+    cfg: Config,
     data_dir: str | Path | None,
     output: str | Path,
     *,
@@ -274,7 +279,7 @@ def train_lra(
     ``on_step(step)`` is called after every step (tests use it to interrupt a run). Returns the
     contents of ``metrics.json``.
     """
-    cfg.check()
+    check_lra_config(cfg)
     if splits is None:
         if data_dir is None:
             raise LRAConfigError("no data: give the task's data folder")

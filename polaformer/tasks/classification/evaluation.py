@@ -33,7 +33,7 @@ from timm.data import create_transform, resolve_model_data_config
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..checkpoint import (
+from ...checkpoint import (
     ArchitectureMismatchError,
     _plain_data,
     LoadResult,
@@ -42,12 +42,12 @@ from ..checkpoint import (
     select_weights,
     strip_wrapper_prefixes,
 )
-from ..data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
+from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
 from .config import OFFICIAL_MODEL_NAMES
-from .factory import create_model
-from .limits import check_batch_memory
-from .device import amp_dtype, autocast, place_model
-from .device import resolve_device as resolve_engine_device
+from ...engine.factory import create_model
+from ...engine.limits import check_batch_memory
+from ...engine.device import amp_dtype, autocast, place_model
+from ...engine.device import resolve_device as resolve_engine_device
 from .train import evaluate
 
 __all__ = [

@@ -19,10 +19,10 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ..engine.checkpoint import DENSE_KEY_METRICS, read_task_checkpoint
-from ..engine.config import ConfigError
-from ..engine.device import place_model, resolve_device
-from ..engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.checkpoint import DENSE_KEY_METRICS, read_task_checkpoint
+from ...engine.config import ConfigError
+from ...engine.device import place_model, resolve_device
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss

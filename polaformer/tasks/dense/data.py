@@ -23,8 +23,8 @@ import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import Dataset
 
-from ..data.digits import digits_split
-from ..data.folder import DatasetError
+from ...data.digits import digits_split
+from ...data.folder import DatasetError
 
 __all__ = [
     "IGNORE_INDEX", "DIGIT_CLASSES", "DenseDataError", "DigitScenes", "CocoInstances", "AdeSegmentation",

@@ -1,0 +1,141 @@
+"""LRA run configuration on the engine's one config system: a YAML file per task (``configs/lra/``),
+strict keys and types, ``KEY VALUE`` overrides (:func:`polaformer.engine.config.configure`).
+
+The tree has five top-level keys::
+
+    task: listops                  # listops | text | retrieval | image | pathfinder
+    attention: softmax             # any name of polaformer.tasks.lra.attention.ATTENTIONS
+    attention_options: {}          # that attention's own options (alpha, gate_init, num_landmarks...)
+    model: {dim: 64, ...}          # the model's sizes (MODEL_DEFAULTS); the task decides vocabulary, classes, length
+    train: {batch_size: 32, ...}   # the optimisation recipe (TRAIN_DEFAULTS, then the task's RECIPES entry)
+
+Unknown keys are an error naming the valid ones, so a typo never silently falls back to a default.
+"""
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping, Sequence
+
+from ...engine.config import Config, ConfigError, configure
+
+__all__ = ["LRAConfigError", "MODEL_DEFAULTS", "RECIPES", "TRAIN_DEFAULTS", "check_lra_config", "lra_config",
+           "load_lra_config"]
+
+
+class LRAConfigError(ConfigError):
+    """A bad configuration file or value (one line)."""
+
+
+# The model's sizes a file may set (the Skyformer protocol's LRA model).
+MODEL_DEFAULTS = dict(dim=64, hidden_dim=128, num_heads=2, head_dim=32, num_layers=2, dropout=0.1,
+                      attention_dropout=0.1)
+
+# The optimisation recipe (Skyformer's protocol: AdamW, one-cycle linear schedule, clipping).
+TRAIN_DEFAULTS = dict(
+    batch_size=32,
+    lr=1e-4,
+    warmup_steps=1000,
+    steps=50_000,
+    weight_decay=0.0,
+    adam_eps=1e-6,
+    betas=(0.9, 0.999),
+    clip_grad_value=1.0,  # element-wise gradient clipping, as the Skyformer code; 0 disables
+    eval_every=500,
+    eval_batches=0,  # dev batches per evaluation; 0 = the whole dev split
+    save_every=500,  # also write last.pth every N steps (evaluations always write it)
+    seed=42,
+    amp=False,  # bfloat16 on the CPU, float16 with a GradScaler on CUDA
+    num_workers=0,
+    limit_train=None,  # keep the first N examples of a split (quick runs)
+    limit_dev=None,
+    limit_test=None,
+)
+
+# Per-task recipes (PolaFormer paper A.2 on the Skyformer protocol; configs/lra/*.yaml hold the same
+# values, a test keeps them equal). eval_batches is Skyformer's num_eval_steps. The paper trains
+# Pathfinder at 5e-4; the Skyformer config has 2e-4.
+RECIPES: dict[str, dict] = {
+    "listops": dict(batch_size=32, lr=1e-4, warmup_steps=1000, eval_every=500, eval_batches=62, save_every=500),
+    "text": dict(batch_size=32, lr=1e-4, warmup_steps=80, eval_every=500, eval_batches=200, save_every=500),
+    "retrieval": dict(batch_size=16, lr=2e-4, warmup_steps=800, eval_every=1000, eval_batches=300, save_every=1000),
+    "image": dict(batch_size=256, lr=1e-4, warmup_steps=175, eval_every=50, eval_batches=20, save_every=50),
+    "pathfinder": dict(batch_size=128, lr=5e-4, warmup_steps=312, eval_every=500, eval_batches=156, save_every=500),
+}
+
+
+def lra_config(task: str, values: Mapping | None = None) -> Config:
+    """The defaults of ``task`` (its recipe), with ``values`` (a nested mapping) merged in."""
+    if task not in RECIPES:
+        raise LRAConfigError(f"unknown task {task!r} (known: {', '.join(RECIPES)})")
+    cfg = Config({
+        "task": task,
+        "attention": "softmax",
+        "attention_options": Config(new_allowed=True, path="attention_options"),
+        "model": dict(MODEL_DEFAULTS),
+        "train": {**TRAIN_DEFAULTS, **RECIPES[task]},
+    })
+    if values:
+        cfg.merge(values)
+    if cfg.task != task:
+        raise LRAConfigError(f"this is a config for task {cfg.task!r}, not {task!r}")
+    return cfg
+
+
+def _file_task(path: str | os.PathLike) -> str | None:
+    """The ``task`` a file (or its BASE files) names, read with the engine's strict reader."""
+    probe = Config({"task": None}, new_allowed=True)
+    configure(probe, path)
+    return probe.task
+
+
+def load_lra_config(path: str | os.PathLike | None = None, *, task: str | None = None,
+                    opts: Sequence[str] = ()) -> Config:
+    """Defaults of the task, then the file at ``path``, then ``opts``; the file's task must agree with
+    ``task``. Every key and type is checked (:func:`check_lra_config`)."""
+    file_task = _file_task(path) if path is not None else None
+    if file_task is not None and not isinstance(file_task, str):
+        raise LRAConfigError(f"{path}: task must be a name, got {file_task!r}")
+    if task is not None and file_task is not None and task != file_task:
+        raise LRAConfigError(f"{path} is a config for task {file_task!r}, not {task!r}")
+    chosen = file_task or task
+    if chosen is None:
+        raise LRAConfigError(f"{path} names no task" if path is not None else "give a config file or a task")
+    cfg = configure(lra_config(chosen), path, opts)
+    check_lra_config(cfg)
+    return cfg
+
+
+def check_lra_config(cfg: Config) -> None:
+    """Reject settings the LRA task cannot run with, one line each."""
+    from .attention import ATTENTIONS, attention_options
+
+    if cfg.attention not in ATTENTIONS:
+        raise LRAConfigError(f"unknown attention {cfg.attention!r} (known: {', '.join(ATTENTIONS)})")
+    known = attention_options(cfg.attention)
+    unknown = sorted(set(cfg.attention_options) - set(known))
+    if unknown:
+        takes = ", ".join(f"{k}={v!r}" for k, v in known.items()) or "none"
+        raise LRAConfigError(f"unknown option(s) {', '.join(unknown)} for attention {cfg.attention!r}; "
+                             f"its options: {takes}")
+    t = cfg.train
+    for name in ("batch_size", "steps", "eval_every", "save_every"):
+        if t[name] < 1:
+            raise LRAConfigError(f"train.{name} must be >= 1, got {t[name]}")
+    for name in ("eval_batches", "num_workers"):
+        if t[name] < 0:
+            raise LRAConfigError(f"train.{name} must be >= 0, got {t[name]}")
+    for name in ("limit_train", "limit_dev", "limit_test"):
+        value = t[name]
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise LRAConfigError(f"train.{name} must be a positive integer or null, got {value!r}")
+    if not 0 <= t.warmup_steps < t.steps:
+        raise LRAConfigError(f"train.warmup_steps must be in [0, steps={t.steps}), got {t.warmup_steps}")
+    for name in ("lr", "adam_eps"):
+        if not (math.isfinite(t[name]) and t[name] > 0):
+            raise LRAConfigError(f"train.{name} must be a finite number > 0, got {t[name]}")
+    for name in ("weight_decay", "clip_grad_value"):
+        if not (math.isfinite(t[name]) and t[name] >= 0):
+            raise LRAConfigError(f"train.{name} must be a finite number >= 0, got {t[name]}")
+    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+        raise LRAConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")
