@@ -102,6 +102,19 @@ def add_bench_parser(commands) -> None:
     rows_files(pacs)
     pacs.set_defaults(handler=cmd_bench_family, run_family=_bench_pacs, seconds_flags=("--min-time",))
 
+    gpu = families.add_parser(
+        "gpu", help="the Triton attention kernels against the torch path, SDPA and flash_bla, on a CUDA GPU",
+        description="Pola (and PaCS, when its kernels exist) forward and forward+backward, bf16 and fp32, at "
+                    "Pola-PVT, Pola-Swin and DiT/high-resolution shapes: triton.testing.do_bench medians and peak "
+                    "memory. --smoke runs each method once at a tiny shape on the CPU under TRITON_INTERPRET=1.",
+    )
+    gpu.add_argument("--out", dest="gpu_csv", metavar="FILE", required=True, help="write the rows as CSV")
+    gpu.add_argument("--batch", type=positive_int, default=8, help="images per call (default: %(default)s)")
+    gpu.add_argument("--dtypes", nargs="+", choices=["bf16", "fp32"], default=["bf16", "fp32"])
+    gpu.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
+    gpu.add_argument("--smoke", action="store_true", help="one tiny CPU run of every method (no timing)")
+    gpu.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu, seconds_flags=())
+
     dense = families.add_parser(
         "dense", help="backbone forward time and peak memory at detection resolutions, Pola vs softmax",
         description="Pola-PVT-T and Pola-Swin-T against their softmax versions, features_only forward, batch 1, "
@@ -248,6 +261,18 @@ def _bench_pacs(args: argparse.Namespace) -> int:
     rows = run_pacs(batch=args.batch, threads=args.threads, rounds=args.rounds, min_time=args.min_time)
     print(table(rows), end="")
     _write_bench_rows(args, rows)
+    return 0
+
+
+def _bench_gpu(args: argparse.Namespace) -> int:
+    if args.smoke:  # the kernels run in Triton's interpreter, which must be chosen before they are defined
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from ..bench.gpu import run_gpu
+    from ..bench.harness import write_csv
+
+    rows = run_gpu(batch=args.batch, dtypes=args.dtypes, modes=args.modes, smoke=args.smoke, log=_print_line)
+    write_csv(args.gpu_csv, rows)
+    print(f"{len(rows)} rows -> {args.gpu_csv}")
     return 0
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "capturing",
     "cpu_kernels",
     "legacy_onnx_export",
+    "on_gpu",
     "set_attention_backend",
     "triton_kernels",
 ]
@@ -92,17 +93,35 @@ def cpu_kernels(x: torch.Tensor):
     return native.native_kernels()
 
 
+def on_gpu(x: torch.Tensor) -> bool:
+    """Whether ``x`` lives on a CUDA device, the kernels' home (its own function so tests can route a CPU
+    tensor under the interpreter through the ``auto`` backend's CUDA path)."""
+    return x.device.type == "cuda"
+
+
 def triton_kernels(x: torch.Tensor):
     """The Triton kernels module (:mod:`polaformer.backends.triton`) for an eager call on ``x``, or None:
     CUDA tensors under the ``auto`` or ``triton`` backend, CPU tensors only under ``triton`` with
-    ``TRITON_INTERPRET=1``. Imported on first use, so importing polaformer never imports triton."""
+    ``TRITON_INTERPRET=1``. Imported on first use, so importing polaformer never imports triton.
+
+    Raises RuntimeError when the ``triton`` backend was asked for explicitly and cannot run on ``x``.
+    """
     backend = attention_backend()
-    if x.device.type == "cuda":
-        wanted = backend in ("auto", "triton")
-    else:
-        wanted = backend == "triton" and x.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
-    if not wanted:
+    if backend not in ("auto", "triton"):
         return None
+    gpu = on_gpu(x)
+    if not gpu:
+        if backend == "auto":
+            return None
+        if x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                f"attention backend 'triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
+                f"before triton is imported); got a {x.device.type} tensor"
+            )
     from ..backends import triton as triton_backend
 
-    return triton_backend if triton_backend.available() else None
+    if triton_backend.available():
+        return triton_backend
+    if backend == "triton":
+        raise RuntimeError("attention backend 'triton' needs the triton package, which is not installed")
+    return None

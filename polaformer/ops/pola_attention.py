@@ -31,7 +31,8 @@ import contextlib
 
 import torch
 
-from .dispatch import capturing, cpu_kernels
+from . import varlen
+from .dispatch import capturing, cpu_kernels, triton_kernels
 
 __all__ = ["full_precision", "linear_attention", "pola_linear_attention"]
 
@@ -96,11 +97,7 @@ def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: to
     return _native_for(q)
 
 
-def _key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):
-    """``(keep, count)``: a (B, 1, M, 1) 0/1 factor for the key rows and the (B, 1, 1, 1) number of
-    valid keys (at least 1, so an all-padding sequence gives zeros); ``(None, M)`` without a mask."""
-    if key_padding_mask is None:
-        return None, k.shape[-2]
+def _check_key_padding_mask(key_padding_mask: torch.Tensor, k: torch.Tensor) -> None:
     if key_padding_mask.dtype != torch.bool:
         raise ValueError(f"key_padding_mask must be a bool tensor (True = padding), got {key_padding_mask.dtype}")
     if key_padding_mask.shape != (k.shape[0], k.shape[-2]):
@@ -108,6 +105,47 @@ def _key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: tor
             f"key_padding_mask must be (batch, keys) = ({k.shape[0]}, {k.shape[-2]}), "
             f"got {tuple(key_padding_mask.shape)}"
         )
+
+
+def _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k):
+    """Shape checks of a packed call that need no device sync; returns the offsets on ``q``'s device
+    ``(cu_seqlens, cu_seqlens_k)``, the second defaulting to the first."""
+    if cu_seqlens is None:
+        raise ValueError("cu_seqlens_k needs cu_seqlens (the query offsets)")
+    if key_padding_mask is not None:
+        raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences have no padding")
+    if q.shape[0] != 1:
+        raise ValueError(f"packed q, k and v must have batch size 1 (1, heads, tokens, dim), got q{tuple(q.shape)}")
+    cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
+    for name, offsets in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
+        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in (torch.int32,
+                                                                                                torch.int64):
+            raise ValueError(f"{name} must be a 1-D int32/int64 tensor of sequence offsets")
+        if offsets.numel() < 2:
+            raise ValueError(f"{name} needs at least two offsets (one sequence), got {offsets.numel()}")
+    if cu_seqlens.numel() != cu_seqlens_k.numel():
+        raise ValueError(f"cu_seqlens and cu_seqlens_k must describe as many sequences; got "
+                         f"{cu_seqlens.numel() - 1} and {cu_seqlens_k.numel() - 1}")
+    return cu_seqlens.to(q.device), cu_seqlens_k.to(q.device)
+
+
+def _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k):
+    """The torch formulation of a packed call: pad the sequences, run the padded op with its key mask, pack."""
+    query_offsets = varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
+    key_offsets = varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
+    padded_q, _ = varlen.unpack(q, query_offsets)
+    padded_k, padding = varlen.unpack(k, key_offsets)
+    padded_v, _ = varlen.unpack(v, key_offsets)
+    out = pola_linear_attention(padded_q, padded_k, padded_v, power, eps, key_padding_mask=padding)
+    return varlen.pack(out, query_offsets)
+
+
+def _key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):
+    """``(keep, count)``: a (B, 1, M, 1) 0/1 factor for the key rows and the (B, 1, 1, 1) number of
+    valid keys (at least 1, so an all-padding sequence gives zeros); ``(None, M)`` without a mask."""
+    if key_padding_mask is None:
+        return None, k.shape[-2]
+    _check_key_padding_mask(key_padding_mask, k)
     keep = (~key_padding_mask).to(device=k.device, dtype=dtype)[:, None, :, None]
     count = keep.sum(dim=-2, keepdim=True).clamp_min_(1.0)
     return keep, count
@@ -387,6 +425,9 @@ def pola_linear_attention(
     power: torch.Tensor,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PolaFormer's polarity-aware linear attention with the learnable power map.
 
@@ -400,11 +441,26 @@ def pola_linear_attention(
         eps: added to each stream's normaliser.
         key_padding_mask: (B, M) bool, True for padded keys (see the module
             docstring); values there must be finite.
+        cu_seqlens: packed variable-length batch (:mod:`polaformer.ops.varlen`):
+            q, k, v are (1, H, T, ·) with sequences laid end to end, and these
+            (S + 1,) int32/int64 offsets ``[0, n₀, n₀ + n₁, …, T]`` delimit the
+            queries; each sequence attends only to its own keys. Excludes
+            ``key_padding_mask``.
+        cu_seqlens_k: the keys' (and values') offsets when they are packed
+            differently from the queries (default: ``cu_seqlens``).
 
     Returns:
         (B, H, N, dv) in ``v``'s dtype. Half-precision inputs and autocast
         regions are computed in float32, since ``|x|ᵖ`` and the products
         overflow float16 long before the output does.
+
+    Kernels: on CUDA tensors (``attention_backend()`` ``auto`` or ``triton``)
+    the fused Triton kernels run (:mod:`polaformer.backends.triton.pola`), with
+    no host synchronisation: there the exponent's ``p >= 1`` check and the
+    offsets' value checks are skipped. The remaining syncs are on the CPU and
+    torch paths only: the ``p >= 1`` check (CPU tensors) and the packed
+    offsets' values (``varlen.check_cu_seqlens``) before padding them.
+    Graph capture always gets the torch formulation.
     """
     _check_float(q=q, k=k, v=v)
     _check_qkv(q, k, v)
@@ -412,6 +468,21 @@ def pola_linear_attention(
         raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
     graph = capturing()
     power = _as_power(power, q)
+    packed = cu_seqlens is not None or cu_seqlens_k is not None
+    if packed:
+        cu_seqlens, cu_seqlens_k = _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    elif key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, k)
+    kernels = None if graph else triton_kernels(q)
+    if kernels is not None:
+        _check_power_values(power, graph)
+        if packed and q.device.type == "cpu":  # the interpreter: checking the offsets costs no device sync
+            varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
+            varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
+        mask = None if key_padding_mask is None else key_padding_mask.to(q.device)
+        return kernels.pola_attention(q, k, v, power, eps, mask, cu_seqlens, cu_seqlens_k)
+    if packed:
+        return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
     if not (graph or needs_grad or key_padding_mask is not None):
         native = _native_forward(q, k, v, power)
