@@ -48,11 +48,14 @@ def lr_scale(cfg: Config, num_processes: int | None = None) -> float:
     return global_batch_size(cfg, num_processes) / cfg.TRAIN.BASE_BATCH_SIZE
 
 
-def no_weight_decay_names(model: nn.Module) -> set[str]:
-    """Names of the parameters trained without weight decay (see the module docstring)."""
+def no_weight_decay_names(model: nn.Module, keywords: tuple[str, ...] = ()) -> set[str]:
+    """Names of the parameters trained without weight decay (see the module docstring), and those containing
+    one of ``keywords`` (for wrappers such as a detector, whose backbone's ``no_weight_decay`` is not on top)."""
     model = unwrap(model)
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
-    keywords = tuple(model.no_weight_decay_keywords()) if hasattr(model, "no_weight_decay_keywords") else ()
+    keywords = tuple(keywords)
+    if hasattr(model, "no_weight_decay_keywords"):
+        keywords += tuple(model.no_weight_decay_keywords())
     return {
         name
         for name, param in model.named_parameters()
@@ -60,9 +63,9 @@ def no_weight_decay_names(model: nn.Module) -> set[str]:
     }
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+def param_groups(model: nn.Module, weight_decay: float, keywords: tuple[str, ...] = ()) -> list[dict]:
     """Two groups, as the official code: with weight decay, then without (frozen weights left out)."""
-    no_decay = no_weight_decay_names(model)
+    no_decay = no_weight_decay_names(model, keywords)
     decay_params, no_decay_params = [], []
     for name, param in unwrap(model).named_parameters():
         if param.requires_grad:

@@ -23,6 +23,7 @@ from ...engine.checkpoint import DENSE_KEY_METRICS, read_task_checkpoint
 from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.optim import param_groups
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss
@@ -102,17 +103,6 @@ class Schedule:
         return warm * self.gamma ** sum(step >= m for m in self.milestones)
 
 
-def make_optimizer(model: nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    decay, no_decay = [], []
-    for name, p in model.named_parameters():
-        if not p.requires_grad:
-            continue
-        (no_decay if p.ndim <= 1 or any(k in name for k in NO_DECAY_NAMES) else decay).append(p)
-    return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}], lr=lr
-    )
-
-
 def _schedule(train: dict, steps_per_epoch: int) -> Schedule:
     if train["steps"]:
         steps = int(train["steps"])
@@ -157,7 +147,8 @@ class DenseTask(Task):
                               f"{self.num_classes}")
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return make_optimizer(model, self.schedule.lr, self.schedule.weight_decay)
+        wd = self.schedule.weight_decay
+        return torch.optim.AdamW(param_groups(model, wd, NO_DECAY_NAMES), lr=self.schedule.lr, weight_decay=wd)
 
     def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule.factor)
