@@ -5,6 +5,11 @@ from pathlib import Path
 import pytest
 import torch
 
+# Without CUDA the Triton kernels' tests run in Triton's interpreter on CPU tensors; triton reads the switch
+# when a kernel is defined, so it is set before any test module can import the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 REPO = Path(__file__).resolve().parents[1]  # the repository root
 REFERENCE = REPO.parent / "shared" / "reference"
 
@@ -36,3 +41,19 @@ def official_state_dict(tensors):
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def triton_backend():
+    """Select the Triton kernels for one test, restoring the previous choice afterwards."""
+    from polaformer.ops.dispatch import set_attention_backend
+
+    previous = set_attention_backend("triton")
+    yield
+    set_attention_backend(previous)
+
+
+@pytest.fixture
+def device():
+    """Where the kernels' inputs live: CUDA when present, else the CPU (under the Triton interpreter)."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
