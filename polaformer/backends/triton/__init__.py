@@ -1,10 +1,17 @@
 """Triton kernels for the Pola and PaCS attention ops (CUDA, or CPU tensors under ``TRITON_INTERPRET=1``).
 
-The ops reach this package only through :func:`polaformer.ops.dispatch.triton_kernels`.
+The ops reach this package only through :func:`polaformer.ops.dispatch.triton_kernels`. Importing it does not
+import triton: each entry point's module is imported on first use (``_ENTRY_POINTS``, one line per op).
 """
 from __future__ import annotations
 
 import functools
+import importlib
+
+_ENTRY_POINTS = {
+    "pola_attention": "pola",
+    "pacs_attention": "pacs",
+}
 
 
 @functools.lru_cache(maxsize=1)
@@ -15,3 +22,14 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+def __getattr__(name: str):
+    module = _ENTRY_POINTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
+
+def __dir__():
+    return sorted([*globals(), *_ENTRY_POINTS])

@@ -107,10 +107,18 @@ def _rotate_transposed(y_even, y_odd, cos_even, cos_odd, sin_even, sin_odd):
 
 
 @triton.jit
+def _expm1(x):
+    """``exp(x) − 1`` without the cancellation near 0 (Kahan's ``(u − 1)·x / log u``, with ``u = exp(x)``)."""
+    u = tl.exp(x)
+    log_u = tl.log(tl.where(u == 1.0, 2.0, u))
+    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, (u - 1.0) * (x / log_u)))
+
+
+@triton.jit
 def _exp_features(x_pe, x_po, x_ne, x_no, t_pe, t_po, t_ne, t_no):
     """``exp(x ⊙ T) − 1`` on four blocks."""
-    return (tl.exp(x_pe * t_pe) - 1.0, tl.exp(x_po * t_po) - 1.0,
-            tl.exp(x_ne * t_ne) - 1.0, tl.exp(x_no * t_no) - 1.0)
+    return (_expm1(x_pe * t_pe), _expm1(x_po * t_po),
+            _expm1(x_ne * t_ne), _expm1(x_no * t_no))
 
 
 @triton.jit
@@ -158,10 +166,10 @@ def _state_kernel(
         if HAS_MASK:
             ok = ok & (tl.load(key_mask + batch * stride_mb + rows, mask=ok, other=1) == 0)
         k_even, k_odd = _load_pairs(k_base, rows, ok, stride_kn, c, d, ACC)
-        f_pe = tl.exp(tl.maximum(k_even, 0.0)) - 1.0
-        f_po = tl.exp(tl.maximum(k_odd, 0.0)) - 1.0
-        f_ne = tl.exp(tl.maximum(-k_even, 0.0)) - 1.0
-        f_no = tl.exp(tl.maximum(-k_odd, 0.0)) - 1.0
+        f_pe = _expm1(tl.maximum(k_even, 0.0))
+        f_po = _expm1(tl.maximum(k_odd, 0.0))
+        f_ne = _expm1(tl.maximum(-k_even, 0.0))
+        f_no = _expm1(tl.maximum(-k_odd, 0.0))
         m_pe += tl.sum(f_pe, 0)
         m_po += tl.sum(f_po, 0)
         m_ne += tl.sum(f_ne, 0)
@@ -463,10 +471,10 @@ def _key_backward_kernel(
     c = tl.arange(0, P_PAD)
     j = tl.arange(0, DVH_PAD)
     k_even, k_odd = _load_pairs(k + batch.to(tl.int64) * stride_kb + h * stride_kh, rows, keep, stride_kn, c, d, ACC)
-    f_pe = tl.exp(tl.maximum(k_even, 0.0)) - 1.0
-    f_po = tl.exp(tl.maximum(k_odd, 0.0)) - 1.0
-    f_ne = tl.exp(tl.maximum(-k_even, 0.0)) - 1.0
-    f_no = tl.exp(tl.maximum(-k_odd, 0.0)) - 1.0
+    f_pe = _expm1(tl.maximum(k_even, 0.0))
+    f_po = _expm1(tl.maximum(k_odd, 0.0))
+    f_ne = _expm1(tl.maximum(-k_even, 0.0))
+    f_no = _expm1(tl.maximum(-k_odd, 0.0))
     r_pe, r_po, r_ne, r_no = f_pe, f_po, f_ne, f_no
     if ROPE:
         c_pe, c_po, c_ne, c_no = _load_blocks(cos, rows, keep, stride_table, c, d, ACC)
@@ -658,6 +666,7 @@ class _PacsAttentionTriton(torch.autograd.Function):
         kv, km = _forward(p, q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, eps, out)
         ctx.problem, ctx.eps = p, eps
         ctx.temp_shapes = (temp_same.shape, temp_opposite.shape)
+        ctx.temp_dtypes = (temp_same.dtype, temp_opposite.dtype)
         ctx.save_for_backward(q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, kv, km)
         return out
 
@@ -672,9 +681,9 @@ class _PacsAttentionTriton(torch.autograd.Function):
                                _row_major(grad_out), grad_q, grad_k, grad_v)
         grad_same = grad_opp = None
         if needs[3]:
-            grad_same = grad_temps[:, :, :1].sum_to_size(ctx.temp_shapes[0]).to(temps.dtype)
+            grad_same = grad_temps[:, :, :1].sum_to_size(ctx.temp_shapes[0]).to(ctx.temp_dtypes[0])
         if needs[4]:
-            grad_opp = grad_temps[:, :, 1:].sum_to_size(ctx.temp_shapes[1]).to(temps.dtype)
+            grad_opp = grad_temps[:, :, 1:].sum_to_size(ctx.temp_shapes[1]).to(ctx.temp_dtypes[1])
         return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
                 grad_same, grad_opp, None, None, None, None, None, None)
 
