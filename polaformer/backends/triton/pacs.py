@@ -17,8 +17,9 @@ rotation is elementwise between the even and odd blocks. Blocks are padded to po
 smallest ``tl.dot`` operand) with masks. The state (``kv``: value half × block × P × dv/2, ``k̄``: block × P)
 lives in padded fp32 buffers (fp64 for fp64 inputs), never rounded to the input dtype.
 
-Overflow. Each query row of each stream is divided by ``2^⌊log2 max(1, max φ)⌋`` (``eps`` with it): exact in
-floating point, as in the op's torch formulation, and it bounds the products by ``2·2d·max|kv|``.
+Numerics. Each query row of each stream is divided by ``2^⌊log2 max(1, max φ)⌋`` (``eps`` with it): exact in
+floating point, as in the op's torch formulation, and it bounds the products by ``2·2d·max|kv|``. Features are
+computed in the accumulation dtype with an ``exp(x) − 1`` that keeps its relative accuracy near 0.
 
 Determinism. The reductions over tokens (the state and the gradients of the state and the temperatures) run
 in a fixed number of programs per sequence over a fixed share of its tiles, and the partial results are
