@@ -33,9 +33,11 @@ import triton.language as tl
 
 __all__ = ["pacs_attention"]
 
-# Tokens per tile of every kernel, and the most programs that share one sequence's reduction.
+# Tokens per tile of every kernel; the most programs that share one sequence's reduction, and the number of
+# programs past which more splits only add partial results to store and sum.
 _BLOCK_TOKENS = 32
 _MAX_SPLITS = 16
+_ENOUGH_PROGRAMS = 1024
 
 
 @triton.jit
@@ -309,10 +311,14 @@ def _stream_backward(f_pe, f_po, f_ne, f_no, r_pe, r_po, r_ne, r_no, scale, grad
                               eps, ACC, DOT, P_PAD, DVH_PAD)
     g_num = grad / den[:, None]
     g_den = -tl.sum(g_num * (num / den[:, None]), 1)
-    d_pe = tl.dot(g_num, tl.trans(_load_state_tile(kv_base, 0, c, j, P_PAD, DVH_PAD)), input_precision=DOT, out_dtype=ACC)
-    d_po = tl.dot(g_num, tl.trans(_load_state_tile(kv_base, 1, c, j, P_PAD, DVH_PAD)), input_precision=DOT, out_dtype=ACC)
-    d_ne = tl.dot(g_num, tl.trans(_load_state_tile(kv_base, 2, c, j, P_PAD, DVH_PAD)), input_precision=DOT, out_dtype=ACC)
-    d_no = tl.dot(g_num, tl.trans(_load_state_tile(kv_base, 3, c, j, P_PAD, DVH_PAD)), input_precision=DOT, out_dtype=ACC)
+    kv_pe = _load_state_tile(kv_base, 0, c, j, P_PAD, DVH_PAD)
+    kv_po = _load_state_tile(kv_base, 1, c, j, P_PAD, DVH_PAD)
+    kv_ne = _load_state_tile(kv_base, 2, c, j, P_PAD, DVH_PAD)
+    kv_no = _load_state_tile(kv_base, 3, c, j, P_PAD, DVH_PAD)
+    d_pe = tl.dot(g_num, tl.trans(kv_pe), input_precision=DOT, out_dtype=ACC)
+    d_po = tl.dot(g_num, tl.trans(kv_po), input_precision=DOT, out_dtype=ACC)
+    d_ne = tl.dot(g_num, tl.trans(kv_ne), input_precision=DOT, out_dtype=ACC)
+    d_no = tl.dot(g_num, tl.trans(kv_no), input_precision=DOT, out_dtype=ACC)
     if ROPE:
         d_pe, d_po = _rotate_transposed(d_pe, d_po, c_pe, c_po, n_pe, n_po)
         d_ne, d_no = _rotate_transposed(d_ne, d_no, c_ne, c_no, n_ne, n_no)
@@ -576,8 +582,9 @@ class _Problem:
 
     def splits(self, tokens: int) -> int:
         """Programs per sequence for a reduction over ``tokens`` packed tokens (a fixed count: deterministic)."""
-        per_seq = triton.cdiv(tokens, self.seqs) if self.varlen else tokens
-        return max(1, min(_MAX_SPLITS, triton.cdiv(per_seq, 2 * self.block)))
+        per_seq = triton.cdiv(tokens, max(self.seqs, 1)) if self.varlen else tokens
+        by_length = triton.cdiv(per_seq, 2 * self.block)
+        return max(1, min(_MAX_SPLITS, by_length, triton.cdiv(_ENOUGH_PROGRAMS, max(self.groups, 1))))
 
     def key_counts(self, key_padding_mask, cu_k, device) -> torch.Tensor:
         """Valid keys per (sequence, head) group, at least one (an all-padding sequence gives zeros)."""
