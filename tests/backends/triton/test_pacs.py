@@ -167,7 +167,8 @@ def test_packed_batches_with_rope_tables_per_token(triton_backend):
 
 
 def test_gradcheck_float64(triton_backend):
-    """The kernels take float64 too (fp64 accumulation): torch.autograd.gradcheck on a tiny masked RoPE case."""
+    """The kernels take float64 under the interpreter (fp64 accumulation): gradcheck on a tiny masked RoPE case.
+    (On CUDA the op runs float64 in torch, so there this checks the torch formulation.)"""
     q, k, v, temp_same, temp_opposite = make_inputs(2, 1, 3, 3, 4, 4, torch.float64)
     mask = torch.tensor([[False, True, False], [False, False, False]], device=DEVICE)
     sin, cos = (t.to(DEVICE) for t in rope_tables(3, 4))
