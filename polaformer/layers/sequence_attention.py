@@ -35,13 +35,14 @@ GATE_INITS = {
 
 
 def _as_bool_mask(mask: torch.Tensor | None, batch: int, length: int, name: str = "key_padding_mask"):
-    """A (B, M) bool mask, True at padding; float masks must hold only 0 and -inf (as in MultiheadAttention)."""
+    """A (B, M) bool mask, True at padding; float masks must hold only 0 and -inf (as in MultiheadAttention),
+    checked on the CPU only: elsewhere reading the check's result would wait for the device on every call."""
     if mask is None:
         return None
     if mask.dtype != torch.bool:
         if not mask.is_floating_point():
             raise ValueError(f"{name} must be bool (True = padding) or float (-inf = padding), got {mask.dtype}")
-        if not ((mask == 0) | (mask == float("-inf"))).all():
+        if mask.device.type == "cpu" and not ((mask == 0) | (mask == float("-inf"))).all():
             raise ValueError(
                 f"a float {name} can only hold 0 and -inf here: linear attention cannot add an arbitrary bias "
                 "to its scores"

@@ -3,7 +3,8 @@ per stream, RoPE on the numerator only (:func:`pacs_linear_attention`; reference
 
 It shares the power-map op's conventions and helpers (:mod:`.pola_attention`): input checks, key padding, the
 compute dtype, token blocks and the native kernel lookup. On the CPU the whole op runs fused per row in the native
-kernels; graph capture gets :func:`_pacs_attention_graph`.
+kernels, on CUDA in the Triton kernels (:mod:`polaformer.backends.triton.pacs`); graph capture gets
+:func:`_pacs_attention_graph`.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import weakref
 
 import torch
 
-from .dispatch import capturing, legacy_onnx_export
+from .dispatch import capturing, legacy_onnx_export, triton_kernels
 from .feature_maps import pacs_key_features, pacs_query_features
 from .pola_attention import (
     _block_tokens,
@@ -26,6 +27,7 @@ from .pola_attention import (
     full_precision,
 )
 from .rope import apply_rope
+from .varlen import check_cu_seqlens, pack, unpack
 
 __all__ = ["pacs_linear_attention"]
 
@@ -205,7 +207,8 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
     give the same bits whenever the first one is finite).
     """
     half = out.shape[-1]
-    for scaled in (False, True):
+    # Off the CPU the rows are always rescaled: the finiteness test below would wait for the device.
+    for scaled in (False, True) if p_q.device.type == "cpu" else (True,):
         # (B, H, 2, N, 2d) features and, unscaled, their rotation and normalisers
         phi_q, q_num, denom = _pacs_exp_features(p_q, temps, *((None, None) if scaled else (tables, k_means, eps)))
         row_scale = None
@@ -225,7 +228,7 @@ def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
             num, denom = res[..., :half], res[..., half:].add_(eps_rows)
         torch.div(num, denom, out=out)
         # one sum is finite exactly when every term is (or else rescaling runs, which is always right)
-        if scaled or p_q.is_meta or bool(torch.isfinite(denom.sum() + out.sum())):
+        if scaled or bool(torch.isfinite(denom.sum() + out.sum())):
             return phi_q, q_num, denom, row_scale
 
 
@@ -418,6 +421,44 @@ def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep
     return torch.cat([out[:, :, 0], out[:, :, 1]], dim=-1)
 
 
+def _check_packed(q, k, cu_seqlens, cu_seqlens_k, rope: bool) -> None:
+    """Arguments of a packed batch. The offsets' values are read (a host sync) only where they are on the CPU;
+    the torch formulation reads them anyway (:func:`_pacs_packed`)."""
+    if q.shape[0] != 1:
+        raise ValueError(f"packed q, k, v must be (1, heads, tokens, head_dim), got q{tuple(q.shape)}")
+    if rope and cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens:
+        raise ValueError("with RoPE tables the keys must be packed like the queries: leave cu_seqlens_k None")
+    for name, offsets, total in (("cu_seqlens", cu_seqlens, q.shape[-2]),
+                                 ("cu_seqlens_k", cu_seqlens_k, k.shape[-2])):
+        if offsets is None:
+            offsets = cu_seqlens
+        if isinstance(offsets, torch.Tensor) and offsets.device.type != "cpu":
+            if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.numel() < 2:
+                raise ValueError(f"{name} must be a 1-D int32/int64 tensor of at least two sequence offsets")
+        else:
+            check_cu_seqlens(offsets, total, name)
+    if cu_seqlens_k is not None and cu_seqlens_k.numel() != cu_seqlens.numel():
+        raise ValueError(f"cu_seqlens_k must hold as many sequences as cu_seqlens: "
+                         f"{cu_seqlens_k.numel() - 1} vs {cu_seqlens.numel() - 1}")
+
+
+def _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, cu_seqlens_k):
+    """The torch formulation of a packed batch: the sequences padded into a batch with a key padding mask (each
+    gets exactly its own output), or, with RoPE tables (one row per packed token), one call per sequence."""
+    offsets = check_cu_seqlens(cu_seqlens, q.shape[-2])
+    if sin is not None:
+        parts = [pacs_linear_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], temp_same, temp_opposite,
+                                       sin[a:b], cos[a:b], eps) for a, b in zip(offsets, offsets[1:]) if b > a]
+        return torch.cat(parts, dim=2) if parts else v.new_empty(*q.shape[:-1], v.shape[-1])
+    offsets_k = offsets if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
+    q_padded, _ = unpack(q, offsets)
+    k_padded, padding = unpack(k, offsets_k)
+    v_padded, _ = unpack(v, offsets_k)
+    out = pacs_linear_attention(q_padded, k_padded, v_padded, temp_same, temp_opposite, eps=eps,
+                                key_padding_mask=padding)
+    return pack(out, offsets)
+
+
 def pacs_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -428,6 +469,9 @@ def pacs_linear_attention(
     cos: torch.Tensor | None = None,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """PolaFormer++'s attention with the PaCS map; RoPE (if given) rotates the numerator only.
 
@@ -436,13 +480,22 @@ def pacs_linear_attention(
             when RoPE tables are given.
         temp_same, temp_opposite: channel-wise temperatures ``sigmoid(w)``,
             broadcastable to (B, H, 1, 2d).
-        sin, cos: (N, 2d) tables from :func:`~polaformer.ops.rope_2d`, or None.
+        sin, cos: (N, 2d) tables from :func:`~polaformer.ops.rope_2d`, or None;
+            for a packed batch one row per packed token, (T, 2d).
         key_padding_mask: (B, M) bool, True for padded keys, as in
             :func:`pola_linear_attention`.
+        cu_seqlens: packed variable-length batch (:mod:`.varlen`): q, k, v are
+            (1, H, T, ·) and sequence ``s`` is tokens ``cu_seqlens[s]:cu_seqlens[s+1]``.
+        cu_seqlens_k: the keys' offsets when they are packed differently from
+            the queries (default ``cu_seqlens``; not with RoPE tables).
 
     Both streams share one ``φkᵀv`` product. Each query row is rescaled by a
     power of two before the products (and ``eps`` with it), which is exact in
     floating point and keeps ``exp`` features from overflowing float32.
+
+    Host synchronisations: none on the Triton path (CUDA) with offsets on the
+    device, whose values are then trusted; offsets on the CPU are checked. The
+    torch formulation of a packed batch reads the offsets (one sync).
     """
     _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
     _check_qkv(q, k, v, even_head_dim=True)
@@ -457,12 +510,25 @@ def pacs_linear_attention(
             f"RoPE tables must be (N, 2*head_dim) = ({q.shape[-2]}, {two_d}) with as many keys as queries; "
             f"got {tuple(sin.shape)} for q{tuple(q.shape)}, k{tuple(k.shape)}"
         )
+    if cu_seqlens is None and cu_seqlens_k is not None:
+        raise ValueError("cu_seqlens_k needs cu_seqlens (the queries' offsets)")
+    if cu_seqlens is not None:
+        if key_padding_mask is not None:
+            raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences carry their lengths")
+        _check_packed(q, k, cu_seqlens, cu_seqlens_k, sin is not None)
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
-    out_dtype = v.dtype
     keep, m = _key_keep(key_padding_mask, k, dtype)
-    # The fused kernel's RoPE works on whole channel pairs; tables for an odd head_dim take the plain path.
-    fused = not capturing() and (sin is None or q.shape[-1] % 2 == 0)
-    if not fused:
+    # The kernels' RoPE works on channel pairs inside each half; tables for an odd head_dim take the plain path.
+    pairs = sin is None or q.shape[-1] % 2 == 0
+    if pairs and not capturing():
+        kernels = triton_kernels(q)
+        if kernels is not None:
+            return kernels.pacs_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask,
+                                          cu_seqlens, cu_seqlens_k)
+    if cu_seqlens is not None:
+        return _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, cu_seqlens_k)
+    out_dtype = v.dtype
+    if capturing() or not pairs:
         attention = _pacs_attention_graph
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, temp_same, temp_opposite)):
         attention = _PacsAttention.apply

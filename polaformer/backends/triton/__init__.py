@@ -10,6 +10,7 @@ import importlib
 
 _ENTRY_POINTS = {
     "pola_attention": "pola",
+    "pacs_attention": "pacs",
 }
 
 

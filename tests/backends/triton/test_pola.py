@@ -213,6 +213,7 @@ def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch):
         dispatch.set_attention_backend(previous)
     assert calls == [q.shape]
     assert rms_ratio(out, naive_pola_linear_attention(q.double(), k.double(), v.double(), power.double())) < 1e-5
+    assert dispatch.triton_kernels(q.double()) is None  # float64 on a GPU: the torch formulation
 
 
 def test_explicit_triton_backend_that_cannot_run_raises(triton_backend, monkeypatch):
