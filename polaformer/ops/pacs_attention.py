@@ -13,6 +13,7 @@ import weakref
 
 import torch
 
+from .causal import causal_pacs_linear_attention
 from .dispatch import capturing, legacy_onnx_export
 from .feature_maps import pacs_key_features, pacs_query_features
 from .pola_attention import (
@@ -428,6 +429,8 @@ def pacs_linear_attention(
     cos: torch.Tensor | None = None,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    *,
+    causal: bool = False,
 ) -> torch.Tensor:
     """PolaFormer++'s attention with the PaCS map; RoPE (if given) rotates the numerator only.
 
@@ -439,11 +442,16 @@ def pacs_linear_attention(
         sin, cos: (N, 2d) tables from :func:`~polaformer.ops.rope_2d`, or None.
         key_padding_mask: (B, M) bool, True for padded keys, as in
             :func:`pola_linear_attention`.
+        causal: query ``t`` sees keys ``0..t`` only:
+            :func:`~polaformer.ops.causal_pacs_linear_attention`.
 
     Both streams share one ``φkᵀv`` product. Each query row is rescaled by a
     power of two before the products (and ``eps`` with it), which is exact in
     floating point and keeps ``exp`` features from overflowing float32.
     """
+    if causal:
+        return causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps,
+                                            key_padding_mask=key_padding_mask)
     _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
     _check_qkv(q, k, v, even_head_dim=True)
     two_d = 2 * q.shape[-1]
