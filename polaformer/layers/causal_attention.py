@@ -17,17 +17,20 @@ from torch import nn
 
 from ..ops import (
     CausalState,
+    causal_linear_attention,
     causal_pacs_linear_attention,
     causal_pacs_step,
     causal_pola_linear_attention,
     causal_pola_step,
+    elu_feature,
     learnable_power,
     pacs_temperature,
     rope_1d,
 )
 from .sequence_attention import GATE_INITS
 
-__all__ = ["CausalCache", "PacsCausalSelfAttention", "PolaCausalSelfAttention"]
+__all__ = ["CausalCache", "EluCausalSelfAttention", "PacsCausalSelfAttention", "PolaCausalSelfAttention",
+           "SoftmaxCausalSelfAttention"]
 
 
 class CausalCache(NamedTuple):
@@ -193,3 +196,61 @@ class PacsCausalSelfAttention(_CausalSelfAttention):
                                            initial_state=None if cache is None else cache.attention,
                                            return_state=return_state)
         return out if return_state else (out, None)
+
+
+class _PlainCausalSelfAttention(nn.Module):
+    """The baselines' shared projections: q, k, v in one linear, an output linear, and a ``step`` API."""
+
+    def __init__(self, dim: int, num_heads: int = 8, *, qkv_bias: bool = True, proj_drop: float = 0.0):
+        super().__init__()
+        if dim % num_heads:
+            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
+        self.proj = nn.Linear(dim, dim)
+        self.proj_drop = nn.Dropout(proj_drop)
+
+    def _qkv(self, x):
+        b, n, _ = x.shape
+        return self.qkv(x).reshape(b, n, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+
+    def _out(self, out):
+        b, h, n, d = out.shape
+        return self.proj_drop(self.proj(out.transpose(1, 2).reshape(b, n, h * d)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.step(x)[0]
+
+
+class EluCausalSelfAttention(_PlainCausalSelfAttention):
+    """Causal linear attention with the ``ELU(x) + 1`` map (Katharopoulos et al., 2020), the plain baseline of
+    the causal Pola/PaCS layers; its cache is the recurrent state."""
+
+    def __init__(self, dim: int, num_heads: int = 8, *, eps: float = 1e-6, chunk_size: int = 64, **kwargs):
+        super().__init__(dim, num_heads, **kwargs)
+        self.eps, self.chunk_size = eps, chunk_size
+
+    def step(self, x, cache=None):
+        q, k, v = self._qkv(x)
+        out, state = causal_linear_attention(elu_feature(q), elu_feature(k), v, self.eps, self.chunk_size,
+                                             initial_state=cache, recurrent=x.shape[1] == 1 and cache is not None)
+        return self._out(out), state
+
+
+class SoftmaxCausalSelfAttention(_PlainCausalSelfAttention):
+    """Causal softmax attention through ``scaled_dot_product_attention``; its cache holds every key and value
+    (the KV cache), so a generated token costs O(context)."""
+
+    def step(self, x, cache=None):
+        q, k, v = self._qkv(x)
+        if cache is not None:
+            k, v = torch.cat([cache[0], k], dim=2), torch.cat([cache[1], v], dim=2)
+        if cache is None or q.shape[2] == k.shape[2]:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        elif q.shape[2] == 1:
+            out = F.scaled_dot_product_attention(q, k, v)
+        else:  # several new tokens after a cache: each sees the cache and the new ones up to itself
+            n, m = q.shape[2], k.shape[2]
+            seen = torch.ones(n, m, dtype=torch.bool, device=x.device).tril(m - n)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+        return self._out(out), (k, v)
