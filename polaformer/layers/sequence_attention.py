@@ -106,7 +106,7 @@ class _SequenceAttention(nn.Module):
         b, n, _ = t.shape
         return t.reshape(b, n, self.num_heads, self.head_dim).transpose(1, 2)
 
-    def _attend(self, q, k, v, key_padding_mask):  # (B, H, N, d) each -> (B, H, N, d)
+    def _attend(self, q, k, v, key_padding_mask, causal=False):  # (B, H, N, d) each -> (B, H, N, d)
         raise NotImplementedError
 
     def _local(self, v: torch.Tensor) -> torch.Tensor:
@@ -119,13 +119,15 @@ class _SequenceAttention(nn.Module):
         key: torch.Tensor | None = None,
         value: torch.Tensor | None = None,
         key_padding_mask: torch.Tensor | None = None,
+        causal: bool = False,
     ) -> torch.Tensor:
         """Self-attention when ``key`` is None, else cross-attention to ``key`` / ``value``.
 
         ``query``: (B, N, dim); ``key``: (B, M, kdim), ``value``: (B, M, vdim),
         ``value`` defaulting to ``key``. ``key_padding_mask``: (B, M) (N in
         self-attention), True at padding. The depthwise conv branch needs tokens
-        aligned with the queries and runs in self-attention only.
+        aligned with the queries and runs in self-attention only. ``causal``
+        (self-attention only): token t sees tokens 0..t, the conv padded on the left.
         """
         if query.dim() != 3 or query.shape[-1] != self.dim:
             raise ValueError(f"query must be (batch, tokens, {self.dim}), got {tuple(query.shape)}")
@@ -142,15 +144,19 @@ class _SequenceAttention(nn.Module):
         if key.shape[1] == 0:
             raise ValueError("key and value need at least one token")
         mask = _as_bool_mask(key_padding_mask, key.shape[0], key.shape[1])
+        if causal and not self_attention:
+            raise ValueError("causal attention is self-attention: pass no key/value")
 
         q, g = self.qg(query).chunk(2, dim=-1)
         k, v = self._keys_values(key, value)
         if mask is not None:
             v = v.masked_fill(mask[..., None], 0.0)  # padding stays out of the conv branch
-        out = self._attend(self._heads(q), self._heads(k), self._heads(v), mask)
+        out = self._attend(self._heads(q), self._heads(k), self._heads(v), mask, causal)
         out = out.transpose(1, 2).reshape(query.shape)
         if self_attention and self.dwc is not None:
-            out = out + self._local(v)
+            # causal: the same kernel shifted to end at each token (its left half-width of extra zeros)
+            shift = self.dwc.kernel_size[0] // 2 if causal else 0
+            out = out + self._local(F.pad(v, (0, 0, shift, 0)))[:, :v.shape[1]]
         return self.proj_drop(self.proj(out * g))
 
 
@@ -196,11 +202,11 @@ class PolaSequenceAttention(_SequenceAttention):
         self.power = nn.Parameter(torch.zeros(1, num_heads, 1, self.head_dim))
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))
 
-    def _attend(self, q, k, v, key_padding_mask):
+    def _attend(self, q, k, v, key_padding_mask, causal=False):
         b, h, _, d = q.shape
         scale = F.softplus(self.scale).reshape(1, h, 1, d)
         return pola_linear_attention(q / scale, k / scale, v, learnable_power(self.power, self.alpha), self.eps,
-                                     key_padding_mask)
+                                     key_padding_mask, causal=causal)
 
     def _local(self, v):
         b, n, c = v.shape
@@ -238,9 +244,9 @@ class PacsSequenceAttention(_SequenceAttention):
         self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * self.head_dim))
         self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * self.head_dim))
 
-    def _attend(self, q, k, v, key_padding_mask):
+    def _attend(self, q, k, v, key_padding_mask, causal=False):
         return pacs_linear_attention(q, k, v, pacs_temperature(self.s1), pacs_temperature(self.s2),
-                                     eps=self.eps, key_padding_mask=key_padding_mask)
+                                     eps=self.eps, key_padding_mask=key_padding_mask, causal=causal)
 
     def _local(self, v):
         return self.dwc(v.transpose(1, 2)).transpose(1, 2)
@@ -262,9 +268,12 @@ class PolaMultiheadAttention(nn.Module):
     (N, M) weight matrix is exactly what linear attention never forms. It also
     works inside ``nn.TransformerEncoderLayer`` / ``nn.TransformerDecoderLayer``.
 
+    ``is_causal=True`` (self-attention) runs the causal op
+    (:mod:`polaformer.ops.causal`) and a left-padded conv; ``attn_mask`` is then
+    taken as the causal mask it must be (as ``nn.TransformerDecoderLayer`` passes it).
     Differences, each refused with a clear error rather than silently ignored:
-    ``attn_mask`` and ``is_causal`` (linear attention here is bidirectional;
-    use ``key_padding_mask`` for padding), ``add_bias_kv``, ``add_zero_attn``.
+    any other ``attn_mask`` (use ``key_padding_mask`` for padding), causal
+    cross-attention, ``add_bias_kv``, ``add_zero_attn``.
     ``dropout`` drops output activations (there are no weights to drop).
     Self-attention (query, key and value are the same data, as in
     ``mha(x, x, x)``) adds the 1-D depthwise conv branch; any other call is
@@ -325,12 +334,13 @@ class PolaMultiheadAttention(nn.Module):
         average_attn_weights: bool = True,
         is_causal: bool = False,
     ) -> tuple[torch.Tensor, None]:
-        if attn_mask is not None or is_causal:
+        if attn_mask is not None and not is_causal:
             raise ValueError(
-                "attn_mask / is_causal are not supported: polarity-aware linear attention here is bidirectional "
-                "(use key_padding_mask for padding)"
+                "attn_mask is not supported: linear attention takes key_padding_mask for padding, or is_causal=True"
             )
         self_attention = _same_data(query, key) and _same_data(query, value)
+        if is_causal and not self_attention:
+            raise ValueError("is_causal=True needs self-attention (query, key and value the same tensor)")
         unbatched = query.dim() == 2  # (L, E), as nn.MultiheadAttention accepts
         if unbatched:
             query, key, value = query.unsqueeze(0), key.unsqueeze(0), value.unsqueeze(0)
@@ -339,7 +349,7 @@ class PolaMultiheadAttention(nn.Module):
         elif not self.batch_first:
             query, key, value = query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1)
         if self_attention:
-            out = self.attn(query, key_padding_mask=key_padding_mask)
+            out = self.attn(query, key_padding_mask=key_padding_mask, causal=is_causal)
         else:
             out = self.attn(query, key, value, key_padding_mask=key_padding_mask)
         if unbatched:

@@ -11,7 +11,18 @@ from .feature_maps import (
     power_feature,
     relu_feature,
 )
+from .causal import (
+    CausalState,
+    causal_linear_attention,
+    causal_pacs_linear_attention,
+    causal_pacs_step,
+    causal_pola_linear_attention,
+    causal_pola_step,
+)
 from .naive import (
+    causal_linear_attention_weights,
+    naive_causal_pacs_linear_attention,
+    naive_causal_pola_linear_attention,
     linear_attention_weights,
     naive_pacs_linear_attention,
     naive_pola_linear_attention,
@@ -24,16 +35,25 @@ from .layout import tokens_to_map
 from .pacs_attention import pacs_linear_attention
 from .pola_attention import linear_attention, pola_linear_attention
 from .positions import resample_grid_table
-from .rope import apply_rope, rope_2d, rope_angles, rotate_pairs
+from .rope import apply_rope, rope_1d, rope_2d, rope_angles, rotate_pairs
 from .window_softmax import window_softmax_attention
 
 __all__ = [
+    "CausalState",
     "apply_rope",
+    "causal_linear_attention",
+    "causal_linear_attention_weights",
+    "causal_pacs_linear_attention",
+    "causal_pacs_step",
+    "causal_pola_linear_attention",
+    "causal_pola_step",
     "elu_feature",
     "focused_feature",
     "learnable_power",
     "linear_attention",
     "linear_attention_weights",
+    "naive_causal_pacs_linear_attention",
+    "naive_causal_pola_linear_attention",
     "naive_pacs_linear_attention",
     "naive_pola_linear_attention",
     "official_pola_linear_attention",
@@ -48,6 +68,7 @@ __all__ = [
     "power_feature",
     "relu_feature",
     "resample_grid_table",
+    "rope_1d",
     "rope_2d",
     "rope_angles",
     "rotate_pairs",

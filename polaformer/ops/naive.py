@@ -20,7 +20,10 @@ from .feature_maps import pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
 
 __all__ = [
+    "causal_linear_attention_weights",
     "linear_attention_weights",
+    "naive_causal_pacs_linear_attention",
+    "naive_causal_pola_linear_attention",
     "pola_attention_weights",
     "naive_pola_linear_attention",
     "pacs_attention_weights",
@@ -150,3 +153,47 @@ def softmax_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float | N
     """Row-stochastic ``softmax(q kᵀ · scale)``, scale defaulting to ``head_dim^-1/2``."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1)
+
+
+def causal_linear_attention_weights(
+    phi_q: torch.Tensor,
+    phi_k: torch.Tensor,
+    eps: float = 1e-6,
+    phi_q_num: torch.Tensor | None = None,
+    phi_k_num: torch.Tensor | None = None,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """:func:`linear_attention_weights` with query ``t`` seeing keys ``0..t`` only: the weights of later keys
+    are 0, and ``M`` and the mean count the valid keys of the prefix (at least 1)."""
+    num_q = phi_q if phi_q_num is None else phi_q_num
+    num_k = phi_k if phi_k_num is None else phi_k_num
+    n = phi_k.shape[-2]
+    seen = torch.ones(n, n, dtype=torch.bool, device=phi_k.device).tril()
+    if key_padding_mask is not None:
+        seen = seen & ~key_padding_mask[:, None, None, :]
+    m = seen.sum(dim=-1, keepdim=True).clamp_min(1)
+    scores = (num_q @ num_k.transpose(-2, -1)).masked_fill(~seen, 0.0) / m
+    key_sum = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~seen, 0.0).sum(dim=-1, keepdim=True)
+    return scores / (key_sum / m + eps)
+
+
+def naive_causal_pola_linear_attention(q, k, v, power, eps: float = 1e-6, key_padding_mask=None) -> torch.Tensor:
+    """Reference of :func:`~polaformer.ops.causal_pola_linear_attention`: masked weights of both streams."""
+    phi_q, phi_k = power_feature(q, power), power_feature(k, power)
+    same = causal_linear_attention_weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
+    opposite = causal_linear_attention_weights(_swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
+    v_same, v_opposite = v.chunk(2, dim=-1)
+    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+
+
+def naive_causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps: float = 1e-6,
+                                       key_padding_mask=None) -> torch.Tensor:
+    """Reference of :func:`~polaformer.ops.causal_pacs_linear_attention` (RoPE on the numerator only)."""
+    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
+    phi_k = pacs_key_features(k)
+    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
+    k_num = rotate(phi_k)
+    same = causal_linear_attention_weights(q_same, phi_k, eps, rotate(q_same), k_num, key_padding_mask)
+    opposite = causal_linear_attention_weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num, key_padding_mask)
+    v_same, v_opposite = v.chunk(2, dim=-1)
+    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)

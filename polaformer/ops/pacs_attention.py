@@ -14,6 +14,7 @@ import weakref
 
 import torch
 
+from .causal import causal_pacs_linear_attention
 from .dispatch import capturing, legacy_onnx_export, triton_kernels
 from .feature_maps import pacs_key_features, pacs_query_features
 from .pola_attention import (
@@ -472,6 +473,7 @@ def pacs_linear_attention(
     *,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """PolaFormer++'s attention with the PaCS map; RoPE (if given) rotates the numerator only.
 
@@ -488,6 +490,8 @@ def pacs_linear_attention(
             (1, H, T, ·) and sequence ``s`` is tokens ``cu_seqlens[s]:cu_seqlens[s+1]``.
         cu_seqlens_k: the keys' offsets when they are packed differently from
             the queries (default ``cu_seqlens``; not with RoPE tables).
+        causal: query ``t`` sees keys ``0..t`` only:
+            :func:`~polaformer.ops.causal_pacs_linear_attention`.
 
     Both streams share one ``φkᵀv`` product. Each query row is rescaled by a
     power of two before the products (and ``eps`` with it), which is exact in
@@ -497,6 +501,10 @@ def pacs_linear_attention(
     device, whose values are then trusted; offsets on the CPU are checked. The
     torch formulation of a packed batch reads the offsets (one sync).
     """
+    if causal:
+        return causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps,
+                                            key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
+                                            cu_seqlens_k=cu_seqlens_k)
     _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
     _check_qkv(q, k, v, even_head_dim=True)
     two_d = 2 * q.shape[-1]

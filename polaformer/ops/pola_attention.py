@@ -32,6 +32,7 @@ import contextlib
 import torch
 
 from . import varlen
+from .causal import causal_pola_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
 
 __all__ = ["full_precision", "linear_attention", "pola_linear_attention"]
@@ -428,6 +429,7 @@ def pola_linear_attention(
     *,
     cu_seqlens: torch.Tensor | None = None,
     cu_seqlens_k: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """PolaFormer's polarity-aware linear attention with the learnable power map.
 
@@ -448,6 +450,8 @@ def pola_linear_attention(
             ``key_padding_mask``.
         cu_seqlens_k: the keys' (and values') offsets when they are packed
             differently from the queries (default: ``cu_seqlens``).
+        causal: query ``t`` sees keys ``0..t`` only (N = M), the normaliser
+            over that prefix: :func:`~polaformer.ops.causal_pola_linear_attention`.
 
     Returns:
         (B, H, N, dv) in ``v``'s dtype. Half-precision inputs and autocast
@@ -462,6 +466,9 @@ def pola_linear_attention(
     offsets' values (``varlen.check_cu_seqlens``) before padding them.
     Graph capture always gets the torch formulation.
     """
+    if causal:
+        return causal_pola_linear_attention(q, k, v, power, eps, key_padding_mask=key_padding_mask,
+                                            cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
     _check_float(q=q, k=k, v=v)
     _check_qkv(q, k, v)
     if v.shape[-1] < 2:

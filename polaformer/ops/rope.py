@@ -11,7 +11,7 @@ import torch
 
 from .dispatch import capturing, cpu_kernels
 
-__all__ = ["rope_angles", "rope_2d", "apply_rope", "rotate_pairs"]
+__all__ = ["rope_angles", "rope_1d", "rope_2d", "apply_rope", "rotate_pairs"]
 
 
 def rope_angles(embed_dim: int, num_heads: int, base: float = 10000.0, dtype=torch.float32,
@@ -77,3 +77,10 @@ def rotate_pairs(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
         if kernels is not None:
             return _RotatePairs.apply(x, sin, cos, kernels)
     return apply_rope(x, sin, cos)
+
+
+def rope_1d(angle: torch.Tensor, length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(sin, cos)`` tables (length, len(angle)) for token positions ``start … start + length − 1`` of a
+    sequence: every channel pair turns by its angle times the position (text, causal models)."""
+    phase = torch.arange(start, start + length, device=angle.device, dtype=angle.dtype)[:, None] * angle
+    return torch.sin(phase), torch.cos(phase)

@@ -177,10 +177,10 @@ def test_multihead_wrapper_cross_attention_and_refusals():
     out, _ = mha(torch.randn(2, 3, 16), torch.randn(2, 9, 6), torch.randn(2, 9, 10))
     assert out.shape == (2, 3, 16)
     x = torch.randn(2, 3, 16)
-    with pytest.raises(ValueError, match="bidirectional"):
+    with pytest.raises(ValueError, match="attn_mask is not supported"):
         PolaMultiheadAttention(16, 2)(x, x, x, attn_mask=torch.zeros(2, 2, dtype=torch.bool))
-    with pytest.raises(ValueError, match="bidirectional"):
-        PolaMultiheadAttention(16, 2)(x, x, x, is_causal=True)
+    with pytest.raises(ValueError, match="needs self-attention"):
+        mha(torch.randn(2, 3, 16), torch.randn(2, 9, 6), torch.randn(2, 9, 10), is_causal=True)
     with pytest.raises(ValueError, match="add_bias_kv"):
         PolaMultiheadAttention(16, 2, add_bias_kv=True)
 

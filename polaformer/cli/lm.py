@@ -1,0 +1,104 @@
+"""``polaformer lm``: train / eval / sample the byte-level ``pola_lm_*`` models on the standard library's text
+(docs/causal.md). Errors (bad options, unusable checkpoints) reach the one handler of :func:`polaformer.cli.main`."""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .common import positive_int
+
+__all__ = ["add_lm_parser"]
+
+
+def add_lm_parser(commands) -> None:
+    lm = commands.add_parser("lm", help="byte-level causal language models (pola | pacs | elu | softmax attention)",
+                             description="Causal language models on the Python standard library's own files. "
+                                         "See docs/causal.md.")
+    sub = lm.add_subparsers(dest="lm_command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train one model (step-based, resumable); reports bits per byte")
+    train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, train keys)")
+    train.add_argument("--model", help="timm name, e.g. pola_lm_tiny (model.name)")
+    train.add_argument("--attention", choices=("pola", "pacs", "elu", "softmax"), help="model.attention")
+    for flag, kind, text in (("--steps", positive_int, "train.steps"), ("--batch-size", positive_int,
+                             "train.batch_size"), ("--context", positive_int, "model.context"),
+                             ("--lr", float, "train.lr"), ("--eval-every", positive_int, "train.eval_every"),
+                             ("--max-bytes", int, "data.max_bytes (0: all)"), ("--seed", int, "train.seed")):
+        train.add_argument(flag, type=kind, help=text)
+    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
+    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lm/MODEL-ATTENTION)")
+    train.add_argument("--resume", metavar="auto|FILE")
+    train.add_argument("--overwrite", action="store_true")
+    train.add_argument("--device", default="auto")
+    train.set_defaults(handler=cmd_lm_train)
+
+    evaluate = sub.add_parser("eval", help="validation bits per byte of a checkpoint")
+    evaluate.add_argument("--checkpoint", required=True, metavar="FILE")
+    evaluate.add_argument("--batches", type=int, default=0, help="validation batches (0: all)")
+    evaluate.set_defaults(handler=cmd_lm_eval)
+
+    sample = sub.add_parser("sample", help="generate text from a checkpoint (recurrent form, one step per byte)")
+    sample.add_argument("--checkpoint", required=True, metavar="FILE")
+    sample.add_argument("--prompt", default="def ", help="text to continue")
+    sample.add_argument("--length", type=positive_int, default=200, help="bytes to generate")
+    sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    sample.add_argument("--top-k", type=int, default=0)
+    sample.add_argument("--seed", type=int, default=0)
+    sample.set_defaults(handler=cmd_lm_sample)
+
+
+def cmd_lm_train(args: argparse.Namespace) -> int:
+    from ..tasks.lm import lm_config, train_lm
+
+    cfg = lm_config(args.config, args.opts)
+    flags = {"model": ("model", "name"), "attention": ("model", "attention"), "context": ("model", "context"),
+             "steps": ("train", "steps"), "batch_size": ("train", "batch_size"), "lr": ("train", "lr"),
+             "eval_every": ("train", "eval_every"), "max_bytes": ("data", "max_bytes"), "seed": ("train", "seed")}
+    for flag, (section, key) in flags.items():
+        if getattr(args, flag) is not None:
+            cfg[section].merge({key: getattr(args, flag)}, source="the command line")
+    if cfg.train.warmup_steps >= cfg.train.steps:
+        cfg.train.warmup_steps = max(1, cfg.train.steps // 10)
+    output = Path(args.output or f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
+    summary = train_lm(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
+    print(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
+          f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} steps, "
+          f"{summary['wall_time_s']:.0f}s) -> {output}")
+    return 0
+
+
+def _loader(cfg):
+    from torch.utils.data import DataLoader
+
+    from ..tasks.lm import ByteWindows, stdlib_corpus
+
+    train_bytes, valid_bytes = stdlib_corpus(cfg.data.max_bytes, cfg.data.valid_fraction, cfg.data.seed)
+    return DataLoader(ByteWindows(valid_bytes, cfg.model.context), batch_size=cfg.train.batch_size), train_bytes, \
+        valid_bytes
+
+
+def cmd_lm_eval(args: argparse.Namespace) -> int:
+    from ..tasks.lm import evaluate_bits_per_byte, load_lm_model, unigram_bits_per_byte
+
+    model, cfg = load_lm_model(args.checkpoint)
+    loader, train_bytes, valid_bytes = _loader(cfg)
+    result = evaluate_bits_per_byte(model, loader, "cpu", args.batches)
+    print(f"valid bits/byte: {result['bits_per_byte']:.4f} over {result['bytes']} bytes "
+          f"(unigram {unigram_bits_per_byte(train_bytes, valid_bytes):.4f})")
+    return 0
+
+
+def cmd_lm_sample(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..tasks.lm import load_lm_model
+
+    model, cfg = load_lm_model(args.checkpoint)
+    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
+    if prompt.numel() == 0 or prompt.shape[1] + args.length > cfg.model.context:
+        raise ValueError(f"prompt ({prompt.shape[1]} bytes) plus --length must be 1..{cfg.model.context} bytes")
+    out = model.generate(prompt, args.length, args.temperature, args.top_k,
+                         generator=torch.Generator().manual_seed(args.seed))
+    sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
+    return 0

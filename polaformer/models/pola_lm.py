@@ -1,0 +1,175 @@
+"""A small GPT-style language model family with causal polarity-aware attention (``pola_lm_*``).
+
+Token embedding plus a learned position table, pre-norm blocks (causal attention, GELU MLP), a final norm and a
+head tied to the embedding. ``attention`` picks the token mixer: ``pola`` / ``pacs``
+(:mod:`polaformer.layers.causal_attention`), ``elu`` (ELU+1 causal linear attention) or ``softmax`` (SDPA,
+causal), so the four compare at one parameter budget. :meth:`PolaLM.generate` runs each layer's ``step``: the
+recurrent form for the linear attentions, a KV cache for softmax.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from timm.layers import Mlp
+from timm.models import generate_default_cfgs, register_model
+from torch import nn
+
+from ..layers import (
+    EluCausalSelfAttention,
+    PacsCausalSelfAttention,
+    PolaCausalSelfAttention,
+    SoftmaxCausalSelfAttention,
+)
+
+__all__ = ["ATTENTIONS", "PolaLM"]
+
+ATTENTIONS = {
+    "pola": PolaCausalSelfAttention,
+    "pacs": PacsCausalSelfAttention,
+    "elu": EluCausalSelfAttention,
+    "softmax": SoftmaxCausalSelfAttention,
+}
+
+
+class Block(nn.Module):
+    def __init__(self, dim, num_heads, mlp_ratio, drop, attention, attention_kwargs):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(dim)
+        self.attn = ATTENTIONS[attention](dim, num_heads, proj_drop=drop, **attention_kwargs)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = Mlp(dim, int(dim * mlp_ratio), drop=drop)
+
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+    def step(self, x, cache):
+        out, cache = self.attn.step(self.norm1(x), cache)
+        x = x + out
+        return x + self.mlp(self.norm2(x)), cache
+
+
+class PolaLM(nn.Module):
+    """Byte- (or token-) level causal language model.
+
+    Args:
+        vocab_size: tokens (256 for bytes).
+        context: longest sequence (the position table's length).
+        dim, depth, num_heads, mlp_ratio: sizes.
+        attention: ``pola``, ``pacs``, ``elu`` or ``softmax``.
+        drop_rate: dropout after attention and MLP outputs and on the embeddings.
+        attention_kwargs: further arguments of the attention layer (``kernel_size``, ``chunk_size``, ...).
+    """
+
+    def __init__(self, vocab_size: int = 256, context: int = 256, dim: int = 128, depth: int = 4,
+                 num_heads: int = 4, mlp_ratio: float = 4.0, attention: str = "pola", drop_rate: float = 0.0,
+                 attention_kwargs: dict | None = None, **kwargs):
+        super().__init__()
+        for timm_key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's factory passes these
+            kwargs.pop(timm_key, None)
+        if kwargs:
+            raise TypeError(f"PolaLM got unknown arguments: {', '.join(sorted(kwargs))}")
+        if attention not in ATTENTIONS:
+            raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
+        self.vocab_size, self.context, self.attention = vocab_size, context, attention
+        self.tok_embed = nn.Embedding(vocab_size, dim)
+        self.pos_embed = nn.Parameter(torch.zeros(context, dim))
+        self.drop = nn.Dropout(drop_rate)
+        self.blocks = nn.ModuleList(
+            Block(dim, num_heads, mlp_ratio, drop_rate, attention, dict(attention_kwargs or {})) for _ in range(depth))
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.apply(self._init_weights)
+        nn.init.normal_(self.pos_embed, std=0.02)
+        self.head.weight = self.tok_embed.weight  # tied
+
+    @staticmethod
+    def _init_weights(m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+            if isinstance(m, nn.Linear) and m.bias is not None:
+                nn.init.zeros_(m.bias)
+
+    def _embed(self, tokens, start):
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be (batch, length), got {tuple(tokens.shape)}")
+        end = start + tokens.shape[1]
+        if end > self.context:
+            raise ValueError(f"sequence of {end} tokens is longer than the model's context {self.context}")
+        return self.drop(self.tok_embed(tokens) + self.pos_embed[start:end])
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """(B, N) token ids -> (B, N, vocab) next-token logits."""
+        x = self._embed(tokens, 0)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def step(self, tokens: torch.Tensor, caches: list | None = None, start: int = 0):
+        """Logits of ``tokens`` (B, T) continuing the sequence behind ``caches`` (None: a new one) whose
+        length is ``start``; returns ``(logits, caches)``."""
+        x = self._embed(tokens, start)
+        caches = caches or [None] * len(self.blocks)
+        new = []
+        for block, cache in zip(self.blocks, caches):
+            x, cache = block.step(x, cache)
+            new.append(cache)
+        return self.head(self.norm(x)), new
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int = 0,
+                 generator: torch.Generator | None = None) -> torch.Tensor:
+        """Continue ``prompt`` (B, T) by ``new_tokens`` sampled tokens (greedy at ``temperature`` 0); one
+        layer ``step`` per token. Returns (B, T + new_tokens)."""
+        if prompt.shape[1] == 0:
+            raise ValueError("the prompt needs at least one token")
+        logits, caches = self.step(prompt)
+        out = [prompt]
+        position = prompt.shape[1]
+        for i in range(new_tokens):
+            last = logits[:, -1].float()
+            if temperature <= 0:
+                token = last.argmax(dim=-1, keepdim=True)
+            else:
+                last = last / temperature
+                if top_k:
+                    kth = last.topk(min(top_k, last.shape[-1]), dim=-1).values[:, -1:]
+                    last = last.masked_fill(last < kth, float("-inf"))
+                token = torch.multinomial(F.softmax(last, dim=-1), 1, generator=generator)
+            out.append(token)
+            if i + 1 < new_tokens:
+                logits, caches = self.step(token, caches, position)
+                position += 1
+        return torch.cat(out, dim=1)
+
+
+def _cfg(**kwargs):
+    return {"num_classes": 256, "input_size": (256,), "first_conv": "tok_embed", "classifier": "head",
+            "license": "apache-2.0", **kwargs}
+
+
+SIZES = {"tiny": dict(dim=64, depth=2, num_heads=2), "small": dict(dim=128, depth=4, num_heads=4),
+         "base": dict(dim=256, depth=6, num_heads=4)}
+
+default_cfgs = generate_default_cfgs({f"pola_lm_{size}": _cfg() for size in SIZES})
+
+
+def _create(size, pretrained, **kwargs):
+    if pretrained:
+        raise ValueError(f"pola_lm_{size} has no pretrained weights; train one with 'polaformer lm train'")
+    return PolaLM(**{**SIZES[size], **kwargs})
+
+
+@register_model
+def pola_lm_tiny(pretrained: bool = False, **kwargs) -> PolaLM:
+    return _create("tiny", pretrained, **kwargs)
+
+
+@register_model
+def pola_lm_small(pretrained: bool = False, **kwargs) -> PolaLM:
+    return _create("small", pretrained, **kwargs)
+
+
+@register_model
+def pola_lm_base(pretrained: bool = False, **kwargs) -> PolaLM:
+    return _create("base", pretrained, **kwargs)

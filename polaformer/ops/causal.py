@@ -1,0 +1,364 @@
+"""Causal polarity-aware linear attention: each query sees the keys up to its own position.
+
+Definition (reference: :func:`.naive.naive_causal_pola_linear_attention` and the PaCS one): the causal masked
+form of the bidirectional op, with the mean over the prefix. Query ``t`` of a stream with features ``φq`` and
+value channels ``v`` gives
+
+    out_t = Σ_{i≤t} (φq_t·φk_i) v_i / n_t  /  (Σ_{i≤t} φq_t·φk_i / n_t + eps)
+
+where ``n_t`` counts the valid keys up to ``t`` (at least 1), so ``eps`` weighs exactly as in the bidirectional
+op. The same-sign stream takes ``φq`` and the first ``ceil(dv/2)`` value channels, the opposite-sign stream
+the swapped query features and the rest; PaCS rotates the numerator's features with RoPE.
+
+Two forms of that one function:
+
+- chunked-parallel (training, :func:`causal_pola_linear_attention`, :func:`causal_pacs_linear_attention`): the
+  tokens in chunks of ``chunk_size``; inside a chunk the masked products ``tril(φq φkᵀ) v``, across chunks a
+  running state ``S = Σ φkᵀv`` and key sum, O(N·C·d + N·d²);
+- recurrent (generation, :func:`causal_pola_step`, :func:`causal_pacs_step`): one token at a time, carrying
+  :class:`CausalState` (``S`` per stream, the key sum and the count), O(d²) per token.
+
+Both are plain torch (autograd derives the gradients) computed in at least float32 with autocast off.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from . import varlen
+from .feature_maps import pacs_key_features, pacs_query_features, power_feature
+from .rope import apply_rope
+
+__all__ = [
+    "CausalState",
+    "causal_linear_attention",
+    "causal_pacs_linear_attention",
+    "causal_pacs_step",
+    "causal_pola_linear_attention",
+    "causal_pola_step",
+]
+
+
+class CausalState(NamedTuple):
+    """What the recurrent form carries between tokens, per sequence and head.
+
+    ``kv``: one ``Σ k_numᵀ v`` per stream, (B, H, F, dv_s); ``key_sum``: ``Σ φk`` (B, H, F); ``count``: the
+    number of valid keys seen, (B, 1, 1) float.
+    """
+
+    kv: tuple[torch.Tensor, ...]
+    key_sum: torch.Tensor
+    count: torch.Tensor
+
+
+class _Stream(NamedTuple):
+    phi_q: torch.Tensor  # (B, H, N, F) normaliser features
+    q_num: torch.Tensor  # (B, H, N, F) numerator features (RoPE-rotated for PaCS)
+    v: torch.Tensor  # (B, H, N, dv_s) this stream's value channels
+    eps: torch.Tensor | float  # a number or per-row (B, H, N, 1)
+
+
+def _autocast_off(device_type: str):
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
+def _check_inputs(q, k, v, chunk_size=None):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor")
+        if t.dim() != 4:
+            raise ValueError(f"q, k and v must be 4-D (batch, heads, tokens, head_dim); got {name}{tuple(t.shape)}")
+    if not (q.shape[:3] == k.shape[:3] == v.shape[:3]):
+        raise ValueError(f"causal attention needs q, k and v with the same batch, heads and tokens; "
+                         f"got q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
+    if v.shape[-1] < 2:
+        raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+
+
+def _keep(key_padding_mask, k):
+    """(B, 1, N, 1) 0/1 factor of the valid keys, or None."""
+    if key_padding_mask is None:
+        return None
+    if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (k.shape[0], k.shape[-2]):
+        raise ValueError(f"key_padding_mask must be a bool (batch, tokens) = ({k.shape[0]}, {k.shape[-2]}) tensor, "
+                         f"True at padding; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    return (~key_padding_mask).to(device=k.device, dtype=k.dtype)[:, None, :, None]
+
+
+def _compute_dtype(*tensors):
+    dtype = torch.float32
+    for t in tensors:
+        dtype = torch.promote_types(dtype, t.dtype)
+    return dtype
+
+
+def _swap(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return torch.cat([x[..., d:], x[..., :d]], dim=-1)
+
+
+def _empty_state(phi_k, k_num, streams) -> CausalState:
+    b, h, _, f = phi_k.shape
+    kv = tuple(phi_k.new_zeros(b, h, k_num.shape[-1], s.v.shape[-1]) for s in streams)
+    return CausalState(kv, phi_k.new_zeros(b, h, f), phi_k.new_zeros(b, 1, 1))
+
+
+def _chunked(streams, phi_k, k_num, keep, chunk_size, state):
+    """The chunked-parallel form for every stream over shared key features; returns (outputs, final state)."""
+    b, h, n, f = phi_k.shape
+    state = _empty_state(phi_k, k_num, streams) if state is None else state
+    if keep is not None:
+        phi_k, k_num = phi_k * keep, k_num * keep
+        count = state.count[..., None] + keep.cumsum(dim=-2)  # (B, 1, N, 1)
+    else:
+        count = state.count[..., None] + torch.arange(1, n + 1, device=phi_k.device, dtype=phi_k.dtype)[:, None]
+    c = min(chunk_size, n)
+    chunks, pad = -(-n // c), -n % c
+
+    def split(x):  # (B, H, N, X) -> (B, H, chunks, C, X), zero rows appended
+        return F.pad(x, (0, 0, 0, pad)).reshape(*x.shape[:2], chunks, c, x.shape[-1])
+
+    pk, kn = split(phi_k), split(k_num)
+    causal_mask = torch.ones(c, c, dtype=torch.bool, device=phi_k.device).tril()
+    # key sums up to each token: the previous chunks' total plus the running sum inside the chunk
+    key_sum_in_chunk = pk.cumsum(dim=-2)
+    chunk_totals = key_sum_in_chunk[..., -1, :]
+    key_sum_before = torch.cat([state.key_sum[:, :, None], chunk_totals[:, :, :-1]], dim=2).cumsum(dim=2)
+    key_sum = key_sum_in_chunk + key_sum_before[..., None, :]
+    outputs, final_kv = [], []
+    for stream, kv0 in zip(streams, state.kv):
+        pq, qn, vv = split(stream.phi_q), split(stream.q_num), split(stream.v)
+        chunk_kv = kn.transpose(-2, -1) @ vv  # (B, H, chunks, F, dv_s)
+        kv_before = torch.cat([kv0[:, :, None], chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
+        scores = (qn @ kn.transpose(-2, -1)).masked_fill(~causal_mask, 0.0)
+        num = (qn @ kv_before + scores @ vv).reshape(b, h, chunks * c, -1)[:, :, :n]
+        den = (pq * key_sum).sum(dim=-1, keepdim=True).reshape(b, h, chunks * c, 1)[:, :, :n]
+        outputs.append(num / (den + stream.eps * count.clamp_min(1.0)))
+        final_kv.append(kv_before[:, :, -1] + chunk_kv[:, :, -1])
+    return outputs, CausalState(tuple(final_kv), key_sum[:, :, -1, -1], count[:, :, -1])
+
+
+def _recurrent(streams, phi_k, k_num, keep, state):
+    """The recurrent form, one token at a time; returns (outputs, final state)."""
+    state = _empty_state(phi_k, k_num, streams) if state is None else state
+    kv, key_sum, count = list(state.kv), state.key_sum, state.count
+    outputs = [[] for _ in streams]
+    for t in range(phi_k.shape[-2]):
+        pk, kn = phi_k[:, :, t], k_num[:, :, t]  # (B, H, F)
+        if keep is not None:
+            pk, kn = pk * keep[:, :, t], kn * keep[:, :, t]
+            count = count + keep[:, :, t]
+        else:
+            count = count + 1
+        key_sum = key_sum + pk
+        for s, stream in enumerate(streams):
+            kv[s] = kv[s] + kn[..., :, None] * stream.v[:, :, t, None, :]
+            num = (stream.q_num[:, :, t, None, :] @ kv[s])[:, :, 0]
+            den = (stream.phi_q[:, :, t] * key_sum).sum(dim=-1, keepdim=True)
+            eps = stream.eps if isinstance(stream.eps, float) else stream.eps[:, :, t]
+            outputs[s].append(num / (den + eps * count.clamp_min(1.0)))
+    return [torch.stack(o, dim=2) for o in outputs], CausalState(tuple(kv), key_sum, count)
+
+
+def _packed(attend, q, k, v, cu_seqlens, key_padding_mask, tables=()):
+    """A packed call, one sequence at a time (each sees only its own earlier tokens); ``tables`` are (T, ·)
+    RoPE rows over the packed tokens, cut alike."""
+    if key_padding_mask is not None:
+        raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences have no padding")
+    if q.shape[0] != 1:
+        raise ValueError(f"packed q, k and v must have batch size 1 (1, heads, tokens, dim), got q{tuple(q.shape)}")
+    offsets = varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
+    parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], *(t[a:b] for t in tables))
+             for a, b in zip(offsets, offsets[1:]) if b > a]
+    return torch.cat(parts, dim=2) if parts else v.new_zeros(v.shape)
+
+
+def _pola_streams(q, k, v, power, eps):
+    phi_q, phi_k = power_feature(q, power), power_feature(k, power)
+    half = (v.shape[-1] + 1) // 2
+    swapped = _swap(phi_q)
+    return [_Stream(phi_q, phi_q, v[..., :half], eps), _Stream(swapped, swapped, v[..., half:], eps)], phi_k, phi_k
+
+
+def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=None):
+    _check_inputs(q, k, v, chunk_size)
+    dtype = _compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
+    power = torch.as_tensor(power, dtype=dtype, device=q.device)
+    with _autocast_off(q.device.type):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)
+        keep = _keep(key_padding_mask, k)
+        if form == "chunked":
+            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
+        else:
+            outs, state = _recurrent(streams, phi_k, k_num, keep, state)
+    return torch.cat(outs, dim=-1), state
+
+
+def _check_tables(sin, cos, n, two_d):
+    if (sin is None) != (cos is None):
+        raise ValueError("pass both sin and cos, or neither")
+    if sin is not None and (sin.shape != (n, two_d) or cos.shape != (n, two_d)):
+        raise ValueError(f"RoPE tables must be (tokens, 2*head_dim) = ({n}, {two_d}); got sin{tuple(sin.shape)}, "
+                         f"cos{tuple(cos.shape)}")
+
+
+def _pacs_streams(q, k, v, temp_same, temp_opposite, sin, cos, eps):
+    """PaCS features; each query row is divided by a power of two (and eps with it), which changes no
+    value but keeps ``exp`` features from overflowing the products."""
+    phi_k = pacs_key_features(k)
+    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
+    half = v.shape[-1] // 2
+    streams = []
+    for phi_q, values in zip(pacs_query_features(q, temp_same, temp_opposite), (v[..., :half], v[..., half:])):
+        scale = torch.exp2(torch.floor(torch.log2(phi_q.detach().amax(dim=-1, keepdim=True).clamp_min(1.0))))
+        phi_q = phi_q / scale
+        streams.append(_Stream(phi_q, rotate(phi_q), values, eps / scale))
+    return streams, phi_k, rotate(phi_k)
+
+
+def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, form, chunk_size=None, state=None):
+    _check_inputs(q, k, v, chunk_size)
+    if v.shape[-1] % 2:
+        raise ValueError(f"value head_dim must be even for PaCS's two streams, got {v.shape[-1]}")
+    two_d = 2 * q.shape[-1]
+    for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
+        if t.shape[-1] != two_d:
+            raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
+    _check_tables(sin, cos, q.shape[-2], two_d)
+    dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
+    with _autocast_off(q.device.type):
+        q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        if sin is not None:
+            sin, cos = sin.to(dtype), cos.to(dtype)
+        streams, phi_k, k_num = _pacs_streams(q, k, v, temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps)
+        keep = _keep(key_padding_mask, k)
+        if form == "chunked":
+            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
+        else:
+            outs, state = _recurrent(streams, phi_k, k_num, keep, state)
+    return torch.cat(outs, dim=-1), state
+
+
+def causal_pola_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    power,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    initial_state: CausalState | None = None,
+    return_state: bool = False,
+):
+    """Causal :func:`~polaformer.ops.pola_linear_attention` in the chunked-parallel form.
+
+    Args:
+        q, k, v: (B, H, N, d), (B, H, N, d), (B, H, N, dv); query ``t`` sees keys ``0..t``.
+        power: exponents ``p ≥ 1`` broadcastable to (B, H, 1, d), or a number.
+        eps: added to each stream's normaliser (over the prefix mean, as in the bidirectional op).
+        chunk_size: tokens per chunk (the results do not depend on it beyond rounding).
+        key_padding_mask: (B, N) bool, True at padding: those keys count for no query.
+        cu_seqlens: packed sequences (1, H, T, ·) with (S + 1,) offsets (:mod:`.varlen`); excludes the mask.
+        cu_seqlens_k: accepted only equal to ``cu_seqlens`` (keys are the queries' own tokens).
+        initial_state: the state after earlier tokens (a prompt), as :func:`causal_pola_step` returns it.
+        return_state: also return the :class:`CausalState` after the last token.
+
+    Returns:
+        (B, H, N, dv) in ``v``'s dtype (computed in at least float32), and the state if asked for.
+    """
+    if cu_seqlens_k is not None and (cu_seqlens is None or not torch.equal(cu_seqlens_k, cu_seqlens)):
+        raise ValueError("causal attention packs keys as its queries: pass cu_seqlens only")
+    if cu_seqlens is not None:
+        if initial_state is not None or return_state:
+            raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor "
+                             "return_state")
+        _check_inputs(q, k, v, chunk_size)
+        return _packed(lambda *qkv: causal_pola_linear_attention(*qkv, power, eps, chunk_size), q, k, v, cu_seqlens,
+                       key_padding_mask)
+    out, state = _pola(q, k, v, power, eps, key_padding_mask, "chunked", chunk_size, initial_state)
+    return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
+
+
+def causal_pola_step(q, k, v, power, state: CausalState | None = None, eps: float = 1e-6,
+                     key_padding_mask: torch.Tensor | None = None):
+    """The recurrent form of :func:`causal_pola_linear_attention`: tokens (B, H, T, ·) one after another
+    (T = 1 when generating), starting from ``state`` (None: no earlier token). Returns ``(out, state)``."""
+    out, state = _pola(q, k, v, power, eps, key_padding_mask, "recurrent", state=state)
+    return out.to(v.dtype), state
+
+
+def causal_pacs_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    temp_same: torch.Tensor,
+    temp_opposite: torch.Tensor,
+    sin: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    chunk_size: int = 64,
+    key_padding_mask: torch.Tensor | None = None,
+    *,
+    cu_seqlens: torch.Tensor | None = None,
+    initial_state: CausalState | None = None,
+    return_state: bool = False,
+):
+    """Causal :func:`~polaformer.ops.pacs_linear_attention` in the chunked-parallel form.
+
+    ``sin``/``cos``: (N, 2d) RoPE tables of the tokens' positions (:func:`~polaformer.ops.rope_1d` for text),
+    rotating the numerator only. With packed sequences (``cu_seqlens``) the tables are (T, 2d) over the packed
+    tokens, each sequence's rows its own positions. Other arguments as :func:`causal_pola_linear_attention`.
+    """
+    if cu_seqlens is not None:
+        if initial_state is not None or return_state:
+            raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor "
+                             "return_state")
+        _check_inputs(q, k, v, chunk_size)
+        _check_tables(sin, cos, q.shape[-2], 2 * q.shape[-1])
+        return _packed(lambda pq, pk, pv, *tables: causal_pacs_linear_attention(
+            pq, pk, pv, temp_same, temp_opposite, *(tables or (None, None)), eps, chunk_size),
+            q, k, v, cu_seqlens, key_padding_mask, () if sin is None else (sin, cos))
+    out, state = _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, "chunked", chunk_size,
+                       initial_state)
+    return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
+
+
+def causal_pacs_step(q, k, v, temp_same, temp_opposite, sin=None, cos=None, state: CausalState | None = None,
+                     eps: float = 1e-6, key_padding_mask: torch.Tensor | None = None):
+    """The recurrent form of :func:`causal_pacs_linear_attention`; ``sin``/``cos`` are the (T, 2d) rows of these
+    tokens' positions. Returns ``(out, state)``."""
+    out, state = _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, "recurrent", state=state)
+    return out.to(v.dtype), state
+
+
+def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.Tensor, eps: float = 1e-6,
+                            chunk_size: int = 64, *, initial_state: CausalState | None = None,
+                            recurrent: bool = False):
+    """Causal mean-normalised linear attention on given non-negative features (one stream, e.g. ELU+1):
+    ``out_t = Σ_{i≤t} (φq_t·φk_i) v_i / (Σ_{i≤t} φq_t·φk_i + eps·(t+1))``. Returns ``(out, state)``; the
+    recurrent form with ``recurrent=True``."""
+    if phi_q.shape != phi_k.shape or phi_q.shape[:3] != v.shape[:3] or phi_q.dim() != 4:
+        raise ValueError(f"phi_q and phi_k must be (B, H, N, F) alike and v (B, H, N, dv); got "
+                         f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
+    dtype = _compute_dtype(phi_q, phi_k, v)
+    with _autocast_off(phi_q.device.type):
+        phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
+        streams = [_Stream(phi_q, phi_q, v, eps)]
+        if recurrent:
+            outs, state = _recurrent(streams, phi_k, phi_k, None, initial_state)
+        else:
+            outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state)
+    return outs[0].to(v.dtype), state

@@ -1,0 +1,172 @@
+"""Training, evaluation (bits per byte) and sampling of the ``pola_lm_*`` models as a step-based task of the one
+engine (:mod:`polaformer.engine.loop`): AdamW, linear warm-up then cosine decay, global-norm clipping; every
+``eval_every`` steps the validation bits per byte, ``best.pth`` (lowest) and ``last.pth``; ``metrics.json`` also
+holds the unigram baseline of the same split, the bits per byte of a model that ignores context."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import timm
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader
+
+from ... import models  # noqa: F401  (registers pola_lm_*)
+from ...checkpoint import CorruptCheckpointError
+from ...engine.checkpoint import read_task_checkpoint
+from ...engine.config import Config, ConfigError, configure
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from .data import ByteWindows, stdlib_corpus
+
+__all__ = ["LMTask", "evaluate_bits_per_byte", "lm_config", "load_lm_model", "train_lm", "unigram_bits_per_byte"]
+
+LAST, BEST = "last.pth", "best.pth"
+
+
+def lm_config(path=None, opts=()) -> Config:
+    """The defaults, then a YAML file, then ``KEY VALUE`` overrides (:func:`~polaformer.engine.config.configure`)."""
+    cfg = Config({
+        "model": {"name": "pola_lm_tiny", "attention": "pola", "context": 128, "drop_rate": 0.0},
+        "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
+        "train": {"steps": 2000, "batch_size": 16, "lr": 2e-3, "warmup_steps": 100, "weight_decay": 0.01,
+                  "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 50, "seed": 0, "num_workers": 0},
+    })
+    cfg = configure(cfg, path, opts)
+    if cfg.model.attention not in models.pola_lm.ATTENTIONS:
+        raise ConfigError(f"model.attention must be one of {', '.join(models.pola_lm.ATTENTIONS)}, "
+                          f"got {cfg.model.attention!r}")
+    return cfg
+
+
+def build_lm(cfg: Config) -> nn.Module:
+    m = cfg.model
+    try:
+        return timm.create_model(m.name, attention=m.attention, context=m.context, drop_rate=m.drop_rate)
+    except RuntimeError as e:  # timm's unknown model
+        raise ConfigError(f"cannot build model {m.name!r}: {e}") from None
+
+
+@torch.no_grad()
+def evaluate_bits_per_byte(model: nn.Module, loader: DataLoader, device, max_batches: int = 0) -> dict:
+    """Mean next-byte cross-entropy in bits over ``loader`` (its first ``max_batches`` if > 0)."""
+    was_training = model.training
+    model.eval()
+    total, count = 0.0, 0
+    for i, (inputs, targets) in enumerate(loader):
+        if max_batches and i >= max_batches:
+            break
+        logits = model(inputs.to(device)).float()
+        total += F.cross_entropy(logits.flatten(0, 1), targets.to(device).flatten(), reduction="sum").item()
+        count += targets.numel()
+    model.train(was_training)
+    return {"bits_per_byte": total / max(count, 1) / math.log(2), "bytes": count}
+
+
+def unigram_bits_per_byte(train_bytes: torch.Tensor, valid_bytes: torch.Tensor) -> float:
+    """Bits per byte on ``valid_bytes`` of the training split's byte frequencies (add-one smoothed)."""
+    counts = torch.bincount(train_bytes.long(), minlength=256).double() + 1
+    log_p = (counts / counts.sum()).log2()
+    return -log_p[valid_bytes.long()].mean().item()
+
+
+class LMTask(Task):
+    name = "lm"
+    best_files = {BEST: "neg_valid_bpb"}
+    resume_hint = "use another --output"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        d = cfg.data
+        self.train_bytes, self.valid_bytes = stdlib_corpus(d.max_bytes, d.valid_fraction, d.seed)
+        self.train_set = ByteWindows(self.train_bytes, cfg.model.context)
+        self.valid_set = ByteWindows(self.valid_bytes, cfg.model.context)
+
+    def build(self, engine: Engine, resuming: bool) -> nn.Module:
+        self.valid_loader = DataLoader(self.valid_set, batch_size=self.cfg.train.batch_size, shuffle=False,
+                                       generator=torch.Generator())
+        return build_lm(self.cfg)
+
+    def start_message(self, engine: Engine) -> str:
+        t = self.cfg.train
+        return (f"training {self.cfg.model.name} ({self.cfg.model.attention}): "
+                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.train_bytes)} train / "
+                f"{len(self.valid_bytes)} valid bytes, {t.steps} steps of batch {t.batch_size}")
+
+    def check_resume(self, checkpoint: dict, path: Path) -> None:
+        saved = checkpoint.get("config", {})
+        for key in ("model", "data"):
+            if saved.get(key) != self.cfg.to_dict()[key]:
+                raise ConfigError(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for "
+                                  f"{self.cfg.to_dict()[key]!r}")
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
+
+    def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
+        warmup, steps = self.cfg.train.warmup_steps, self.cfg.train.steps
+
+        def factor(step):
+            if step < warmup:
+                return (step + 1) / warmup
+            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+    def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
+        inputs, targets = (x.to(device) for x in batch)
+        logits = model(inputs)
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return StepOutput(loss, len(inputs))
+
+    def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        return evaluate_bits_per_byte(model, self.valid_loader, engine.device, self.cfg.train.eval_batches)
+
+    def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
+        bpb = results["model"]["bits_per_byte"]
+        return {"step": engine.num_updates, "lr": train["lr"], "train_bpb": train["loss"] / math.log(2),
+                "valid_bpb": bpb, "neg_valid_bpb": -bpb, "elapsed_s": engine.elapsed}
+
+    def describe(self, record: dict, improved: bool) -> str:
+        return (f"step {record['step']}/{self.cfg.train.steps}: train {record['train_bpb']:.3f} bits/byte, "
+                f"valid {record['valid_bpb']:.3f}{' (best)' if improved else ''}")
+
+    def summary(self, engine: Engine) -> dict:
+        return {"model": self.cfg.model.name, "attention": self.cfg.model.attention, "config": self.cfg.to_dict(),
+                "parameters": sum(p.numel() for p in engine.model.parameters()), "steps": engine.num_updates,
+                "best_valid_bpb": -engine.best.get("neg_valid_bpb", -float("inf")),
+                "unigram_valid_bpb": unigram_bits_per_byte(self.train_bytes, self.valid_bytes),
+                "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
+
+    def metadata(self, engine: Engine) -> dict:
+        return {"config": self.cfg.to_dict()}
+
+
+def train_lm(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
+             show_progress: bool = True) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+    t = cfg.train
+    settings = LoopSettings(
+        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
+        save_every_steps=0, clip_grad_norm=t.clip_grad_norm or None, seed=t.seed, num_workers=t.num_workers,
+        device=device, resume=None if resume is None else str(resume), overwrite=overwrite, last_name=LAST,
+        show_progress=show_progress,
+    )
+    return train(LMTask(cfg), settings)
+
+
+def load_lm_model(path) -> tuple[nn.Module, Config]:
+    """The model a checkpoint of :func:`train_lm` holds, and its configuration."""
+    checkpoint = read_task_checkpoint(path, LMTask.name)
+    try:
+        cfg = lm_config(opts=[])
+        cfg.merge(checkpoint["config"])
+        model = build_lm(cfg)
+        model.load_state_dict(checkpoint["model"])
+    except (KeyError, TypeError, RuntimeError, ConfigError) as e:
+        raise CorruptCheckpointError(path, f"not a usable language model checkpoint: {str(e).splitlines()[0]}") from None
+    return model.eval(), cfg
+
+
