@@ -502,9 +502,10 @@ def pacs_linear_attention(
     torch formulation of a packed batch reads the offsets (one sync).
     """
     if causal:
+        if cu_seqlens_k is not None:
+            raise ValueError("causal attention packs keys with the queries: pass cu_seqlens only")
         return causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps,
-                                            key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens,
-                                            cu_seqlens_k=cu_seqlens_k)
+                                            key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
     _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
     _check_qkv(q, k, v, even_head_dim=True)
     two_d = 2 * q.shape[-1]
