@@ -52,7 +52,7 @@ def _load_rgb(path: Path) -> torch.Tensor:
     try:
         with Image.open(path) as im:
             array = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise DenseDataError(f"{path}: cannot read the image ({e})") from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
 
