@@ -1,6 +1,7 @@
 """The guarantees of ``train`` hold for ``lra``, ``detect`` and ``segment`` too (issue 27): no finished or
 busy output folder is written into, no data set or drawing replaced, NaN/inf or integer weights refused on
 every loading path, and bad values end in one line with exit status 2 (in-process ``polaformer.cli.main``)."""
+import json
 import struct
 import zlib
 
@@ -12,6 +13,7 @@ from polaformer.cli import main
 from polaformer.engine.output import OutputLock
 from polaformer.tasks.lra.listops import generate_listops
 from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
+from dense_helpers import write_coco
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
@@ -75,7 +77,45 @@ def runs(tmp_path_factory):
     torch.save({**good, "model": {**good["model"], "head.bias": torch.zeros_like(bias, dtype=torch.int64)}},
                root / "int64_head.pth")
     torch.save({**good, "epoch": -5}, root / "minus5.pth")
+    configs = root / "configs"
+    configs.mkdir()
+    (configs / "nested.yaml").write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    (configs / "huge_int.yaml").write_text("train:\n  seed: " + "9" * 100_000 + "\n")
+    images, annotations = write_coco(root / "coco")
+    original = json.loads(annotations.read_text())
+    for name, edit in COCO_EDITS.items():
+        data = json.loads(json.dumps(original))
+        edit(data)
+        (root / "coco" / f"{name}.json").write_text(json.dumps(data))
     return root
+
+
+def _set(path, value):
+    def edit(data):
+        *parents, last = path
+        node = data
+        for key in parents:
+            node = node[key]
+        node[last] = value
+    return edit
+
+
+COCO_EDITS = {
+    "bbox_1e30": _set(["annotations", 0, "bbox"], [1e30, 2, 5, 5]),
+    "bbox_outside": _set(["annotations", 0, "bbox"], [500, 500, 5, 5]),
+    "rle_huge": _set(["annotations", 0, "segmentation"], {"size": [1000000, 1000000], "counts": "abc"}),
+    "rle_garbage": _set(["annotations", 0, "segmentation"], {"size": [48, 64], "counts": "garbage!"}),
+    "rle_short": _set(["annotations", 0, "segmentation"], {"size": [48, 64], "counts": [5, 10]}),
+    "no_annotations": _set(["annotations"], []),
+    "duplicate_id": _set(["images", 1, "id"], 10),
+    "traversal": _set(["images", 0, "file_name"], "../../../../etc/passwd"),
+}
+
+
+def coco_train(root, name):
+    ann = root / "coco" / f"{name}.json"
+    return detect_train("--train-images", root / "coco" / "images", "--train-annotations", ann, "--val-images",
+                        root / "coco" / "images", "--val-annotations", ann, "--output", root / "new")
 
 
 CASES = [
@@ -110,6 +150,32 @@ CASES = [
     # values
     ("detect train --lr inf", lambda r: detect_train("--output", r / "new", "--lr", "inf"),
      "train.lr must be a finite number > 0, got inf"),
+    ("train, config nested 100k deep", lambda r: ["train", "--config", r / "configs" / "nested.yaml", "--output",
+                                                  r / "new"], "nested deeper than 64 levels"),
+    ("lra train, config nested 100k deep", lambda r: lra_train(r, "--config", r / "configs" / "nested.yaml"),
+     "nested deeper than 64 levels"),
+    ("detect train, config nested 100k deep", lambda r: detect_train("--config", r / "configs" / "nested.yaml"),
+     "nested deeper than 64 levels"),
+    ("train, a 100k-digit integer", lambda r: ["train", "--config", r / "configs" / "huge_int.yaml", "--output",
+                                               r / "new"], "an integer of 100000 digits (at most 100)"),
+    ("segment train, a 100k-digit integer", lambda r: segment_train("--config", r / "configs" / "huge_int.yaml"),
+     "an integer of 100000 digits (at most 100)"),
+    ("train --seed 1e20", lambda r: ["train", *TINY, "--epochs", "1", "--seed", "99999999999999999999", "--output",
+                                     r / "new"], "the seed must be an integer in [-2**63, 2**63)"),
+    ("COCO bbox 1e30", lambda r: coco_train(r, "bbox_1e30"), "bbox [1e+30, 2, 5, 5] lies outside its 48x64 image"),
+    ("COCO bbox outside the image", lambda r: coco_train(r, "bbox_outside"), "lies outside its 48x64 image"),
+    ("COCO RLE of 1e6 x 1e6", lambda r: coco_train(r, "rle_huge"), "RLE size must be [height, width] of at most"),
+    ("COCO RLE garbage counts", lambda r: coco_train(r, "rle_garbage"), "RLE counts do not cover its 48x64 pixels"),
+    ("COCO RLE short counts", lambda r: coco_train(r, "rle_short"), "RLE counts do not cover its 48x64 pixels"),
+    ("COCO zero annotations", lambda r: coco_train(r, "no_annotations"), "no annotations, so nothing to train on"),
+    ("COCO duplicate image id", lambda r: coco_train(r, "duplicate_id"), "has the id 10 of an earlier image"),
+    ("COCO file_name leaving the folder", lambda r: coco_train(r, "traversal"),
+     "file_name '../../../../etc/passwd' leaves the image folder"),
+    ("lra train --attention-option alpha=-3", lambda r: lra_train(r, "--output", r / "new", "--attention", "pola",
+                                                                  "--attention-option", "alpha=-3"),
+     "alpha must be a finite number >= 0, got -3"),
+    ("lra train --workers -1", lambda r: lra_train(r, "--output", r / "new", "--workers", "-1"),
+     "train.num_workers must be >= 0, got -1"),
     ("detect predict --score-threshold nan", lambda r: ["detect", "predict", "--checkpoint", r / "detect" / "last.pth",
                                                         r / "x.png", "--out", r / "new", "--score-threshold", "nan"],
      "the score threshold must be a number in [0, 1], got nan"),
