@@ -83,7 +83,6 @@ def _first_rows(out, rows: int):
     return out
 
 
-@register_notrace_function  # reason: Python control flow on the input's shape
 def check_architecture(drop_path_rate: float, **sizes) -> None:
     """Refuse what ``timm.create_model`` would otherwise build into a broken model (a 0-block model, a
     division by zero heads, NaN stochastic depth), one ValueError naming the argument. ``sizes``: counts
@@ -96,6 +95,7 @@ def check_architecture(drop_path_rate: float, **sizes) -> None:
         raise ValueError(f"drop_path_rate must be a number in [0, 1), got {drop_path_rate!r}")
 
 
+@register_notrace_function  # reason: Python control flow on the input's shape
 def check_image(x: torch.Tensor, in_chans: int, stride: tuple[int, int], stride_text: str,
                 floor: bool = False) -> torch.Tensor:
     """``x`` itself if it is a (B, in_chans, H, W) batch with H, W multiples of ``stride`` (with ``floor``:
