@@ -45,6 +45,7 @@ from .checkpoint import (
     LoadResult,
     _number,
     _plain_data,
+    check_weight_values,
     read_checkpoint,
     select_weights,
     strip_wrapper_prefixes,
@@ -338,6 +339,7 @@ def load_for_finetune(
             f"tables and dropping the classifier: {'; '.join(problems)}; strict=False loads the keys that fit"
         )
 
+    check_weight_values(target, loadable, path)
     model.load_state_dict(loadable, strict=False)
     extras = checkpoint if entry else {}
     result = FinetuneLoadResult(

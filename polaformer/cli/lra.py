@@ -76,6 +76,7 @@ def add_lra_parser(commands) -> None:
     generate.add_argument("--max-depth", type=positive_int, default=10, help="maximum tree depth (default: %(default)s)")
     generate.add_argument("--max-args", type=positive_int, default=10, help="arguments per operator (default: %(default)s)")
     generate.add_argument("--seed", type=int, default=0)
+    generate.add_argument("--overwrite", action="store_true", help="replace the data set files already in --out")
     generate.set_defaults(handler=cmd_lra_generate)
 
     curves = sub.add_parser("curves", help="plot the learning curves of 'lra train' output folders side by side")
@@ -167,6 +168,7 @@ def cmd_lra_generate(args: argparse.Namespace) -> int:
         report = generate_listops(
             args.out, train=args.train, val=args.val, test=args.test, min_length=args.min_length,
             max_length=args.max_length, max_depth=args.max_depth, max_args=args.max_args, seed=args.seed,
+            overwrite=args.overwrite,
         )
     except (ValueError, OSError) as e:
         return _fail(str(e))

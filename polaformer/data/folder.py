@@ -179,7 +179,7 @@ class _SplitWalk:
                     self.outside.append(f"{entry.path} -> {target}")
                 if entry.is_dir():
                     subdirs.append((entry.path, target))
-                elif entry.name.lower().endswith(self.extensions):
+                elif entry.name.lower().endswith(self.extensions) and entry.is_file():  # a FIFO would block reading
                     files.append(os.path.relpath(entry.path, self.root))
             stack.extend(reversed(subdirs))  # os.walk's order: a folder's files, then its sub-folders by name
         return files

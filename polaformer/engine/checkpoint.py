@@ -119,6 +119,16 @@ def load_model_state(
     model.load_state_dict(checkpoint["model"])
 
 
+def load_task_weights(model: nn.Module, state_dict: dict, path: str | os.PathLike) -> None:
+    """Load a task checkpoint's weights into the model it describes: a key or shape difference, a cast
+    (an integer weight into a float parameter) and NaN/inf values are refused in one line."""
+    problem = compare_state_dicts(model.state_dict(), state_dict).describe(examples=1)
+    if problem:
+        raise CorruptCheckpointError(path, f"weights do not fit the model it describes: {problem}")
+    check_weight_values(model.state_dict(), state_dict, path)
+    model.load_state_dict(state_dict)
+
+
 # --- the engine's training state ---------------------------------------------------------------
 
 def save_training_state(folder: Path, names: list[str], state: dict) -> Path:

@@ -25,16 +25,40 @@ class ConfigError(ValueError):
     """An unknown key, a value of the wrong type, or an unusable setting (one line)."""
 
 
+_MAX_NESTING = 64  # levels of lists and mappings in a configuration file
+_MAX_INT_DIGITS = 100  # Python refuses to convert integers beyond 4,300 digits, with a multi-line hint
+
+
 class _NoAliasLoader(yaml.SafeLoader):
     """PyYAML's safe loader without aliases: a few hundred bytes of nested ``*ref`` can expand to
-    gigabytes (a "billion laughs" file). Configuration files have no use for them."""
+    gigabytes (a "billion laughs" file). Configuration files have no use for them, nor for deep
+    nesting (``[[[[...`` recurses once per level) or integers of hundreds of digits."""
+
+    _depth = 0
 
     def compose_node(self, parent, index):
+        mark = self.peek_event().start_mark
         if self.check_event(yaml.AliasEvent):
-            mark = self.peek_event().start_mark
             raise yaml.constructor.ConstructorError(
                 None, None, "YAML aliases (*name) are not allowed in configurations", mark)
-        return super().compose_node(parent, index)
+        if self._depth >= _MAX_NESTING:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"lists and mappings nested deeper than {_MAX_NESTING} levels", mark)
+        self._depth += 1
+        try:
+            return super().compose_node(parent, index)
+        finally:
+            self._depth -= 1
+
+    def construct_yaml_int(self, node):
+        digits = sum(c.isdigit() for c in node.value)
+        if digits > _MAX_INT_DIGITS:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"an integer of {digits} digits (at most {_MAX_INT_DIGITS})", node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_NoAliasLoader.add_constructor("tag:yaml.org,2002:int", _NoAliasLoader.construct_yaml_int)
 
 
 def load_yaml(text: str) -> Any:

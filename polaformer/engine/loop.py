@@ -40,7 +40,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
 from ..checkpoint import CorruptCheckpointError
-from .checkpoint import atomic_write, read_training_state, save_training_state
+from .checkpoint import atomic_write, load_task_weights, read_training_state, save_training_state
 from .config import ConfigError
 from .device import amp_dtype, autocast, place_model, resolve_device
 from .distributed import DistContext, TrainSampler, all_gather_object, all_reduce_sum, barrier, init_distributed, shutdown
@@ -143,7 +143,7 @@ class Task:
         """Refuse a checkpoint of another task or setting, one line."""
 
     def load_weights(self, model: nn.Module, checkpoint: dict, path: Path) -> None:
-        model.load_state_dict(checkpoint["model"])
+        load_task_weights(model, checkpoint["model"], path)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         raise NotImplementedError
@@ -251,6 +251,8 @@ class Engine:
     def __init__(self, task: Task, settings: LoopSettings):
         if (settings.epochs is None) == (settings.steps is None):
             raise ConfigError("give a number of epochs or of steps, not both")
+        if not -2**63 <= settings.seed < 2**63:  # what the random generators take
+            raise ConfigError(f"the seed must be an integer in [-2**63, 2**63), got {settings.seed}")
         self.task, self.settings = task, settings
         self.device = resolve_device(settings.device)
         self.lock: OutputLock | None = None
@@ -432,6 +434,9 @@ class Engine:
             self.task.restore_scheduler(self.scheduler, checkpoint["lr_scheduler"])
         self.epoch = int(checkpoint["epoch"])
         self.num_updates = int(checkpoint.get("num_updates", self.epoch * self.updates_per_epoch))
+        for name in ("epoch", "num_updates"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} {getattr(self, name)} is negative")
         if checkpoint["lr_scheduler"] is None and not hasattr(self.scheduler, "step_update"):
             # an earlier version's file without the schedule's state: the rate of update num_updates
             self.scheduler.last_epoch = self.num_updates - 1
@@ -459,6 +464,8 @@ class Engine:
         ctx, batch_size = self.ctx, self.settings.batch_size
         windows = checkpoint.get("window") or [{}]
         step = int(checkpoint.get("step", 0))
+        if step < 0:
+            raise ValueError(f"step {step} is negative")
         layout = (checkpoint.get("world_size"), checkpoint.get("batch_size"))
         if layout == (ctx.world_size, batch_size) and len(windows) == ctx.world_size:
             self.batches = step

@@ -31,6 +31,12 @@ from ..ops import learnable_power, pola_linear_attention, resample_grid_table, t
 __all__ = ["PolaLinearAttention"]
 
 
+def check_alpha(alpha) -> None:
+    """The power map's range ``alpha``: NaN would make every logit NaN, a negative one a power below 1."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+
+
 class PolaLinearAttention(nn.Module):
     """Polarity-aware linear attention with learnable power map, gate and depthwise conv.
 
@@ -81,6 +87,7 @@ class PolaLinearAttention(nn.Module):
         self.dim = dim
         self.num_heads = num_heads
         self.head_dim = head_dim
+        check_alpha(alpha)
         self.alpha = alpha
         self.sr_ratio = sr_ratio
         self.num_prefix_tokens = num_prefix_tokens

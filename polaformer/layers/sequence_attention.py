@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention
+from .pola_attention import check_alpha
 
 __all__ = ["PolaSequenceAttention", "PacsSequenceAttention", "PolaMultiheadAttention", "GATE_INITS"]
 
@@ -198,6 +199,7 @@ class PolaSequenceAttention(_SequenceAttention):
     ):
         super().__init__(dim, num_heads, kdim=kdim, vdim=vdim, qkv_bias=qkv_bias, proj_drop=proj_drop,
                          gate_init=gate_init, dwc_channels=dim // num_heads, kernel_size=kernel_size)
+        check_alpha(alpha)
         self.alpha, self.eps = alpha, eps
         self.power = nn.Parameter(torch.zeros(1, num_heads, 1, self.head_dim))
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))
@@ -307,6 +309,8 @@ class PolaMultiheadAttention(nn.Module):
         **layer_kwargs,
     ):
         super().__init__()
+        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
+            raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn are not supported by PolaMultiheadAttention")
         layers = {"pola": PolaSequenceAttention, "pacs": PacsSequenceAttention}

@@ -83,6 +83,18 @@ def _first_rows(out, rows: int):
     return out
 
 
+def check_architecture(drop_path_rate: float, **sizes) -> None:
+    """Refuse what ``timm.create_model`` would otherwise build into a broken model (a 0-block model, a
+    division by zero heads, NaN stochastic depth), one ValueError naming the argument. ``sizes``: counts
+    (depth, num_heads, sr_ratios...), each a positive integer or a sequence of them."""
+    for name, value in sizes.items():
+        for item in value if isinstance(value, (list, tuple)) else [value]:
+            if isinstance(item, bool) or not isinstance(item, int) or item < 1:
+                raise ValueError(f"{name} must be a positive integer (or a sequence of them), got {value!r}")
+    if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or not 0 <= drop_path_rate < 1:
+        raise ValueError(f"drop_path_rate must be a number in [0, 1), got {drop_path_rate!r}")
+
+
 @register_notrace_function  # reason: Python control flow on the input's shape
 def check_image(x: torch.Tensor, in_chans: int, stride: tuple[int, int], stride_text: str,
                 floor: bool = False) -> torch.Tensor:

@@ -33,7 +33,9 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
-from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
+from ._helpers import (
+    check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+)
 
 __all__ = ["PolaDeiT"]
 
@@ -78,6 +80,7 @@ class PolaDeiT(nn.Module):
                  drop_path_rate=0.0, alpha=4.0, kernel_size=5, key_pos_encoding=False,
                  norm_layer=partial(nn.LayerNorm, eps=1e-6)):
         super().__init__()
+        check_architecture(drop_path_rate, depth=depth, num_heads=num_heads, embed_dim=embed_dim)
         _check_global_pool(global_pool)
         self.num_classes = num_classes
         self.in_chans = in_chans

@@ -32,7 +32,7 @@ from ..checkpoint import build_model_with_cfg  # timm's, also reading the author
 from .official import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from ..ops import tokens_to_map
-from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
+from ._helpers import check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
 
 __all__ = ["PolaFormerPP"]
 
@@ -195,6 +195,7 @@ class PolaFormerPP(nn.Module):
                  drop_rate=0.0, drop_path_rate=0.1, projection=1024, layerscales=(False,) * 4,
                  layer_init_values=(1e-6,) * 4, global_pool="avg", img_size=None):
         super().__init__()
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims))
         num_stages = len(depths)
         for name, values in (("embed_dims", embed_dims), ("num_heads", num_heads), ("mlp_ratios", mlp_ratios),
                              ("layerscales", layerscales), ("layer_init_values", layer_init_values)):

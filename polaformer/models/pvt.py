@@ -41,7 +41,9 @@ from ..checkpoint import build_model_with_cfg  # timm's, also reading the author
 from .official import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
 from ..ops import tokens_to_map
-from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
+from ._helpers import (
+    check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+)
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
 
@@ -190,6 +192,8 @@ class PolaPVT(PyramidBase):
                  sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", num_stages=4, alpha=4, kernel_size=5,
                  attn_type="LLLL", global_pool="avg"):
         super().__init__()
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), sr_ratios=list(sr_ratios),
+                           embed_dims=list(embed_dims))
         lists = dict(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios, depths=depths,
                      sr_ratios=sr_ratios, attn_type=attn_type, la_sr_ratios=str(la_sr_ratios))
         short = [name for name, values in lists.items() if len(values) < num_stages]

@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
-from ._helpers import checkpoint_filter_fn, factory_kwargs
+from ._helpers import check_architecture, checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
 __all__ = ["PolaPVTv2"]
@@ -76,6 +76,7 @@ class PolaPVTv2(PyramidBase):
                  drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), alpha=4, kernel_size=5,
                  global_pool="avg"):
         super().__init__()
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims))
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         self.num_classes = num_classes

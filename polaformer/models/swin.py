@@ -58,7 +58,9 @@ from torch.utils.checkpoint import checkpoint
 from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from .official import register_official
 from ..layers import PolaLinearAttention, WindowAttention
-from ._helpers import check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid
+from ._helpers import (
+    check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+)
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
 
@@ -284,6 +286,7 @@ class PolaSwinTransformer(nn.Module):
                  attn_drop_rate=0.0, drop_path_rate=0.1, norm_layer=nn.LayerNorm, ape=False, patch_norm=True,
                  alpha=4, kernel_size=5, attn_type="LLLL", global_pool="avg"):
         super().__init__()
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dim=embed_dim)
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         if len(num_heads) != len(depths):

@@ -28,6 +28,7 @@ forward without gradients or key padding runs whole in one native call (``pola_f
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -83,9 +84,20 @@ def _check_power_values(power: torch.Tensor, capturing: bool) -> None:
     """``power >= 1``, checked only in eager mode on the CPU: elsewhere the check would synchronise with the
     device on every call (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power`
     is > 1 by construction. (The native forward makes the same check.)"""
-    if power.device.type == "cpu" and not capturing and power.numel() and bool(power.detach().amin() < 1):
+    if power.device.type != "cpu" or capturing or not power.numel():
+        return
+    power = power.detach()
+    if not bool(torch.isfinite(power).all()):  # NaN would pass the comparison below
+        raise ValueError("power must be finite, got NaN or infinite values")
+    if bool(power.amin() < 1):
         raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
-                         f"{power.detach().amin().item():g}")
+                         f"{power.amin().item():g}")
+
+
+def _check_eps(eps) -> None:
+    """A NaN normaliser offset makes every output NaN, a negative one can divide by zero."""
+    if isinstance(eps, (int, float)) and not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
 
 
 def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor):
@@ -473,6 +485,7 @@ def pola_linear_attention(
     _check_qkv(q, k, v)
     if v.shape[-1] < 2:
         raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
+    _check_eps(eps)
     graph = capturing()
     power = _as_power(power, q)
     packed = cu_seqlens is not None or cu_seqlens_k is not None
@@ -490,12 +503,12 @@ def pola_linear_attention(
         return kernels.pola_attention(q, k, v, power, eps, mask, cu_seqlens, cu_seqlens_k)
     if packed:
         return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
+    _check_power_values(power, graph)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
     if not (graph or needs_grad or key_padding_mask is not None):
         native = _native_forward(q, k, v, power)
         if native is not None:
             return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
-    _check_power_values(power, graph)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
     if graph:

@@ -311,13 +311,32 @@ def test_every_source_is_built_under_a_name_that_changes_with_any_header(monkeyp
     calls = []
     monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path)
     monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build"))
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build" / name))
     assert native_mod._build() == "built"
     (tmp_path / "shared.h").write_text("// shared.h, edited\n")
     assert native_mod._build() == "built"
-    assert calls[0]["sources"] == [str(tmp_path / "a.cpp"), str(tmp_path / "b.cpp")]
+    staged = tmp_path / "build" / calls[0]["name"] / "src"
+    assert calls[0]["sources"] == [str(staged / "a.cpp"), str(staged / "b.cpp")]
+    assert (staged / "shared.h").read_text() == "// shared.h\n"
     assert calls[0]["name"] != calls[1]["name"]
     assert calls[0]["name"].startswith(calls[1]["name"].rsplit("_", 1)[0])
+
+
+def test_two_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch, tmp_path):
+    """The build is keyed by the sources' content: a second checkout reuses the first one's build."""
+    from torch.utils import cpp_extension
+
+    if torch.backends.cpu.get_cpu_capability() not in native_mod._FLAGS:
+        pytest.skip("no native build for this CPU")
+    calls = []
+    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build" / name))
+    for checkout in ("one", "two"):
+        (tmp_path / checkout).mkdir()
+        (tmp_path / checkout / "a.cpp").write_text("// a.cpp\n")
+        monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path / checkout)
+        assert native_mod._build() == "built"
+    assert calls[0]["name"] == calls[1]["name"] and calls[0]["sources"] == calls[1]["sources"]
 
 
 def test_the_shipped_sources_include_every_kernel_family():

@@ -1,5 +1,7 @@
 """The oneDNN linear path (polaformer.backends.cpu.onednn; the nn.Linear and timm Mlp swaps of accelerate): the
 same values and gradients as F.linear and timm's Mlp, taken only where it applies."""
+import time
+
 import pytest
 import timm.layers
 import torch
@@ -323,28 +325,35 @@ def test_gelu_linear_matches_float64(grad, onednn_calls):
 
 # --- the policy: which products run on oneDNN, chosen per machine ---------------------------------
 
-def test_policy_is_wide_only_where_mkl_is_clearly_slower():
-    assert onednn._policy_from_timings(2.0e-4, 1.0e-4) is onednn.WIDE
-    assert onednn._policy_from_timings(1.2e-4, 1.0e-4) is onednn.NARROW
-    assert onednn._policy_from_timings(0.8e-4, 1.0e-4) is onednn.NARROW
+@pytest.mark.parametrize("vendor, family, capability, expected", [
+    ("AuthenticAMD", 26, "AVX512", "wide"),  # Zen 5
+    ("AuthenticAMD", 25, "AVX512", "narrow"),  # Zen 4: AVX-512 in two halves
+    ("AuthenticAMD", 26, "AVX2", "narrow"),
+    ("GenuineIntel", 6, "AVX512", "narrow"),
+    ("", 0, "DEFAULT", "narrow"),
+])
+def test_policy_follows_the_cpu_identity(vendor, family, capability, expected):
+    assert onednn._policy_for(vendor, family, capability).name == expected
 
 
 @pytest.mark.parametrize("forced", ["narrow", "wide", " Wide "])
 def test_policy_can_be_forced_by_the_environment(forced, monkeypatch):
     monkeypatch.setattr(onednn, "_POLICY", None)
     monkeypatch.setenv("POLAFORMER_ONEDNN", forced)
-    monkeypatch.setattr(onednn, "_measure_policy", lambda: pytest.fail("measured although forced"))
+    monkeypatch.setattr(onednn, "_cpu_identity", lambda: pytest.fail("identified although forced"))
     assert onednn.policy().name == forced.strip().lower()
 
 
-def test_policy_is_measured_once(monkeypatch):
-    monkeypatch.setattr(onednn, "_POLICY", None)
+def test_policy_does_not_depend_on_the_machine_load(monkeypatch):
+    """Chosen without timing anything: a busy machine (every clock reading far apart) picks the same."""
     monkeypatch.delenv("POLAFORMER_ONEDNN", raising=False)
-    chosen = onednn._measure_policy()
-    assert chosen in (onednn.NARROW, onednn.WIDE)
-    measured = []
-    monkeypatch.setattr(onednn, "_measure_policy", lambda: measured.append(1) or onednn.WIDE)
-    assert onednn.policy() is onednn.WIDE and onednn.policy() is onednn.WIDE and measured == [1]
+    monkeypatch.setattr(onednn, "_POLICY", None)
+    quiet = onednn.policy()
+    monkeypatch.setattr(onednn, "_POLICY", None)
+    ticks = iter(range(0, 10**9, 10**6))
+    monkeypatch.setattr(time, "perf_counter", lambda: next(ticks) * 1e-3)
+    assert onednn.policy() is quiet and onednn.policy() is quiet
+    assert onednn._policy_for(*onednn._cpu_identity(), torch.backends.cpu.get_cpu_capability()) is quiet
 
 
 def test_policies_differ_in_the_sizes_they_take():

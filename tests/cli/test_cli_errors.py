@@ -6,7 +6,6 @@ the same streams captured); a few run as real ``python -m polaformer`` processes
 held by another process, and the message-length cap.
 """
 import errno
-import hashlib
 import io
 import os
 import re
@@ -22,15 +21,15 @@ import torch
 from PIL import Image
 
 import polaformer.checkpoint
-from polaformer.cli import MAX_MESSAGE, main
+from polaformer.cli import main
 from polaformer.engine.output import OutputLock
+from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
 from conftest import REPO
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
 DEIT = "pola_deit_tiny_patch16_224"
 DEIT_KWARGS = dict(depth=1, img_size=32, patch_size=8, embed_dim=16, num_heads=2)
-ERROR = re.compile(r"^polaformer( \w+)?: (error|interrupted)")
 
 
 # --- fixtures --------------------------------------------------------------------------------
@@ -40,7 +39,7 @@ def work(tmp_path_factory):
     """A finished digits run, an RGB image folder, folder checkpoints (sound and damaged) and configs."""
     root = tmp_path_factory.mktemp("errors")
     run = root / "run"
-    with _quiet():
+    with quiet():
         assert main(["train", *TINY, "--epochs", "1", "--batch-size", "128", "--output", str(run)]) == 0
 
     for split in ("train", "val"):
@@ -83,51 +82,6 @@ def work(tmp_path_factory):
     (configs / "bomb.yaml").write_text("\n".join(lines) + "\n")
     (root / "a_file").write_text("not a folder\n")
     return root
-
-
-class _quiet:
-    """Silence stdout/stderr of an in-process command that is expected to succeed."""
-
-    def __enter__(self):
-        import contextlib
-
-        self._stack = contextlib.ExitStack()
-        self._stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
-        self._stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
-
-    def __exit__(self, *exc):
-        self._stack.close()
-
-
-def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def assert_unchanged(before: dict, root: Path) -> None:
-    after = snapshot(root)
-    changed = [name for name, digest in before.items() if after.get(name) != digest]
-    assert not changed, f"existing files changed or removed: {changed}"
-
-
-def error_line(err: str, *, logs_allowed: bool = False) -> str:
-    """The single error line of ``err``. Commands that fail mid-run have logged progress lines
-    first (``logs_allowed``); the error is then the last line and the only one of its kind."""
-    lines = [line for line in err.splitlines() if line.strip()]
-    errors = [line for line in lines if ERROR.match(line)]
-    assert len(errors) == 1, err
-    assert lines[-1] == errors[0] if logs_allowed else lines == errors, err
-    assert len(errors[0]) <= MAX_MESSAGE
-    return errors[0]
-
-
-def run_main(argv, capsys):
-    try:
-        code = main([str(a) for a in argv])
-    except SystemExit as e:
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 # --- the table -------------------------------------------------------------------------------

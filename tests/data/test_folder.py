@@ -322,3 +322,12 @@ def test_official_randaugment_posterize_to_zero_bits_works():
 
     out = posterize(Image.new("RGB", (8, 8), (200, 100, 50)), 0)
     assert out.getpixel((0, 0)) == (0, 0, 0)
+
+
+def test_a_fifo_named_like_an_image_is_skipped(data_root):
+    """Reading a FIFO blocks until a writer comes: only regular files are images (issue 27)."""
+    before = len(ImageFolderDataset(data_root / "train"))
+    os.mkfifo(data_root / "train" / CLASSES[0] / "pipe.png")
+    train = ImageFolderDataset(data_root / "train")
+    assert len(train) == before
+    assert not any(path.endswith("pipe.png") for path, _ in train.samples)

@@ -109,6 +109,8 @@ def test_power_as_a_number_or_0d_tensor_equals_the_broadcast_tensor():
     (torch.full((1, 1, 1, 1, 4), 2.0), ValueError, "power must broadcast"),
     (torch.tensor(0.5), ValueError, "power must be >= 1 everywhere"),
     (torch.tensor([1.5, 1.5, 0.9, 2.0]), ValueError, "minimum of 0.9"),
+    (torch.tensor(float("nan")), ValueError, "power must be finite, got NaN or infinite values"),
+    (torch.tensor([2.0, float("inf"), 2.0, 2.0]), ValueError, "power must be finite"),
     (torch.tensor(2), TypeError, "power must be a floating-point tensor, got torch.int64"),
     ("2", TypeError, "power must be a tensor, got str"),
 ])
@@ -117,6 +119,22 @@ def test_bad_power_is_refused_at_the_boundary(power, error, message):
     with pytest.raises(error) as info:
         pola_linear_attention(q, k, v, power)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("eps", [float("nan"), -1e-6, float("inf")])
+@pytest.mark.parametrize("grad", [False, True])  # the native no-gradient forward and the torch autograd path
+def test_bad_eps_is_refused(eps, grad):
+    q, k, v = _qkv(torch.float32)
+    q.requires_grad_(grad)
+    with pytest.raises(ValueError, match=f"eps must be a finite number >= 0, got {eps}"):
+        pola_linear_attention(q, k, v, 2.0, eps)
+
+
+@pytest.mark.parametrize("power", [float("nan"), float("inf")])
+def test_non_finite_power_is_refused_on_the_native_path(power):
+    q, k, v = _qkv(torch.float32)
+    with torch.no_grad(), pytest.raises(ValueError, match="power must be finite"):
+        pola_linear_attention(q, k, v, torch.full((4,), power))
 
 
 def test_integer_inputs_are_refused():

@@ -4,7 +4,8 @@ The attention's elementwise stages (the power features, their backward, the two 
 normalisation and its gradient) are each one pass over memory there instead of a chain of 4-8
 torch ops. They are built once per machine with ``torch.utils.cpp_extension`` (about 30 s; torch
 caches the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), for the
-vector width torch itself uses on this CPU (AVX2 or AVX-512).
+vector width torch itself uses on this CPU (AVX2 or AVX-512). The build is named by a hash of the
+sources and compiled from a copy of them inside it, so every checkout of the same sources shares it.
 
 Where they cannot be built (no C++ compiler or ninja, another CPU architecture, a build error) the
 torch-op versions run instead, with one warning in the log. ``POLAFORMER_NATIVE=0`` turns them off;
@@ -16,6 +17,7 @@ import hashlib
 import logging
 import os
 import re
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -79,6 +81,22 @@ def _sources_digest() -> str:
     return digest.hexdigest()[:16]
 
 
+def _staged_sources(folder: Path) -> list[Path]:
+    """The sources copied into ``folder`` (inside the build folder, which the digest names): two checkouts of
+    the same sources then build from the same paths, and share one build instead of redoing each other's."""
+    if not folder.is_dir():
+        staging = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        for path in [*_SOURCE_DIR.glob("*.cpp"), *_SOURCE_DIR.glob("*.h")]:
+            shutil.copyfile(path, staging / path.name)
+        try:
+            staging.rename(folder)
+        except OSError:  # another process staged the same sources first
+            shutil.rmtree(staging, ignore_errors=True)
+    return sorted(folder.glob("*.cpp"))
+
+
 def _build():
     capability = torch.backends.cpu.get_cpu_capability()
     if capability not in _FLAGS:
@@ -105,11 +123,12 @@ def _build():
         # a module built against another libtorch or from other headers must not be loaded, hence both in the name
         version = re.sub(r"\W", "_", torch.__version__)
         name = f"polaformer_native_{capability.lower()}_torch{version}_{_sources_digest()}"
+        build_dir = cpp_extension._get_build_directory(name, False)
         if _lock_blocks_while_the_file_exists(cpp_extension):
-            clear_stale_build_lock(cpp_extension._get_build_directory(name, False))
+            clear_stale_build_lock(build_dir)
         return cpp_extension.load(
             name=name,
-            sources=[str(path) for path in sources],
+            sources=[str(path) for path in _staged_sources(Path(build_dir) / "src")],
             extra_cflags=cflags,
             extra_ldflags=openmp,
             verbose=False,

@@ -7,18 +7,19 @@ output tile while it is still in cache, and its kernels are faster for most tran
 (docs/benchmarks.md). The GELU pass over a large MLP's hidden activations is a large share of its memory
 traffic, so fusing it is most of the gain at inference.
 
-How much faster oneDNN is depends on the CPU, so the sizes from which it is used (:class:`Policy`) are
-chosen once per process by timing one product on both (:func:`policy`):
+How much faster oneDNN is depends on the CPU, so the sizes from which it is used (:class:`Policy`) follow
+from the CPU's identity (:func:`policy`), never from a timing: a run and its resume on a busy machine
+must take the same kernels, hence round the same way.
 
-- ``narrow``: where both libraries run the CPU's widest vector code (Intel; AMD Zen 4, whose AVX-512 is
-  executed as two 256-bit halves), oneDNN's fixed cost per call loses on small products. It takes the
-  forward and the input's gradient from 2^25 multiply-adds (2^22 with an inner dimension of 256 or
-  more), and the weight's gradient stays on MKL.
-- ``wide``: where MKL runs half as fast as oneDNN (MKL's AVX-512 kernels are for Intel CPUs only, so on
-  an AMD Zen 5, which executes AVX-512 at full width, MKL runs its AVX2 code), oneDNN takes every product
-  of 2^21 multiply-adds or more, the weight's gradient from 2^23.
+- ``narrow``: where both libraries run the CPU's widest vector code (Intel; AMD up to Zen 4, whose
+  AVX-512 is executed as two 256-bit halves), oneDNN's fixed cost per call loses on small products. It
+  takes the forward and the input's gradient from 2^25 multiply-adds (2^22 with an inner dimension of
+  256 or more), and the weight's gradient stays on MKL.
+- ``wide``: AMD from Zen 5 (CPU family 26) with AVX-512, which it executes at full width while MKL runs
+  its AVX2 code there (MKL's AVX-512 kernels are for Intel CPUs only), so oneDNN is about twice as fast:
+  oneDNN takes every product of 2^21 multiply-adds or more, the weight's gradient from 2^23.
 
-``POLAFORMER_ONEDNN=0`` turns the path off, ``=narrow`` or ``=wide`` skips the measurement.
+``POLAFORMER_ONEDNN=0`` turns the path off, ``=narrow`` or ``=wide`` chooses the policy.
 
 Both kernels compute the same IEEE float32 products (oneDNN's default math mode is strict): outputs
 differ from ``F.linear`` by rounding only, and by nothing under float64, where torch's own kernel
@@ -33,7 +34,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from dataclasses import dataclass
 
 import torch
@@ -86,43 +86,44 @@ class Policy:
 
 NARROW = Policy("narrow", min_macs=1 << 25, min_macs_wide_inner=1 << 22, min_macs_weight_grad=None)
 WIDE = Policy("wide", min_macs=1 << 21, min_macs_wide_inner=1 << 21, min_macs_weight_grad=1 << 23)
-# MKL's time over oneDNN's for the probe product from which the wide policy applies
-_WIDE_FROM_RATIO = 1.5
+_ZEN5_FAMILY = 26
 _POLICY: Policy | None = None
 
 
-def _policy_from_timings(mkl_seconds: float, onednn_seconds: float) -> Policy:
-    return WIDE if mkl_seconds >= _WIDE_FROM_RATIO * onednn_seconds else NARROW
+def _cpu_identity() -> tuple[str, int]:
+    """(vendor, family) of the first CPU in /proc/cpuinfo; ("", 0) where it cannot be read."""
+    vendor, family = "", 0
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key, value = key.strip(), value.strip()
+                if key == "vendor_id":
+                    vendor = value
+                elif key == "cpu family" and value.isdigit():
+                    family = int(value)
+                elif not key and (vendor or family):  # the end of the first CPU's entry
+                    break
+    except OSError:
+        pass
+    return vendor, family
 
 
-def _measure_policy() -> Policy:
-    """Times one (256 x 256)·(256 x 256) product on MKL and on oneDNN (best of 7 each, interleaved)."""
-    gen = torch.Generator().manual_seed(0)
-    a, w = torch.randn(256, 256, generator=gen), torch.randn(256, 256, generator=gen)
-    best = {"mkl": float("inf"), "onednn": float("inf")}
-    runs = {"mkl": lambda: torch.mm(a, w.t()), "onednn": lambda: _OP(a, w, None, "none", [], "")}
-    with torch.no_grad():
-        for i in range(9):
-            for name, run in runs.items():
-                start = time.perf_counter()
-                run()
-                if i >= 2:  # the first runs create oneDNN's primitive and warm the caches
-                    best[name] = min(best[name], time.perf_counter() - start)
-    chosen = _policy_from_timings(best["mkl"], best["onednn"])
-    log.info("oneDNN policy %r: a 256^3 product takes %.0f us on MKL, %.0f us on oneDNN", chosen.name,
-             best["mkl"] * 1e6, best["onednn"] * 1e6)
-    return chosen
+def _policy_for(vendor: str, family: int, capability: str) -> Policy:
+    wide = vendor == "AuthenticAMD" and family >= _ZEN5_FAMILY and capability == "AVX512"
+    return WIDE if wide else NARROW
 
 
 def policy() -> Policy:
-    """This process's :class:`Policy`: ``POLAFORMER_ONEDNN=narrow`` or ``=wide`` if set, else measured once."""
+    """This process's :class:`Policy`: ``POLAFORMER_ONEDNN=narrow`` or ``=wide`` if set, else the CPU's."""
     global _POLICY
     if _POLICY is None:
         forced = os.environ.get("POLAFORMER_ONEDNN", "").strip().lower()
         if forced in ("narrow", "wide"):
             _POLICY = NARROW if forced == "narrow" else WIDE
         else:
-            _POLICY = _measure_policy()
+            _POLICY = _policy_for(*_cpu_identity(), torch.backends.cpu.get_cpu_capability())
+            log.info("oneDNN policy %r for this CPU", _POLICY.name)
     return _POLICY
 
 

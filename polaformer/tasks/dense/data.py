@@ -15,7 +15,7 @@ import io
 import json
 import math
 import os
-from pathlib import Path
+from pathlib import Path, PurePath
 
 import numpy as np
 import torch
@@ -52,7 +52,7 @@ def _load_rgb(path: Path) -> torch.Tensor:
     try:
         with Image.open(path) as im:
             array = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, Image.DecompressionBombError) as e:
         raise DenseDataError(f"{path}: cannot read the image ({e})") from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
 
@@ -184,11 +184,20 @@ def _check_coco(data, path: Path) -> None:
         if not isinstance(cat, dict) or not isinstance(cat.get("id"), int) or "name" not in cat:
             raise DenseDataError(f"{path}: category #{i} needs an integer 'id' and a 'name'")
         category_ids.add(cat["id"])
-    image_ids = set()
+    sizes: dict[int, tuple | None] = {}  # image id -> (height, width) where the file gives both
     for i, image in enumerate(data["images"]):
         if not isinstance(image, dict) or not isinstance(image.get("id"), int) or not image.get("file_name"):
             raise DenseDataError(f"{path}: image #{i} needs an integer 'id' and a 'file_name'")
-        image_ids.add(image["id"])
+        if image["id"] in sizes:
+            raise DenseDataError(f"{path}: image #{i} ({image['file_name']}) has the id {image['id']} of an earlier image")
+        name = PurePath(str(image["file_name"]))
+        if name.is_absolute() or ".." in name.parts:
+            raise DenseDataError(f"{path}: image #{i}: file_name {str(name)!r} leaves the image folder")
+        size = (image.get("height"), image.get("width"))
+        sizes[image["id"]] = size if all(isinstance(v, int) and v > 0 for v in size) else None
+    image_ids = set(sizes)
+    if not data["annotations"]:
+        raise DenseDataError(f"{path}: no annotations, so nothing to train on or to score")
     for i, ann in enumerate(data["annotations"]):
         where = f"{path}: annotation #{i} (id {ann.get('id') if isinstance(ann, dict) else '?'})"
         if not isinstance(ann, dict):
@@ -201,6 +210,11 @@ def _check_coco(data, path: Path) -> None:
         if (not isinstance(bbox, list) or len(bbox) != 4 or not all(isinstance(v, (int, float)) for v in bbox)
                 or not all(math.isfinite(v) for v in bbox) or bbox[2] <= 0 or bbox[3] <= 0):
             raise DenseDataError(f"{where}: bbox must be [x, y, width, height] with width, height > 0, got {bbox!r}")
+        size = sizes[ann["image_id"]]
+        height, width = size or (_MAX_SIDE, _MAX_SIDE)
+        x, y, w, h = bbox
+        if x >= width or y >= height or x + w <= 0 or y + h <= 0:
+            raise DenseDataError(f"{where}: bbox {bbox!r} lies outside its {height}x{width} image")
         seg = ann.get("segmentation")
         if seg is None:
             continue
@@ -211,6 +225,49 @@ def _check_coco(data, path: Path) -> None:
                     raise DenseDataError(f"{where}: a polygon must be a list of at least 3 x, y pairs")
         elif not (isinstance(seg, dict) and "counts" in seg and isinstance(seg.get("size"), list)):
             raise DenseDataError(f"{where}: segmentation must be polygons or an RLE with 'size' and 'counts'")
+        else:
+            _check_rle(seg, size, where)
+
+
+_MAX_SIDE = 1 << 16  # pixels a side of an image whose size the annotations do not give
+
+
+def _check_rle(rle: dict, size: tuple | None, where: str) -> None:
+    """An RLE whose size or run lengths do not match its image crashes pycocotools' C code (or decodes to garbage)."""
+    shape = rle["size"]
+    if len(shape) != 2 or not all(isinstance(v, int) and 0 < v <= _MAX_SIDE for v in shape):
+        raise DenseDataError(f"{where}: RLE size must be [height, width] of at most {_MAX_SIDE}, got {shape!r}")
+    if size is not None and tuple(shape) != size:
+        raise DenseDataError(f"{where}: RLE size {shape} is not its image's {list(size)}")
+    counts = rle["counts"]
+    runs = _rle_runs(counts) if isinstance(counts, str) else counts
+    if (not isinstance(runs, list) or not all(isinstance(v, int) and v >= 0 for v in runs)
+            or sum(runs) != shape[0] * shape[1]):
+        raise DenseDataError(f"{where}: RLE counts do not cover its {shape[0]}x{shape[1]} pixels in runs of >= 0")
+
+
+def _rle_runs(text: str) -> list | None:
+    """The run lengths of COCO's compressed RLE string (6-bit groups from '0', deltas from the run two back),
+    or None where a character lies outside its alphabet."""
+    runs: list[int] = []
+    position = 0
+    while position < len(text):
+        value = shift = 0
+        more = True
+        while more:
+            if position >= len(text) or not 48 <= ord(text[position]) < 112:
+                return None
+            group = ord(text[position]) - 48
+            value |= (group & 0x1F) << shift
+            more = bool(group & 0x20)
+            position += 1
+            shift += 5
+            if not more and group & 0x10:
+                value -= 1 << shift
+        if len(runs) > 2:
+            value += runs[-2]
+        runs.append(value)
+    return runs
 
 
 class CocoInstances(Dataset):

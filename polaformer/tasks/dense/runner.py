@@ -19,7 +19,7 @@ from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
-from ...engine.checkpoint import DENSE_KEY_METRICS, read_task_checkpoint
+from ...engine.checkpoint import DENSE_KEY_METRICS, load_task_weights, read_task_checkpoint
 from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
@@ -201,7 +201,7 @@ def load_model(task: str, path: str, device: str | None = None):
     checkpoint = read_task_checkpoint(path, task)
     config = checkpoint["config"]
     model = _build(task, config, config["num_classes"], load_weights=False)
-    model.load_state_dict(checkpoint["model"])
+    load_task_weights(model, checkpoint["model"], path)
     return place_model(model, resolve_device(device or "auto"), inference=True), config
 
 
@@ -223,19 +223,35 @@ def evaluate_checkpoint(task: str, path: str, data_overrides: dict | None = None
 
 def predict_images(path: str, images: list[str], out_dir: Path, *, score_threshold: float = 0.5,
                    device: str | None = None) -> list[Path]:
-    """Draw a detector checkpoint's boxes (and masks) on each image; write ``out_dir/<stem>.png``."""
+    """Draw a detector checkpoint's boxes (and masks) on each image; write ``out_dir/<stem>.png``
+    (``<stem>-2.png``, ``-3``... for later images whose name is taken, so no drawing replaces another)."""
+    if not 0 <= score_threshold <= 1:
+        raise ConfigError(f"the score threshold must be a number in [0, 1], got {score_threshold}")
     model, config = load_model("detect", path, device)
     dev = next(model.parameters()).device
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name in images:
+    for name, target in zip(images, _distinct_names(images, out_dir)):
         image = _load_rgb(Path(name))
         with torch.no_grad():
             pred = {k: v.cpu() for k, v in model([image.to(dev)])[0].items()}
         drawn = draw_predictions(image, pred, config["classes"], score_threshold=score_threshold)
-        target = out_dir / f"{Path(name).stem}.png"
         Image.fromarray(drawn.permute(1, 2, 0).numpy().astype(np.uint8)).save(target)
         _logger.info("%s: %d detections above %.2f -> %s", name, int((pred["scores"] >= score_threshold).sum()),
                      score_threshold, target)
         written.append(target)
     return written
+
+
+def _distinct_names(images: list[str], out_dir: Path) -> list[Path]:
+    taken: set[str] = set()
+    names = []
+    for image in images:
+        stem = name = Path(image).stem
+        copy = 1
+        while name in taken:
+            copy += 1
+            name = f"{stem}-{copy}"
+        taken.add(name)
+        names.append(out_dir / f"{name}.png")
+    return names

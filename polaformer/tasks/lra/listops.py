@@ -246,6 +246,7 @@ def generate_listops(
     max_args: int = 10,
     seed: int = 0,
     progress: bool = True,
+    overwrite: bool = False,
 ) -> dict:
     """Write ``basic_{train,val,test}.tsv`` and ``report.json`` to ``out_dir``; return the report.
 
@@ -257,7 +258,8 @@ def generate_listops(
     The report holds ``params``, ``draws``, ``seconds``, ``length_histogram`` over all examples,
     and per split (``splits[name]``) ``file``, ``examples``, ``labels`` (count per label "0".."9"),
     ``min_length``, ``max_length``, ``mean_length`` (0 for an empty split) and its own
-    ``length_histogram``. A histogram is a list of ``[low, high, count]`` for ten bins ``[low, high)``
+    ``length_histogram``. Files already in ``out_dir`` are replaced only with ``overwrite``
+    (:class:`FileExistsError` otherwise, before any work). A histogram is a list of ``[low, high, count]`` for ten bins ``[low, high)``
     over ``[min_length, max_length]``; a length is what LRA counts (operators, values, ``]``).
     """
     counts = {"train": train, "val": val, "test": test}
@@ -273,6 +275,10 @@ def generate_listops(
             f"no length lies strictly between min_length={min_length} and max_length={max_length}"
         )
     out_dir = Path(out_dir)
+    existing = [name for name in (*_SPLIT_FILES.values(), "report.json") if (out_dir / name).exists()]
+    if existing and not overwrite:
+        raise FileExistsError(f"{out_dir} already holds a data set ({', '.join(existing)}): --overwrite "
+                              "replaces it, or choose another --out")
     total = sum(counts.values())
     rng = random.Random(seed)
     seen: set[str] = set()

@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from ...checkpoint import CorruptCheckpointError
-from ...engine.checkpoint import read_checkpoint, read_task_checkpoint
+from ...engine.checkpoint import load_task_weights, read_checkpoint, read_task_checkpoint
 from ...engine.device import autocast
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.config import Config
@@ -109,10 +109,7 @@ def load_lra_model(path: str | Path) -> tuple[LRAClassifier, dict]:
     checkpoint = read_task_checkpoint(path, LRATask.name)
     cfg = _saved_config(checkpoint, path)
     model = build_lra_model(cfg)
-    try:
-        model.load_state_dict(checkpoint["model"])
-    except RuntimeError as e:
-        raise CorruptCheckpointError(path, f"weights do not fit the model it describes: {str(e).splitlines()[0]}") from None
+    load_task_weights(model, checkpoint["model"], path)
     return model, checkpoint
 
 
@@ -173,8 +170,11 @@ class LRATask(Task):
 
     def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
         t = self.cfg.train
+        # OneCycleLR's warm-up phase ends at update warmup_steps - 1; one of a single update would be
+        # empty (a division by zero there), and peaking at the first update is what no warm-up does.
+        warmup = t.warmup_steps if t.warmup_steps > 1 else 0
         return torch.optim.lr_scheduler.OneCycleLR(
-            optimizer, max_lr=t.lr, total_steps=t.steps, pct_start=t.warmup_steps / t.steps, anneal_strategy="linear",
+            optimizer, max_lr=t.lr, total_steps=t.steps, pct_start=warmup / t.steps, anneal_strategy="linear",
         )
 
     def restore_scheduler(self, scheduler, state: dict) -> None:

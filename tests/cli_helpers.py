@@ -1,0 +1,55 @@
+"""What the CLI error tests share: running ``polaformer.cli.main`` in-process, the one-line error
+check, and snapshots that prove no existing file changed."""
+import hashlib
+import io
+import re
+from pathlib import Path
+
+from polaformer.cli import MAX_MESSAGE, main
+
+ERROR = re.compile(r"^polaformer( \w+)?: (error|interrupted)")
+
+
+class quiet:
+    """Silence stdout/stderr of an in-process command that is expected to succeed."""
+
+    def __enter__(self):
+        import contextlib
+
+        self._stack = contextlib.ExitStack()
+        self._stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
+        self._stack.enter_context(contextlib.redirect_stderr(io.StringIO()))
+
+    def __exit__(self, *exc):
+        self._stack.close()
+
+
+def snapshot(root: Path) -> dict:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def assert_unchanged(before: dict, root: Path) -> None:
+    after = snapshot(root)
+    changed = [name for name, digest in before.items() if after.get(name) != digest]
+    assert not changed, f"existing files changed or removed: {changed}"
+
+
+def error_line(err: str, *, logs_allowed: bool = False) -> str:
+    """The single error line of ``err``. Commands that fail mid-run have logged progress lines
+    first (``logs_allowed``); the error is then the last line and the only one of its kind."""
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if ERROR.match(line)]
+    assert len(errors) == 1, err
+    assert lines[-1] == errors[0] if logs_allowed else lines == errors, err
+    assert len(errors[0]) <= MAX_MESSAGE
+    return errors[0]
+
+
+def run_main(argv, capsys):
+    try:
+        code = main([str(a) for a in argv])
+    except SystemExit as e:
+        code = e.code
+    out, err = capsys.readouterr()
+    return code, out, err
