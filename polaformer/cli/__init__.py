@@ -2,6 +2,7 @@
 
 - :mod:`.classification`: ``train`` a model, ``eval`` a checkpoint, ``throughput``, ``analyze``,
   ``export`` to ONNX;
+- :mod:`.ablate`: ``ablate`` (paper Table 3's component ablations, several seeds, table and chart);
 - :mod:`.bench`: ``bench`` (the attention op and model benchmarks);
 - :mod:`.lra`: ``lra train|eval|generate|curves|bench`` (the Long Range Arena);
 - :mod:`.dense`: ``detect train|eval|predict`` and ``segment train|eval``;
@@ -26,6 +27,7 @@ from ..data.folder import DatasetError
 from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
 from ..tasks.classification.evaluation import EvalError
 from ..runtime import tune_cpu_allocator
+from .ablate import add_ablate_parser
 from .bench import add_bench_parser
 from .classification import add_classification_parsers
 from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
@@ -41,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     add_classification_parsers(commands)
+    add_ablate_parser(commands)
     add_bench_parser(commands)
     add_lra_parser(commands)
     add_dense_parsers(commands)

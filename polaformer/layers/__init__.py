@@ -24,14 +24,16 @@ from .causal_attention import (
     PolaCausalSelfAttention,
     SoftmaxCausalSelfAttention,
 )
-from .pola_attention import PolaLinearAttention
+from .deformable import DeformableDepthwiseConv1d, DeformableDepthwiseConv2d
+from .pola_attention import LOCAL_BRANCHES, PolaLinearAttention
 from .polapp_attention import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from .sequence_attention import GATE_INITS, PacsSequenceAttention, PolaMultiheadAttention, PolaSequenceAttention
 from .sr_attention import SpatialReductionAttention
 from .window_attention import WindowAttention
 
-__all__ = ["GATE_INITS", "CausalCache", "EluCausalSelfAttention", "PacsCausalSelfAttention",
-           "PolaCausalSelfAttention", "SoftmaxCausalSelfAttention", "CosformerAttention", "FocusedLinearAttention", "KernelizedAttention", "LinearAttention",
+__all__ = ["GATE_INITS", "LOCAL_BRANCHES", "CausalCache", "CosformerAttention", "DeformableDepthwiseConv1d",
+           "DeformableDepthwiseConv2d", "EluCausalSelfAttention", "FocusedLinearAttention", "KernelizedAttention",
+           "LinearAttention", "PacsCausalSelfAttention", "PolaCausalSelfAttention", "SoftmaxCausalSelfAttention",
            "LinformerAttention", "NystromAttention", "PacsLinearAttention", "PacsSequenceAttention", "PerformerAttention",
            "PolaLinearAttention", "PolaMultiheadAttention", "PolaSequenceAttention", "QKVAttention", "RoPE2d",
            "RopeSoftmaxAttention", "SkyformerAttention", "SoftmaxAttention", "SpatialReductionAttention",

@@ -12,6 +12,18 @@ without renaming:
 - ``sr`` + ``norm``: strided conv and LayerNorm reducing the keys/values;
 - ``proj``: output projection. The output is ``proj((attn + dwc(v)) * g)``.
 
+The polarity coefficients Gˢ, Gᵒ of the paper are, in the official code, the gate ``g``: the second
+half of the ``qg`` (or fourth quarter of ``qkvg``) projection, a per-token, per-channel weight
+(N × d/2 per head and stream). The attention output of each head is ``[same-sign | opposite-sign]``
+along its channels, so ``g``'s first ``d/2`` channels of a head are Gˢ and the last ``d/2`` are Gᵒ;
+being applied after the local branch is added, they weight it too.
+
+The ablation switches of paper Table 3 (defaults: the official layer, keys and outputs unchanged):
+``polarity=False`` replaces the two streams by one, ``relu(x)ᵖ`` on q and k over the whole value
+(:func:`~polaformer.ops.power_linear_attention`); ``polarity_coefficients=False`` drops the gate, so the
+projection is ``q`` (or ``qkv``) and the output ``proj(attn + local(v))``; ``local`` picks the rank-restoring
+branch on v: ``"dwc"`` (official), ``"dcn"`` (``dcn``, a :class:`DeformableDepthwiseConv2d`) or ``"none"``.
+
 Where the official layer returns an output, this one returns the same: an odd ``head_dim`` splits
 the values as ``torch.chunk`` does (the same-sign stream takes the larger half), a grid not
 divisible by ``sr_ratio`` is reduced by the flooring strided conv, and the key table is added
@@ -26,9 +38,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pola_linear_attention, resample_grid_table, tokens_to_map
+from ..ops import learnable_power, pola_linear_attention, power_linear_attention, resample_grid_table, tokens_to_map
+from .deformable import DeformableDepthwiseConv2d
 
-__all__ = ["PolaLinearAttention"]
+__all__ = ["LOCAL_BRANCHES", "PolaLinearAttention", "check_ablation_switches"]
+
+# The rank-restoring branch on v: the official depthwise conv, a deformable one, or none.
+LOCAL_BRANCHES = ("dwc", "dcn", "none")
+
+
+def check_ablation_switches(polarity, polarity_coefficients, local) -> None:
+    """One-line errors for switch values of the wrong kind."""
+    for name, value in (("polarity", polarity), ("polarity_coefficients", polarity_coefficients)):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+    if local not in LOCAL_BRANCHES:
+        raise ValueError(f"local must be one of {', '.join(LOCAL_BRANCHES)}, got {local!r}")
 
 
 def check_alpha(alpha) -> None:
@@ -58,6 +83,11 @@ class PolaLinearAttention(nn.Module):
         fused_qkvg: one ``qkvg`` projection (Swin layout) instead of ``qg`` + ``kv``.
         num_prefix_tokens: leading tokens (class token) that take part in the
             attention but not in the depthwise conv branch.
+        polarity: the two polarity streams (official); False: one stream of
+            ``relu(x)ᵖ`` features over the whole value.
+        polarity_coefficients: the gate ``g`` holding Gˢ/Gᵒ (see the module
+            docstring); False removes it and its projection rows.
+        local: ``"dwc"``, ``"dcn"`` or ``"none"``, the branch added on v.
     """
 
     def __init__(
@@ -73,8 +103,12 @@ class PolaLinearAttention(nn.Module):
         key_pos_tokens: int | None = None,
         fused_qkvg: bool = False,
         num_prefix_tokens: int = 0,
+        polarity: bool = True,
+        polarity_coefficients: bool = True,
+        local: str = "dwc",
     ):
         super().__init__()
+        check_ablation_switches(polarity, polarity_coefficients, local)
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         head_dim = dim // num_heads
@@ -91,18 +125,23 @@ class PolaLinearAttention(nn.Module):
         self.alpha = alpha
         self.sr_ratio = sr_ratio
         self.num_prefix_tokens = num_prefix_tokens
+        self.polarity, self.polarity_coefficients, self.local = polarity, polarity_coefficients, local
 
+        gated = 1 if polarity_coefficients else 0
         if fused_qkvg:
-            self.qkvg = nn.Linear(dim, 4 * dim, bias=qkv_bias)
+            setattr(self, "qkvg" if gated else "qkv", nn.Linear(dim, (3 + gated) * dim, bias=qkv_bias))
         else:
-            self.qg = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+            setattr(self, "qg" if gated else "q", nn.Linear(dim, (1 + gated) * dim, bias=qkv_bias))
             self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         if sr_ratio > 1:
             self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
             self.norm = nn.LayerNorm(dim)
-        self.dwc = nn.Conv2d(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)
+        if local == "dwc":
+            self.dwc = nn.Conv2d(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)
+        elif local == "dcn":
+            self.dcn = DeformableDepthwiseConv2d(head_dim, kernel_size)
         self.power = nn.Parameter(torch.zeros(1, num_heads, 1, head_dim))
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))
         if key_pos_tokens is not None:
@@ -129,11 +168,18 @@ class PolaLinearAttention(nn.Module):
                                    mode="bilinear", antialias=False)
 
     def _project(self, x: torch.Tensor, height: int, width: int):
+        """``(q, k, v, g)``, ``g`` None without polarity coefficients."""
         b, n, c = x.shape
         if hasattr(self, "qkvg"):
             q, k, v, g = self.qkvg(x).reshape(b, n, 4, c).unbind(2)
             return q, k, v, g
-        q, g = self.qg(x).reshape(b, n, 2, c).unbind(2)
+        if hasattr(self, "qkv"):
+            q, k, v = self.qkv(x).reshape(b, n, 3, c).unbind(2)
+            return q, k, v, None
+        if hasattr(self, "qg"):
+            q, g = self.qg(x).reshape(b, n, 2, c).unbind(2)
+        else:
+            q, g = self.q(x), None
         if self.sr_ratio > 1:
             if height < self.sr_ratio or width < self.sr_ratio:
                 raise ValueError(
@@ -144,21 +190,22 @@ class PolaLinearAttention(nn.Module):
         k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
         return q, k, v, g
 
-    def local_branch_and_gate(self, out: torch.Tensor, v: torch.Tensor, g: torch.Tensor, height: int,
+    def local_branch_and_gate(self, out: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, height: int,
                               width: int) -> torch.Tensor:
-        """``(out + dwc(v)) · g`` for (B, N, C) tokens; ``v`` (B, M, C) holds the values, stretched along the
-        tokens when spatially reduced (M < N). Each head's values go through the same ``dwc``; prefix tokens
-        skip the conv and are only gated."""
-        b, n, c = out.shape
-        heads, p = self.num_heads, self.num_prefix_tokens
-        v = v.transpose(1, 2).reshape(b * heads, self.head_dim, -1)
-        if v.shape[-1] != n:
-            v = F.interpolate(v, size=n, mode="linear")
-        grid = v[..., p:].reshape(b * heads, self.head_dim, height, width)
-        local = self.dwc(grid).reshape(b, c, height * width).transpose(1, 2)
-        if p:
-            return torch.cat([out[:, :p], out[:, p:] + local], dim=1) * g
-        return (out + local) * g
+        """``(out + local(v)) · g`` for (B, N, C) tokens; ``v`` (B, M, C) holds the values, stretched along the
+        tokens when spatially reduced (M < N). Each head's values go through the same conv; prefix tokens
+        skip it and are only gated. Without a local branch or gate (ablations) that term is left out."""
+        local_conv = self.dwc if self.local == "dwc" else self.dcn if self.local == "dcn" else None
+        if local_conv is not None:
+            b, n, c = out.shape
+            heads, p = self.num_heads, self.num_prefix_tokens
+            v = v.transpose(1, 2).reshape(b * heads, self.head_dim, -1)
+            if v.shape[-1] != n:
+                v = F.interpolate(v, size=n, mode="linear")
+            grid = v[..., p:].reshape(b * heads, self.head_dim, height, width)
+            local = local_conv(grid).reshape(b, c, height * width).transpose(1, 2)
+            out = torch.cat([out[:, :p], out[:, p:] + local], dim=1) if p else out + local
+        return out if g is None else out * g
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``x``: (B, prefix + height·width, dim) tokens in raster order."""
@@ -175,7 +222,8 @@ class PolaLinearAttention(nn.Module):
             k = k + self._key_positions((height // self.sr_ratio, width // self.sr_ratio))
         scale = F.softplus(self.scale)
         heads = self.num_heads
-        out = pola_linear_attention(
+        attention = pola_linear_attention if self.polarity else power_linear_attention
+        out = attention(
             (q / scale).reshape(b, n, heads, -1).transpose(1, 2),
             (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2),
             v.reshape(b, n_kv, heads, -1).transpose(1, 2),

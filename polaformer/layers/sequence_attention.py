@@ -20,8 +20,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention
-from .pola_attention import check_alpha
+from ..ops import learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention, power_linear_attention
+from .deformable import DeformableDepthwiseConv1d
+from .pola_attention import check_ablation_switches, check_alpha
 
 __all__ = ["PolaSequenceAttention", "PacsSequenceAttention", "PolaMultiheadAttention", "GATE_INITS"]
 
@@ -60,11 +61,16 @@ class _SequenceAttention(nn.Module):
     ``qg``: query + gate from the query input; ``kv``: key + value (one input,
     or the two weight halves applied to separate key and value inputs); with
     ``kdim != vdim``, separate ``k_proj`` / ``v_proj``. Output:
-    ``proj((attention + dwc(v)) * g)``.
+    ``proj((attention + dwc(v)) * g)``; ``g`` holds the polarity coefficients Gˢ/Gᵒ (its same-sign and
+    opposite-sign channel halves of each head, as in :class:`~polaformer.layers.PolaLinearAttention`).
+    Ablations: ``polarity_coefficients=False`` drops ``g`` (the projection becomes ``q``); ``local``
+    ``"dcn"`` swaps ``dwc`` for a deformable ``dcn``, ``"none"`` (or ``kernel_size`` 0) removes it.
     """
 
-    def __init__(self, dim, num_heads, *, kdim, vdim, qkv_bias, proj_drop, gate_init, dwc_channels, kernel_size):
+    def __init__(self, dim, num_heads, *, kdim, vdim, qkv_bias, proj_drop, gate_init, dwc_channels, kernel_size,
+                 polarity_coefficients=True, local="dwc"):
         super().__init__()
+        check_ablation_switches(True, polarity_coefficients, local)
         if dim % num_heads:
             raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
         head_dim = dim // num_heads
@@ -78,7 +84,12 @@ class _SequenceAttention(nn.Module):
             raise ValueError(f"kernel_size must be odd so the conv keeps token positions, got {kernel_size}")
         self.dim, self.num_heads, self.head_dim = dim, num_heads, head_dim
         self.kdim, self.vdim = kdim or dim, vdim or dim
-        self.qg = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        self.polarity_coefficients = polarity_coefficients
+        self.local = local if kernel_size else "none"
+        if polarity_coefficients:
+            self.qg = nn.Linear(dim, 2 * dim, bias=qkv_bias)
+        else:
+            self.q = nn.Linear(dim, dim, bias=qkv_bias)
         if self.kdim == self.vdim:
             self.kv = nn.Linear(self.kdim, 2 * dim, bias=qkv_bias)
         else:
@@ -86,13 +97,16 @@ class _SequenceAttention(nn.Module):
             self.v_proj = nn.Linear(self.vdim, dim, bias=qkv_bias)
         self.dwc = (
             nn.Conv1d(dwc_channels, dwc_channels, kernel_size, padding=kernel_size // 2, groups=dwc_channels)
-            if kernel_size else None
+            if self.local == "dwc" else None
         )
+        if self.local == "dcn":
+            self.dcn = DeformableDepthwiseConv1d(dwc_channels, kernel_size)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
         self.gate_init = gate_init
-        with torch.no_grad():
-            GATE_INITS[gate_init](self.qg.weight[dim:])
+        if polarity_coefficients:
+            with torch.no_grad():
+                GATE_INITS[gate_init](self.qg.weight[dim:])
 
     def _keys_values(self, key: torch.Tensor, value: torch.Tensor):
         if not hasattr(self, "kv"):
@@ -113,6 +127,9 @@ class _SequenceAttention(nn.Module):
     def _local(self, v: torch.Tensor) -> torch.Tensor:
         """Depthwise conv of (B, N, C) values along tokens."""
         raise NotImplementedError
+
+    def _local_conv(self) -> nn.Module:
+        return self.dcn if self.local == "dcn" else self.dwc
 
     def forward(
         self,
@@ -148,17 +165,19 @@ class _SequenceAttention(nn.Module):
         if causal and not self_attention:
             raise ValueError("causal attention is self-attention: pass no key/value")
 
-        q, g = self.qg(query).chunk(2, dim=-1)
+        q, g = self.qg(query).chunk(2, dim=-1) if self.polarity_coefficients else (self.q(query), None)
         k, v = self._keys_values(key, value)
         if mask is not None:
             v = v.masked_fill(mask[..., None], 0.0)  # padding stays out of the conv branch
         out = self._attend(self._heads(q), self._heads(k), self._heads(v), mask, causal)
         out = out.transpose(1, 2).reshape(query.shape)
-        if self_attention and self.dwc is not None:
+        if self_attention and self.local != "none":
+            if causal and self.local != "dwc":
+                raise ValueError(f"causal attention needs local='dwc' or 'none': a {self.local} branch sees later tokens")
             # causal: the same kernel shifted to end at each token (its left half-width of extra zeros)
             shift = self.dwc.kernel_size[0] // 2 if causal else 0
             out = out + self._local(F.pad(v, (0, 0, shift, 0)))[:, :v.shape[1]]
-        return self.proj_drop(self.proj(out * g))
+        return self.proj_drop(self.proj(out if g is None else out * g))
 
 
 class PolaSequenceAttention(_SequenceAttention):
@@ -176,6 +195,10 @@ class PolaSequenceAttention(_SequenceAttention):
         qkv_bias: bias in the q/g/k/v projections.
         proj_drop: dropout after the output projection.
         kernel_size: odd width of the 1-D depthwise conv on v, 0 for none.
+        polarity: the two polarity streams (official); False: one stream of
+            ``relu(x)ᵖ`` features over the whole value (paper Table 3).
+        polarity_coefficients: the gate holding Gˢ/Gᵒ; False removes it.
+        local: ``"dwc"``, ``"dcn"`` (deformable) or ``"none"``, the branch on v.
         alpha: the power map's range, ``p ∈ (1, 1 + alpha)`` (the paper's LRA
             rows use 3, 5 and 7).
         gate_init: initialisation of the gate projection's weight, one of
@@ -196,24 +219,33 @@ class PolaSequenceAttention(_SequenceAttention):
         alpha: float = 4.0,
         gate_init: str = "kaiming_uniform",
         eps: float = 1e-6,
+        polarity: bool = True,
+        polarity_coefficients: bool = True,
+        local: str = "dwc",
     ):
+        check_ablation_switches(polarity, polarity_coefficients, local)
         super().__init__(dim, num_heads, kdim=kdim, vdim=vdim, qkv_bias=qkv_bias, proj_drop=proj_drop,
-                         gate_init=gate_init, dwc_channels=dim // num_heads, kernel_size=kernel_size)
+                         gate_init=gate_init, dwc_channels=dim // num_heads, kernel_size=kernel_size,
+                         polarity_coefficients=polarity_coefficients, local=local)
         check_alpha(alpha)
-        self.alpha, self.eps = alpha, eps
+        self.alpha, self.eps, self.polarity = alpha, eps, polarity
         self.power = nn.Parameter(torch.zeros(1, num_heads, 1, self.head_dim))
         self.scale = nn.Parameter(torch.zeros(1, 1, dim))
 
     def _attend(self, q, k, v, key_padding_mask, causal=False):
         b, h, _, d = q.shape
         scale = F.softplus(self.scale).reshape(1, h, 1, d)
-        return pola_linear_attention(q / scale, k / scale, v, learnable_power(self.power, self.alpha), self.eps,
-                                     key_padding_mask, causal=causal)
+        power = learnable_power(self.power, self.alpha)
+        if not self.polarity:
+            if causal:
+                raise ValueError("causal attention needs polarity=True (the one-stream ablation has no causal form)")
+            return power_linear_attention(q / scale, k / scale, v, power, self.eps, key_padding_mask)
+        return pola_linear_attention(q / scale, k / scale, v, power, self.eps, key_padding_mask, causal=causal)
 
     def _local(self, v):
         b, n, c = v.shape
         per_head = v.reshape(b, n, self.num_heads, self.head_dim).permute(0, 2, 3, 1)
-        local = self.dwc(per_head.reshape(b * self.num_heads, self.head_dim, n))
+        local = self._local_conv()(per_head.reshape(b * self.num_heads, self.head_dim, n))
         return local.reshape(b, self.num_heads, self.head_dim, n).permute(0, 3, 1, 2).reshape(b, n, c)
 
 
@@ -224,7 +256,7 @@ class PacsSequenceAttention(_SequenceAttention):
     (``s = sigmoid(s1)`` same-sign, ``sigmoid(s2)`` opposite-sign), keys
     ``exp(x) − 1``; a depthwise conv on v over all channels (LePE), as in the
     vision layer, here 1-D. No RoPE: sequence models bring their own positions.
-    Arguments as :class:`PolaSequenceAttention` (without ``alpha``).
+    Arguments as :class:`PolaSequenceAttention` (without ``alpha`` and ``polarity``).
     """
 
     def __init__(
@@ -239,9 +271,12 @@ class PacsSequenceAttention(_SequenceAttention):
         kernel_size: int = 5,
         gate_init: str = "kaiming_uniform",
         eps: float = 1e-6,
+        polarity_coefficients: bool = True,
+        local: str = "dwc",
     ):
         super().__init__(dim, num_heads, kdim=kdim, vdim=vdim, qkv_bias=qkv_bias, proj_drop=proj_drop,
-                         gate_init=gate_init, dwc_channels=dim, kernel_size=kernel_size)
+                         gate_init=gate_init, dwc_channels=dim, kernel_size=kernel_size,
+                         polarity_coefficients=polarity_coefficients, local=local)
         self.eps = eps
         self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * self.head_dim))
         self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * self.head_dim))
@@ -251,7 +286,7 @@ class PacsSequenceAttention(_SequenceAttention):
                                      eps=self.eps, key_padding_mask=key_padding_mask, causal=causal)
 
     def _local(self, v):
-        return self.dwc(v.transpose(1, 2)).transpose(1, 2)
+        return self._local_conv()(v.transpose(1, 2)).transpose(1, 2)
 
 
 def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -282,7 +317,8 @@ class PolaMultiheadAttention(nn.Module):
     cross-attention without it.
 
     Extra keyword arguments: ``feature_map`` (``"pola"`` or ``"pacs"``),
-    ``alpha``, ``kernel_size``, ``gate_init``, passed to the sequence layer.
+    ``alpha``, ``kernel_size``, ``gate_init`` and the ablation switches
+    (``polarity``, ``polarity_coefficients``, ``local``), passed to the sequence layer.
     """
 
     # Read by nn.TransformerEncoder(Layer) to decide on its fused fast path; these values

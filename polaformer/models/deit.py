@@ -42,12 +42,12 @@ __all__ = ["PolaDeiT"]
 
 class PolaDeiTBlock(nn.Module):
     def __init__(self, dim, num_heads, mlp_ratio=4.0, qkv_bias=True, drop=0.0, drop_path=0.0,
-                 alpha=4.0, kernel_size=5, key_pos_tokens=None, norm_layer=nn.LayerNorm):
+                 alpha=4.0, kernel_size=5, key_pos_tokens=None, norm_layer=nn.LayerNorm, attn_switches=None):
         super().__init__()
         self.norm1 = norm_layer(dim)
         self.attn = PolaLinearAttention(
             dim, num_heads, qkv_bias=qkv_bias, proj_drop=drop, kernel_size=kernel_size, alpha=alpha,
-            key_pos_tokens=key_pos_tokens, fused_qkvg=True, num_prefix_tokens=1,
+            key_pos_tokens=key_pos_tokens, fused_qkvg=True, num_prefix_tokens=1, **(attn_switches or {}),
         )
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
@@ -71,6 +71,8 @@ class PolaDeiT(nn.Module):
         kernel_size: depthwise conv on v.
         key_pos_encoding: also learn the official key positional table (adds
             ``(1 + grid²)·dim`` parameters per block and fixes the input size).
+        polarity, polarity_coefficients, local: the attention's ablation switches (paper Table 3; see
+            :class:`~polaformer.layers.PolaLinearAttention`); the defaults are the official model.
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
@@ -78,7 +80,7 @@ class PolaDeiT(nn.Module):
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool="token",
                  embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0, qkv_bias=True, drop_rate=0.0,
                  drop_path_rate=0.0, alpha=4.0, kernel_size=5, key_pos_encoding=False,
-                 norm_layer=partial(nn.LayerNorm, eps=1e-6)):
+                 norm_layer=partial(nn.LayerNorm, eps=1e-6), polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depth=depth, num_heads=num_heads, embed_dim=embed_dim)
         _check_global_pool(global_pool)
@@ -95,7 +97,8 @@ class PolaDeiT(nn.Module):
         dpr = [drop_path_rate * i / max(depth - 1, 1) for i in range(depth)]
         self.blocks = nn.ModuleList(
             PolaDeiTBlock(embed_dim, num_heads, mlp_ratio, qkv_bias, drop_rate, dpr[i], alpha, kernel_size,
-                          1 + num_patches if key_pos_encoding else None, norm_layer)
+                          1 + num_patches if key_pos_encoding else None, norm_layer,
+                          dict(polarity=polarity, polarity_coefficients=polarity_coefficients, local=local))
             for i in range(depth)
         )
         self.norm = norm_layer(embed_dim)

@@ -151,13 +151,13 @@ class HeldNorm(nn.Module):
 
 class PolaPVTBlock(nn.Module):
     def __init__(self, dim, num_heads, mlp_ratio, qkv_bias, drop, drop_path, norm_layer, sr_ratio,
-                 attn_type, num_tokens, alpha, kernel_size, qk_scale=None):
+                 attn_type, num_tokens, alpha, kernel_size, qk_scale=None, attn_switches=None):
         super().__init__()
         self.norm1 = norm_layer(dim)
         if attn_type == "L":
             self.attn = PolaLinearAttention(
                 dim, num_heads, qkv_bias=qkv_bias, proj_drop=drop, sr_ratio=sr_ratio, kernel_size=kernel_size,
-                alpha=alpha, key_pos_tokens=num_tokens // (sr_ratio * sr_ratio),
+                alpha=alpha, key_pos_tokens=num_tokens // (sr_ratio * sr_ratio), **(attn_switches or {}),
             )
         elif attn_type == "S":
             self.attn = SpatialReductionAttention(
@@ -182,6 +182,8 @@ class PolaPVT(PyramidBase):
         sr_ratios: key/value reduction of softmax ('S') stages.
         la_sr_ratios: key/value reduction of Pola ('L') stages, one digit per stage.
         alpha, kernel_size: the power map's range and the depthwise conv size.
+        polarity, polarity_coefficients, local: the attention's ablation switches (paper Table 3; see
+            :class:`~polaformer.layers.PolaLinearAttention`); the defaults are the official model.
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
@@ -190,7 +192,7 @@ class PolaPVT(PyramidBase):
                  num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), qkv_bias=True, qk_scale=None, drop_rate=0.0,
                  drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), depths=(2, 2, 2, 2),
                  sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", num_stages=4, alpha=4, kernel_size=5,
-                 attn_type="LLLL", global_pool="avg"):
+                 attn_type="LLLL", global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), sr_ratios=list(sr_ratios),
                            embed_dims=list(embed_dims))
@@ -225,7 +227,8 @@ class PolaPVT(PyramidBase):
             sr = sr_ratios[i] if attn_type[i] == "S" else int(str(la_sr_ratios)[i])
             blocks = nn.ModuleList(
                 PolaPVTBlock(embed_dims[i], num_heads[i], mlp_ratios[i], qkv_bias, drop_rate, dpr[cur + j],
-                             norm_layer, sr, attn_type[i], embed.num_patches, alpha, kernel_size, qk_scale)
+                             norm_layer, sr, attn_type[i], embed.num_patches, alpha, kernel_size, qk_scale,
+                             dict(polarity=polarity, polarity_coefficients=polarity_coefficients, local=local))
                 for j in range(depths[i])
             )
             cur += depths[i]

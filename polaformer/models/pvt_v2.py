@@ -47,11 +47,12 @@ class DepthwiseConvMlp(nn.Module):
 
 
 class PolaPVTv2Block(nn.Module):
-    def __init__(self, dim, num_heads, mlp_ratio, num_tokens, drop_path, norm_layer, alpha, kernel_size):
+    def __init__(self, dim, num_heads, mlp_ratio, num_tokens, drop_path, norm_layer, alpha, kernel_size,
+                 attn_switches=None):
         super().__init__()
         self.norm1 = norm_layer(dim)
         self.attn = PolaLinearAttention(dim, num_heads, qkv_bias=True, kernel_size=kernel_size, alpha=alpha,
-                                        key_pos_tokens=num_tokens)
+                                        key_pos_tokens=num_tokens, **(attn_switches or {}))
         self.drop_path = DropPath(drop_path) if drop_path > 0 else nn.Identity()
         self.norm2 = norm_layer(dim)
         self.mlp = DepthwiseConvMlp(dim, int(dim * mlp_ratio))
@@ -67,14 +68,14 @@ class PolaPVTv2(PyramidBase):
     Args:
         drop_rate: dropout before the classifier (as timm's PVTv2 ``drop_rate``).
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
-        Others: as :class:`~polaformer.models.PolaPVT`.
+        Others (the ablation switches included): as :class:`~polaformer.models.PolaPVT`.
     """
 
     @factory_kwargs
     def __init__(self, img_size=224, in_chans=3, num_classes=1000, embed_dims=(64, 128, 320, 512),
                  num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4), depths=(3, 4, 6, 3), drop_rate=0.0,
                  drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), alpha=4, kernel_size=5,
-                 global_pool="avg"):
+                 global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims))
         if global_pool not in ("avg", ""):
@@ -97,7 +98,7 @@ class PolaPVTv2(PyramidBase):
             setattr(self, f"patch_embed{i + 1}", embed)
             setattr(self, f"block{i + 1}", nn.ModuleList(
                 PolaPVTv2Block(embed_dims[i], num_heads[i], mlp_ratios[i], grid * grid, dpr[cur + j], norm_layer,
-                               alpha, kernel_size)
+                               alpha, kernel_size, dict(polarity=polarity, polarity_coefficients=polarity_coefficients, local=local))
                 for j in range(depth)
             ))
             setattr(self, f"norm{i + 1}", norm_layer(embed_dims[i]))

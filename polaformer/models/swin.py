@@ -132,7 +132,7 @@ class PolaSwinBlock(nn.Module):
 
     def __init__(self, dim, input_resolution, num_heads, window_size=7, shift_size=0, mlp_ratio=4.0, qkv_bias=True,
                  qk_scale=None, drop=0.0, attn_drop=0.0, drop_path=0.0, norm_layer=nn.LayerNorm, alpha=4,
-                 kernel_size=5, attn_type="L"):
+                 kernel_size=5, attn_type="L", attn_switches=None):
         super().__init__()
         self.input_resolution = tuple(input_resolution)
         if min(self.input_resolution) <= window_size:  # the window covers the stage: no partition, no shift
@@ -147,7 +147,8 @@ class PolaSwinBlock(nn.Module):
         self.norm1 = norm_layer(dim)
         if self.linear:
             self.attn = PolaLinearAttention(dim, num_heads, qkv_bias=qkv_bias, proj_drop=drop, kernel_size=kernel_size,
-                                            alpha=alpha, key_pos_tokens=window_size * window_size, fused_qkvg=True)
+                                            alpha=alpha, key_pos_tokens=window_size * window_size, fused_qkvg=True,
+                                            **(attn_switches or {}))
         else:
             self.attn = WindowAttention(dim, window_size, num_heads, qkv_bias=qkv_bias, qk_scale=qk_scale,
                                         attn_drop=attn_drop, proj_drop=drop)
@@ -273,6 +274,8 @@ class PolaSwinTransformer(nn.Module):
         kernel_size: depthwise conv on v in the linear blocks.
         attn_type: per-stage attention letters (see the module docstring).
         global_pool: ``'avg'`` (the official token mean) or ``''``.
+        polarity, polarity_coefficients, local: the attention's ablation switches (paper Table 3; see
+            :class:`~polaformer.layers.PolaLinearAttention`); the defaults are the official model.
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
 
     ``forward_features`` returns (B, H/32, W/32, C) maps: ``output_fmt`` is ``'NHWC'``, as timm's Swin.
@@ -284,7 +287,7 @@ class PolaSwinTransformer(nn.Module):
     def __init__(self, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dim=96, depths=(2, 2, 6, 2),
                  num_heads=(3, 6, 12, 24), window_size=7, mlp_ratio=4.0, qkv_bias=True, qk_scale=None, drop_rate=0.0,
                  attn_drop_rate=0.0, drop_path_rate=0.1, norm_layer=nn.LayerNorm, ape=False, patch_norm=True,
-                 alpha=4, kernel_size=5, attn_type="LLLL", global_pool="avg"):
+                 alpha=4, kernel_size=5, attn_type="LLLL", global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dim=embed_dim)
         if global_pool not in ("avg", ""):
@@ -319,6 +322,7 @@ class PolaSwinTransformer(nn.Module):
                 attn_types=attn_types[i], drop_path=dpr[sum(depths[:i]):sum(depths[:i + 1])],
                 downsample=i < num_stages - 1, norm_layer=norm_layer, mlp_ratio=mlp_ratio, qkv_bias=qkv_bias,
                 qk_scale=qk_scale, drop=drop_rate, attn_drop=attn_drop_rate, alpha=alpha, kernel_size=kernel_size,
+                attn_switches=dict(polarity=polarity, polarity_coefficients=polarity_coefficients, local=local),
             ))
             self.feature_info.append(dict(num_chs=dim, reduction=self.patch_embed.patch_size[0] * 2 ** i,
                                           module=f"layers.{i}.blocks.{depth - 1}"))

@@ -26,14 +26,16 @@ from .naive import (
     linear_attention_weights,
     naive_pacs_linear_attention,
     naive_pola_linear_attention,
+    naive_power_linear_attention,
     official_pola_linear_attention,
     pacs_attention_weights,
     pola_attention_weights,
+    power_attention_weights,
     softmax_attention_weights,
 )
 from .layout import tokens_to_map
 from .pacs_attention import pacs_linear_attention
-from .pola_attention import linear_attention, pola_linear_attention
+from .pola_attention import linear_attention, pola_linear_attention, power_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_1d, rope_2d, rope_angles, rotate_pairs
 from .window_softmax import window_softmax_attention
@@ -56,6 +58,7 @@ __all__ = [
     "naive_causal_pola_linear_attention",
     "naive_pacs_linear_attention",
     "naive_pola_linear_attention",
+    "naive_power_linear_attention",
     "official_pola_linear_attention",
     "pacs_attention_weights",
     "pacs_key_features",
@@ -64,6 +67,8 @@ __all__ = [
     "pacs_temperature",
     "pola_attention_weights",
     "pola_linear_attention",
+    "power_attention_weights",
+    "power_linear_attention",
     "polarity_split",
     "power_feature",
     "relu_feature",

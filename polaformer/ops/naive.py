@@ -26,6 +26,8 @@ __all__ = [
     "naive_causal_pola_linear_attention",
     "pola_attention_weights",
     "naive_pola_linear_attention",
+    "naive_power_linear_attention",
+    "power_attention_weights",
     "pacs_attention_weights",
     "naive_pacs_linear_attention",
     "softmax_attention_weights",
@@ -94,6 +96,29 @@ def naive_pola_linear_attention(
     same, opposite = pola_attention_weights(q, k, power, eps, key_padding_mask)
     v_same, v_opposite = v.chunk(2, dim=-1)
     return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+
+
+def power_attention_weights(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    power: torch.Tensor,
+    eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Weights of the attention without polarity split: ``φ(x) = relu(x)ᵖ`` on q and k, one stream."""
+    return linear_attention_weights(F.relu(q) ** power, F.relu(k) ** power, eps, key_padding_mask=key_padding_mask)
+
+
+def naive_power_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    power: torch.Tensor,
+    eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference output of :func:`~polaformer.ops.power_linear_attention`: ``W @ v`` over the whole value."""
+    return power_attention_weights(q, k, power, eps, key_padding_mask) @ v
 
 
 def official_pola_linear_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor,

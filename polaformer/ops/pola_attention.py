@@ -36,7 +36,7 @@ from . import varlen
 from .causal import causal_pola_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
 
-__all__ = ["full_precision", "linear_attention", "pola_linear_attention"]
+__all__ = ["full_precision", "linear_attention", "pola_linear_attention", "power_linear_attention"]
 
 def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, even_head_dim: bool = False) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
@@ -519,6 +519,34 @@ def pola_linear_attention(
         attention = _pola_attention_no_grad
     with full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
+    return out.to(v.dtype)
+
+
+def power_linear_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    power: torch.Tensor,
+    eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PolaFormer's attention with its polarity split removed (paper Table 3, "Polarity" off).
+
+    One stream, ``φ(x) = relu(x)ᵖ``: only the positive parts of q and k interact (the
+    same-sign, non-negative ``q⁺k⁺`` term), over the whole value. Shapes, ``power`` and
+    ``key_padding_mask`` as :func:`pola_linear_attention`; the output is (B, H, N, dv), computed
+    in at least float32 as there. Reference: :func:`~polaformer.ops.naive_power_linear_attention`.
+    """
+    _check_float(q=q, k=k, v=v)
+    _check_qkv(q, k, v)
+    power = _as_power(power, q)
+    _check_power_values(power, capturing())
+    dtype = _compute_dtype(q, k, v, power)
+    with full_precision(q.device.type):
+        power = power.to(dtype)
+        phi_q = torch.relu(q.to(dtype)) ** power
+        phi_k = torch.relu(k.to(dtype)) ** power
+        out = linear_attention(phi_q, phi_k, v.to(dtype), eps, key_padding_mask=key_padding_mask)
     return out.to(v.dtype)
 
 

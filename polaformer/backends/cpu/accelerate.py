@@ -160,7 +160,8 @@ class FusedPolaLinearAttention(PolaLinearAttention):
     depthwise conv over all channels (its kernel repeated per head), in one native pass without gradients."""
 
     def local_branch_and_gate(self, out, v, g, height, width):
-        if v.shape[1] != out.shape[1] or self.dwc.bias is None or capturing() or not _unhooked(self.dwc):
+        if (self.local != "dwc" or g is None or v.shape[1] != out.shape[1] or self.dwc.bias is None or capturing()
+                or not _unhooked(self.dwc)):  # ablated layers (no dwc or gate) take the plain path
             return super().local_branch_and_gate(out, v, g, height, width)
         heads = self.num_heads
         weight, bias = torch.cat([self.dwc.weight] * heads), torch.cat([self.dwc.bias] * heads)

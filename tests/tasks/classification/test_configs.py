@@ -21,8 +21,9 @@ ROOT = REPO
 CONFIG_DIR = ROOT / "configs"
 RECIPES_DOC = ROOT / "docs" / "recipes.md"
 # Image-classification recipes; configs/lra/ holds the LRA recipes (tests/test_lra_train.py checks those),
-# configs/dense/ the detection and segmentation ones (tests/test_dense_cli.py).
-FILES = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name not in ("lra", "dense"))
+# configs/dense/ the detection and segmentation ones (tests/test_dense_cli.py), configs/ablations/ the
+# ablation files (tests/tasks/classification/test_ablation.py).
+FILES = sorted(p for p in CONFIG_DIR.rglob("*.yaml") if p.parent.name not in ("lra", "dense", "ablations"))
 IDS = [str(p.relative_to(CONFIG_DIR)) for p in FILES]
 
 # Registered names that are not models of their own: lower-case aliases of POLA_b0..b5, and the
