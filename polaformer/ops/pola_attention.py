@@ -34,6 +34,7 @@ import torch
 from . import varlen
 from .causal import causal_pola_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
+from .feature_maps import check_power_values
 
 __all__ = ["full_precision", "linear_attention", "pola_linear_attention"]
 
@@ -77,15 +78,6 @@ def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
         raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
     return power
-
-
-def _check_power_values(power: torch.Tensor, capturing: bool) -> None:
-    """``power >= 1``, checked only in eager mode on the CPU: elsewhere the check would synchronise with the
-    device on every call (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power`
-    is > 1 by construction. (The native forward makes the same check.)"""
-    if power.device.type == "cpu" and not capturing and power.numel() and bool(power.detach().amin() < 1):
-        raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
-                         f"{power.detach().amin().item():g}")
 
 
 def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor):
@@ -482,7 +474,7 @@ def pola_linear_attention(
         _check_key_padding_mask(key_padding_mask, k)
     kernels = None if graph else triton_kernels(q)
     if kernels is not None:
-        _check_power_values(power, graph)
+        check_power_values(power, graph)
         if packed and q.device.type == "cpu":  # the interpreter: checking the offsets costs no device sync
             varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
             varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
@@ -495,7 +487,7 @@ def pola_linear_attention(
         native = _native_forward(q, k, v, power)
         if native is not None:
             return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
-    _check_power_values(power, graph)
+    check_power_values(power, graph)
     dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
     if graph:
