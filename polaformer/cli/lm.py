@@ -38,14 +38,22 @@ def add_lm_parser(commands) -> None:
     evaluate.add_argument("--batches", type=int, default=0, help="validation batches (0: all)")
     evaluate.set_defaults(handler=cmd_lm_eval)
 
-    sample = sub.add_parser("sample", help="generate text from a checkpoint (recurrent form, one step per byte)")
+    sample = sub.add_parser("sample", help="generate text from a checkpoint (recurrent form, one step per byte)",
+                            description="Generate with the recurrent form. The model sees at most model.context "
+                                        "bytes: past that the window restarts from its newest half.")
     sample.add_argument("--checkpoint", required=True, metavar="FILE")
-    sample.add_argument("--prompt", default="def ", help="text to continue")
+    sample.add_argument("--prompt", type=_prompt, default="def ", help="text to continue")
     sample.add_argument("--length", type=positive_int, default=200, help="bytes to generate")
     sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     sample.add_argument("--top-k", type=int, default=0)
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(handler=cmd_lm_sample)
+
+
+def _prompt(text: str) -> str:
+    if not text:
+        raise argparse.ArgumentTypeError("the prompt needs at least one byte")
+    return text
 
 
 def cmd_lm_train(args: argparse.Namespace) -> int:
@@ -96,8 +104,6 @@ def cmd_lm_sample(args: argparse.Namespace) -> int:
 
     model, cfg = load_lm_model(args.checkpoint)
     prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
-    if prompt.numel() == 0 or prompt.shape[1] + args.length > cfg.model.context:
-        raise ValueError(f"prompt ({prompt.shape[1]} bytes) plus --length must be 1..{cfg.model.context} bytes")
     out = model.generate(prompt, args.length, args.temperature, args.top_k,
                          generator=torch.Generator().manual_seed(args.seed))
     sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")

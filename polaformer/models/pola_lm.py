@@ -120,12 +120,15 @@ class PolaLM(nn.Module):
     def generate(self, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int = 0,
                  generator: torch.Generator | None = None) -> torch.Tensor:
         """Continue ``prompt`` (B, T) by ``new_tokens`` sampled tokens (greedy at ``temperature`` 0); one
-        layer ``step`` per token. Returns (B, T + new_tokens)."""
-        if prompt.shape[1] == 0:
-            raise ValueError("the prompt needs at least one token")
-        logits, caches = self.step(prompt)
+        layer ``step`` per token. The model sees a window of at most ``context`` tokens (its positions): a longer
+        prompt is read from its last ``context`` tokens, and when the window is full it restarts from its newest
+        half (one parallel pass), so any length can be generated. Returns (B, T + new_tokens)."""
+        if prompt.dim() != 2 or prompt.shape[1] == 0:
+            raise ValueError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(prompt.shape)}")
+        window = prompt[:, -self.context:]
+        logits, caches = self.step(window)
         out = [prompt]
-        position = prompt.shape[1]
+        position = window.shape[1]
         for i in range(new_tokens):
             last = logits[:, -1].float()
             if temperature <= 0:
@@ -137,7 +140,13 @@ class PolaLM(nn.Module):
                     last = last.masked_fill(last < kth, float("-inf"))
                 token = torch.multinomial(F.softmax(last, dim=-1), 1, generator=generator)
             out.append(token)
-            if i + 1 < new_tokens:
+            if i + 1 == new_tokens:
+                break
+            if position == self.context:  # no position left: restart the window from its newest half
+                window = torch.cat(out, dim=1)[:, -max(1, self.context // 2):]
+                logits, caches = self.step(window)
+                position = window.shape[1]
+            else:
                 logits, caches = self.step(token, caches, position)
                 position += 1
         return torch.cat(out, dim=1)

@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 
 from . import varlen
-from .feature_maps import pacs_key_features, pacs_query_features, power_feature
+from .dispatch import capturing
+from .feature_maps import check_power_values, pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
 
 __all__ = [
@@ -193,6 +194,7 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
     _check_inputs(q, k, v, chunk_size)
     dtype = _compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
     power = torch.as_tensor(power, dtype=dtype, device=q.device)
+    check_power_values(power, capturing())
     with _autocast_off(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)

@@ -56,6 +56,20 @@ def power_feature(x: torch.Tensor, power: torch.Tensor) -> torch.Tensor:
     return _sign_expand(x.abs() ** power, x)
 
 
+def check_power_values(power: torch.Tensor, capturing: bool) -> None:
+    """``power >= 1``, checked only in eager mode on the CPU: elsewhere the check would synchronise with the
+    device on every call (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power`
+    is > 1 by construction. (The native forward of the bidirectional op makes the same check.)"""
+    if power.device.type != "cpu" or capturing or not power.numel():
+        return
+    power = power.detach()
+    if not bool(torch.isfinite(power).all()):  # NaN would pass the comparison below
+        raise ValueError("power must be finite, got NaN or infinite values")
+    if bool(power.amin() < 1):
+        raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
+                         f"{power.amin().item():g}")
+
+
 def pacs_temperature(weight: torch.Tensor) -> torch.Tensor:
     """PolaFormer++ channel-wise temperature ``s = sigmoid(w)`` (one per stream)."""
     return torch.sigmoid(weight)

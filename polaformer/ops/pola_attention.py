@@ -35,6 +35,7 @@ import torch
 from . import varlen
 from .causal import causal_pola_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
+from .feature_maps import check_power_values
 
 __all__ = ["full_precision", "linear_attention", "pola_linear_attention", "power_linear_attention"]
 
@@ -78,20 +79,6 @@ def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
         raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
     return power
-
-
-def _check_power_values(power: torch.Tensor, capturing: bool) -> None:
-    """``power >= 1``, checked only in eager mode on the CPU: elsewhere the check would synchronise with the
-    device on every call (and graph capture cannot branch on values); :func:`~polaformer.ops.learnable_power`
-    is > 1 by construction. (The native forward makes the same check.)"""
-    if power.device.type != "cpu" or capturing or not power.numel():
-        return
-    power = power.detach()
-    if not bool(torch.isfinite(power).all()):  # NaN would pass the comparison below
-        raise ValueError("power must be finite, got NaN or infinite values")
-    if bool(power.amin() < 1):
-        raise ValueError(f"power must be >= 1 everywhere (the map |x|^p needs p >= 1), got a minimum of "
-                         f"{power.amin().item():g}")
 
 
 def _check_eps(eps) -> None:
@@ -495,7 +482,7 @@ def pola_linear_attention(
         _check_key_padding_mask(key_padding_mask, k)
     kernels = None if graph else triton_kernels(q)
     if kernels is not None:
-        _check_power_values(power, graph)
+        check_power_values(power, graph)
         if packed and q.device.type == "cpu":  # the interpreter: checking the offsets costs no device sync
             varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
             varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
@@ -503,7 +490,7 @@ def pola_linear_attention(
         return kernels.pola_attention(q, k, v, power, eps, mask, cu_seqlens, cu_seqlens_k)
     if packed:
         return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
-    _check_power_values(power, graph)
+    check_power_values(power, graph)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
     if not (graph or needs_grad or key_padding_mask is not None):
         native = _native_forward(q, k, v, power)
@@ -540,7 +527,7 @@ def power_linear_attention(
     _check_float(q=q, k=k, v=v)
     _check_qkv(q, k, v)
     power = _as_power(power, q)
-    _check_power_values(power, capturing())
+    check_power_values(power, capturing())
     dtype = _compute_dtype(q, k, v, power)
     with full_precision(q.device.type):
         power = power.to(dtype)

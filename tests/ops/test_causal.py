@@ -187,3 +187,6 @@ def test_bad_arguments_are_refused_clearly():
                                      cu_seqlens_k=torch.tensor([0, 2, N]))
     with pytest.raises(ValueError, match="key_padding_mask"):
         causal_pola_linear_attention(q, k, v, p, key_padding_mask=torch.zeros(B, N))
+    for form in (causal_pola_linear_attention, lambda *qkvp: causal_pola_step(*qkvp)[0]):
+        with pytest.raises(ValueError, match="power must be >= 1"):
+            form(q, k, v, torch.full_like(p, 0.5))
