@@ -112,7 +112,8 @@ def command_line_keys(name: str) -> set[tuple]:
 
 
 def zoo_models() -> set[str]:
-    return set(timm.list_models(["pola_*", "POLA_*"])) - ALIASES
+    """The image classifiers (the causal language models, ``pola_lm_*``, have no ImageNet recipe)."""
+    return set(timm.list_models(["pola_*", "POLA_*"])) - ALIASES - set(timm.list_models("pola_lm_*"))
 
 
 def read(path: Path) -> dict:
