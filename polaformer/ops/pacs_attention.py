@@ -20,6 +20,7 @@ from .feature_maps import pacs_key_features, pacs_query_features
 from .pola_attention import (
     _block_tokens,
     _check_float,
+    _check_key_padding_mask,
     _check_qkv,
     _compute_dtype,
     _key_keep,
@@ -525,8 +526,8 @@ def pacs_linear_attention(
         if key_padding_mask is not None:
             raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences carry their lengths")
         _check_packed(q, k, cu_seqlens, cu_seqlens_k, sin is not None)
-    dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
-    keep, m = _key_keep(key_padding_mask, k, dtype)
+    if key_padding_mask is not None:
+        _check_key_padding_mask(key_padding_mask, k)
     # The kernels' RoPE works on channel pairs inside each half; tables for an odd head_dim take the plain path.
     pairs = sin is None or q.shape[-1] % 2 == 0
     if pairs and not capturing():
@@ -536,6 +537,8 @@ def pacs_linear_attention(
                                           cu_seqlens, cu_seqlens_k)
     if cu_seqlens is not None:
         return _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, cu_seqlens_k)
+    dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
+    keep, m = _key_keep(key_padding_mask, k, dtype)
     out_dtype = v.dtype
     if capturing() or not pairs:
         attention = _pacs_attention_graph
