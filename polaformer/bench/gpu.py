@@ -168,8 +168,10 @@ def _measure_once(step) -> tuple[float, None]:
     return (time.perf_counter() - start) * 1e3, None
 
 
-def run_gpu(*, batch: int = 8, dtypes=("bf16", "fp32"), modes=MODES, smoke: bool = False, log=print) -> list[dict]:
-    """One row per (shape, dtype, mode, method): ms and peak MiB (None in ``--smoke``)."""
+def run_gpu(*, batch: int = 8, dtypes=("bf16", "fp32"), modes=MODES, smoke: bool = False, log=print,
+            on_shape_done=None) -> list[dict]:
+    """One row per (shape, dtype, mode, method): ms and peak MiB (None in ``--smoke``). ``on_shape_done(rows)``
+    is called with the rows so far after each shape, so that a run stopped early keeps what it measured."""
     if smoke:
         device, measure, shapes = torch.device("cpu"), _measure_once, SMOKE_SHAPES
     else:
@@ -192,4 +194,6 @@ def run_gpu(*, batch: int = 8, dtypes=("bf16", "fp32"), modes=MODES, smoke: bool
                                  "ms": ms, "peak_mib": peak, "error": error})
                     log(f"{shape.model} {shape.stage} {dtype_name} {mode} {name}: "
                         + (f"{ms:.3f} ms" if ms is not None else f"failed ({error})"))
+        if on_shape_done is not None:
+            on_shape_done(rows)
     return rows

@@ -270,8 +270,8 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     from ..bench.gpu import run_gpu
     from ..bench.harness import write_csv
 
-    rows = run_gpu(batch=args.batch, dtypes=args.dtypes, modes=args.modes, smoke=args.smoke, log=_print_line)
-    write_csv(args.gpu_csv, rows)
+    rows = run_gpu(batch=args.batch, dtypes=args.dtypes, modes=args.modes, smoke=args.smoke, log=_print_line,
+                   on_shape_done=lambda rows: write_csv(args.gpu_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_csv}")
     return 0
 

@@ -17,7 +17,7 @@ import timm  # noqa: E402
 
 import polaformer  # noqa: E402,F401  (registers the models)
 from models.test_timm_conformance import SMALLEST  # noqa: E402
-from polaformer.lra.model import LRAClassifier, LRAModelConfig  # noqa: E402
+from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig  # noqa: E402
 
 STEPS = 3
 # bf16 keeps 8 bits of mantissa: after three steps the losses and logits of the two runs differ by a few

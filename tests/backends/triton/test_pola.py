@@ -14,8 +14,8 @@ SENTINEL = 1234.5
 
 def rms_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """RMS(actual − expected) / RMS(expected), in float64."""
-    expected = expected.double()
-    diff = actual.double() - expected
+    expected = expected.detach().cpu().double()
+    diff = actual.detach().cpu().double() - expected
     scale = expected.pow(2).mean().sqrt().clamp_min(1e-300)
     return (diff.pow(2).mean().sqrt() / scale).item()
 
@@ -31,7 +31,7 @@ def make_inputs(b, h, n, m, d, dv, dtype, device, magnitude=1.0, per_batch_power
 def reference(q, k, v, power, grad_out, **kwargs):
     """Output and gradients (q, k, v, power) of the float64 naive reference on the same (rounded) inputs."""
     leaves = [t.detach().cpu().double().requires_grad_() for t in (q, k, v, power)]
-    out = naive_pola_linear_attention(*leaves, **kwargs)
+    out = naive_pola_linear_attention(*leaves, **{name: t.cpu() for name, t in kwargs.items()})
     return out, torch.autograd.grad(out, leaves, grad_out.cpu().double())
 
 
@@ -191,9 +191,9 @@ def test_kernels_write_inside_their_buffers_and_deterministically(device, packed
     assert all(torch.equal(first, second) for first, second in zip(grads, again))
 
 
-def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch):
-    """Under ``auto`` a CUDA tensor reaches the Triton entry point; CPU tensors count as CUDA here (the
-    interpreter runs the kernels on them)."""
+def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch, device):
+    """Under ``auto`` a CUDA tensor reaches the Triton entry point; without CUDA, CPU tensors count as CUDA
+    here (the interpreter runs the kernels on them)."""
     from polaformer.backends.triton import pola
 
     calls = []
@@ -207,7 +207,7 @@ def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch):
     monkeypatch.setattr(dispatch, "on_gpu", lambda x: True)
     previous = dispatch.set_attention_backend("auto")
     try:
-        q, k, v, power = make_inputs(1, 1, 9, 4, 8, 4, torch.float32, "cpu")
+        q, k, v, power = make_inputs(1, 1, 9, 4, 8, 4, torch.float32, device)
         out = pola_linear_attention(q, k, v, power.requires_grad_())
     finally:
         dispatch.set_attention_backend(previous)
@@ -217,13 +217,13 @@ def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch):
 
 
 def test_explicit_triton_backend_that_cannot_run_raises(triton_backend, monkeypatch):
-    from polaformer import backends
+    import polaformer.backends.triton as triton_package
 
     q, k, v, power = make_inputs(1, 1, 4, 4, 8, 4, torch.float32, "cpu")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="needs CUDA tensors"):
         pola_linear_attention(q, k, v, power)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(backends.triton, "available", lambda: False)
+    monkeypatch.setattr(triton_package, "available", lambda: False)
     with pytest.raises(RuntimeError, match="needs the triton package"):
         pola_linear_attention(q, k, v, power)
