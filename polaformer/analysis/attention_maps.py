@@ -4,8 +4,9 @@ Everything is computed from the queries/keys of a real :class:`~polaformer.layer
 layer applied to an image's patch tokens. The attention weights come from the explicit references
 in :mod:`polaformer.ops` (``softmax_attention_weights``, ``linear_attention_weights``,
 ``pola_attention_weights``, ``pacs_attention_weights``), but only for the query rows needed: one row
-for the maps, at most ``max_rows`` sampled rows for the entropies. No N×N matrix is ever built
-unless N ≤ ``max_rows``.
+for the maps, at most ``max_rows`` sampled rows for the entropies. No N×N matrix is built unless
+N ≤ ``max_rows``, except by the rank of each layer's token mixing (:mod:`.rank`), which runs only on
+layers of at most 256 tokens.
 
 Positive-sequence entropy (paper Eq. 7): for a row ``x`` of non-negative weights with sum ``s``,
 ``PSE(x) = -Σ x_i/s · log(x_i/s)`` (``0 log 0 = 0``).
@@ -31,6 +32,7 @@ from ..ops import (
     relu_feature,
     softmax_attention_weights,
 )
+from .rank import layer_ranks
 
 __all__ = [
     "AnalyzeError",
@@ -92,11 +94,15 @@ class LayerFeatures:
     name: str
     q: torch.Tensor  # (1, H, N, d)
     k: torch.Tensor  # (1, H, M, d)
-    g: torch.Tensor  # (1, N, C) gate
+    g: torch.Tensor | None  # (1, N, C) gate; None without polarity coefficients
     power: torch.Tensor  # (1, H, 1, d)
     grid: tuple[int, int]  # query token grid (after the prefix tokens)
     key_grid: tuple[int, int]
     prefix: int  # leading non-patch tokens (class token)
+    v: torch.Tensor  # (1, H, M, d) values
+    polarity: bool  # False: one stream of relu(q)ᵖ·relu(k)ᵖ (paper Table 3 ablation)
+    local_kind: str  # the layer's `local` switch: dwc, dcn or none
+    local: torch.nn.Module | None  # that branch's module, None for none
 
 
 def _pola_layers(model: torch.nn.Module):
@@ -118,7 +124,7 @@ def capture_layer_features(model: torch.nn.Module, image: torch.Tensor) -> list[
             x, height, width = (list(args) + [kwargs.get("height"), kwargs.get("width")])[:3]
             if x is None:
                 x = kwargs["x"]
-            q, k, _, g = layer._project(x, height, width)
+            q, k, v, g = layer._project(x, height, width)
             b, n, c = x.shape
             n_kv = k.shape[1]
             key_grid = (height // layer.sr_ratio, width // layer.sr_ratio)
@@ -129,8 +135,11 @@ def capture_layer_features(model: torch.nn.Module, image: torch.Tensor) -> list[
             q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)
             k = (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2)
             power = learnable_power(layer.power, layer.alpha)
-            captured[name] = LayerFeatures(name, q.float(), k.float(), g.float(), power.float(),
-                                           (height, width), key_grid, layer.num_prefix_tokens)
+            v = v.reshape(b, n_kv, heads, -1).transpose(1, 2)
+            local = getattr(layer, layer.local, None) if layer.local != "none" else None
+            captured[name] = LayerFeatures(name, q.float(), k.float(), None if g is None else g.float(),
+                                           power.float(), (height, width), key_grid, layer.num_prefix_tokens,
+                                           v.float(), layer.polarity, layer.local, local)
         return fn
 
     handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True) for name, m in layers]
@@ -260,8 +269,9 @@ def image_tensor(rgb: np.ndarray, arch: str, model: torch.nn.Module) -> torch.Te
     return (x - mean) / std
 
 
-def build_model(name: str, checkpoint: str | None):
-    """``(model, arch, trained)``; a training checkpoint (with 'arch') rebuilds its own model."""
+def build_model(name: str, checkpoint: str | None, model_kwargs: dict | None = None):
+    """``(model, arch, trained)``; a training checkpoint (with 'arch') rebuilds its own model, switches
+    included; otherwise ``model_kwargs`` (e.g. the Table 3 switches) go to the model."""
     import timm
 
     from .. import load_checkpoint, models  # noqa: F401  (registers the models)
@@ -277,7 +287,7 @@ def build_model(name: str, checkpoint: str | None):
     if not timm.is_model(name):
         raise AnalyzeError(f"unknown model {name!r} (not registered with timm)")
     try:
-        model = timm.create_model(name, pretrained=False)
+        model = timm.create_model(name, pretrained=False, **(model_kwargs or {}))
     except (TypeError, ValueError, AssertionError) as e:
         raise AnalyzeError(f"cannot build model {name!r}: {e}") from None
     if checkpoint is not None:
@@ -362,6 +372,24 @@ def _pearson(a, b) -> float:
     return float(np.corrcoef(a, b)[0, 1])
 
 
+def _plot_ranks(path, ranks, title, dpi):
+    from matplotlib.figure import Figure
+
+    shown = [r for r in ranks if r["attention_rank"] is not None]
+    x = np.arange(len(shown))
+    fig = Figure(figsize=(max(5.0, 0.5 * len(shown) + 2), 3.2))
+    ax = fig.subplots()
+    ax.bar(x - 0.2, [r["attention_rank"] for r in shown], 0.4, label="attention")
+    ax.bar(x + 0.2, [r["with_local_rank"] or 0 for r in shown], 0.4, label="attention + local branch")
+    ax.plot(x, [r["tokens"] for r in shown], "k_", markersize=14, label="tokens (full rank)")
+    ax.set_xticks(x, [r["layer"] for r in shown], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("matrix rank")
+    ax.set_title(title, fontsize=8)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+
+
 def _plot_gates(path, same, opposite, r, title, dpi, max_points=20000):
     from matplotlib.figure import Figure  # no pyplot: no GUI backend, no global state
 
@@ -391,10 +419,12 @@ def analyze(
     img_size: int | None = None,
     max_rows: int = DEFAULT_MAX_ROWS,
     dpi: int = 60,
+    model_kwargs: dict | None = None,
 ) -> dict:
-    """Write ``attention_maps.png``, ``entropy.png``, ``gates.png`` and ``analysis.json`` to ``out``."""
+    """Write ``attention_maps.png``, ``entropy.png``, ``gates.png`` (with a gate), ``rank.png`` (with a layer
+    whose keys are its queries) and ``analysis.json`` to ``out``."""
     torch.manual_seed(0)
-    model, arch, trained = build_model(model_name, checkpoint)
+    model, arch, trained = build_model(model_name, checkpoint, model_kwargs)
     cfg = getattr(model, "pretrained_cfg", {}) or {}
     size = img_size or cfg.get("input_size", (3, 224, 224))[-1]
     rgb = load_image(image, size, 3)
@@ -431,11 +461,20 @@ def analyze(
     _plot_entropy(out / "entropy.png", entropies, n_keys, f"PSE of {min(max_rows, feat.q.shape[2])} sampled query "
                   f"rows x {feat.q.shape[1]} heads over {n_keys} keys\n{title}", dpi)
 
-    # (c) gates
-    head_dim = feat.q.shape[-1]
-    same, opposite = gate_halves(feat, head_dim)
-    r = _pearson(same, opposite)
-    _plot_gates(out / "gates.png", same, opposite, r, f"gates of {feat.name}, {arch} ({weights_tag})", dpi)
+    # (c) gates (none without polarity coefficients)
+    files = ["attention_maps.png", "entropy.png"]
+    r = None
+    if feat.g is not None:
+        same, opposite = gate_halves(feat, feat.q.shape[-1])
+        r = _pearson(same, opposite)
+        _plot_gates(out / "gates.png", same, opposite, r, f"gates of {feat.name}, {arch} ({weights_tag})", dpi)
+        files.append("gates.png")
+
+    # (d) rank of each layer's token mixing, without and with its local branch
+    ranks = [layer_ranks(f) for f in feats]
+    if any(r_["attention_rank"] is not None for r_ in ranks):
+        _plot_ranks(out / "rank.png", ranks, f"rank of the token mixing per layer\n{arch} ({weights_tag})", dpi)
+        files.append("rank.png")
 
     # Theorem 1 on every Pola layer
     per_layer = {}
@@ -457,10 +496,13 @@ def analyze(
         "mean_pse": {name: float(np.nanmean(entropies[name])) for name in entropies},
         "log_num_keys": math.log(n_keys),
         "gate_pearson_r": r,
+        "switches": {"polarity": feat.polarity, "polarity_coefficients": feat.g is not None,
+                     "local": feat.local_kind},
+        "rank": ranks,
         "theorem1": {"all_layers": theorem1_fractions({k: np.concatenate(v) for k, v in pooled.items()}),
                      "per_layer": per_layer},
         "theorem1_digits_test_images": result_digits,
-        "files": ["attention_maps.png", "entropy.png", "gates.png"],
+        "files": files,
     }
     (out / "analysis.json").write_text(json.dumps(result, indent=2) + "\n")
     return result

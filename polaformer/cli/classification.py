@@ -162,6 +162,10 @@ def add_classification_parsers(commands) -> None:
     analyze.add_argument("--max-rows", type=positive_int, default=256, metavar="R",
                          help="query rows sampled per layer and head for the entropies (default: %(default)s)")
     analyze.add_argument("--dpi", type=positive_int, default=60, help="figure resolution (default: %(default)s)")
+    analyze.add_argument(
+        "--model-kwarg", dest="model_kwargs", action="append", type=parse_model_kwarg, metavar="KEY=VALUE",
+        help="model constructor argument, e.g. the Table 3 switches local=dcn, polarity=false (repeatable)",
+    )
     analyze.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: %(default)s)")
     analyze.set_defaults(handler=cmd_analyze)
 
@@ -342,15 +346,16 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         result = analyze(
             args.out, image=args.image, model_name=args.model, checkpoint=args.checkpoint,
             query=tuple(args.query) if args.query else None, layer=args.layer, img_size=args.img_size,
-            max_rows=args.max_rows, dpi=args.dpi,
+            max_rows=args.max_rows, dpi=args.dpi, model_kwargs=dict(args.model_kwargs or []),
         )
     except AnalyzeError as e:
         return usage_error("analyze", str(e))
     fractions = result["theorem1"]["all_layers"]
     drop = fractions["pola same-sign vs relu"]["fraction_drop"]
+    gate = "no gate" if result["gate_pearson_r"] is None else f"gate r = {result['gate_pearson_r']:.3f}"
     print(
-        f"analysis of {result['model']} ({result['weights']}), layer {result['layer']}: gate r = "
-        f"{result['gate_pearson_r']:.3f}, PSE drops under the power map vs ReLU in {drop:.1%} of rows "
+        f"analysis of {result['model']} ({result['weights']}), layer {result['layer']}: {gate}, "
+        f"PSE drops under the power map vs ReLU in {drop:.1%} of rows "
         f"-> {args.out}/{{{','.join(result['files'])},analysis.json}}"
     )
     return 0
