@@ -275,8 +275,9 @@ class ImageFolderDataset(Dataset):
             try:
                 self._read(index)
                 return
-            except Exception as err:
-                first_error = first_error or f"{self.path(index)}: {type(err).__name__}: {err}"
+            except Exception as err:  # PIL's messages repeat the path: name the error, or the system's reason
+                reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+                first_error = first_error or f"{self.path(index)}: {reason}"
         which = f"none of its {len(self)} images" if len(indices) == len(self) else (
             f"none of {len(indices)} images sampled across its {len(self)}")
         raise DatasetError(f"{self.root}: {which} can be read (e.g. {first_error})")
