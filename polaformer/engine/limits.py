@@ -96,9 +96,10 @@ def largest_layer_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
 
     def measure(module, inputs, output):
         nonlocal largest
-        tensors = [t for t in (*inputs, *(output if isinstance(output, (tuple, list)) else (output,)))
-                   if torch.is_tensor(t)]
-        largest = max(largest, sum(t.numel() * t.element_size() for t in tensors))
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        # by address: an identity or in-place layer's output is its input, held once
+        held = {t.data_ptr(): t.numel() * t.element_size() for t in (*inputs, *outputs) if torch.is_tensor(t)}
+        largest = max(largest, sum(held.values()))
 
     leaves = [m for m in model.modules() if not any(True for _ in m.children())]
     handles = [m.register_forward_hook(measure) for m in leaves]

@@ -270,9 +270,11 @@ def evaluate_folder_checkpoint(
     trained = meta.get("class_names")
     if trained is not None and trained != dataset.classes:
         other = [f"{ours} (trained: {theirs})" for ours, theirs in zip(dataset.classes, trained) if ours != theirs]
+        detail = (f"{len(other)} differ, e.g. {', '.join(other[:3])}" if other
+                  else f"{len(dataset.classes)} folders, {len(trained)} classes trained")
         raise EvalError(
             f"the class folders of {val_dir} are not those {checkpoint} was trained on, so its class indices "
-            f"would be scored against other classes: {len(other)} differ, e.g. {', '.join(other[:3])}"
+            f"would be scored against other classes: {detail}"
         )
 
     config = meta["config"]
