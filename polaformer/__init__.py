@@ -4,7 +4,10 @@
 weights (the authors' released checkpoints included) into a model without running code
 from the file; :func:`accelerate` swaps a model's modules for their fused CPU versions.
 """
-from .backends.cpu.accelerate import accelerate
-from .checkpoint import LoadResult, load_checkpoint
+from ._startup import interrupt_exits, is_command_line
+
+with interrupt_exits(is_command_line()):  # these imports take seconds: Ctrl-C during them is one line
+    from .backends.cpu.accelerate import accelerate
+    from .checkpoint import LoadResult, load_checkpoint
 
 __all__ = ["LoadResult", "accelerate", "load_checkpoint"]

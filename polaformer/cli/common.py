@@ -7,10 +7,10 @@ import sys
 
 import yaml
 
+from .._startup import INTERRUPTED  # noqa: F401  (the status of Ctrl-C, before and after main starts)
 from ..engine.config import load_yaml
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; checkpoint errors use it too
-INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
 MAX_MESSAGE = 500  # characters of an error line: a message may quote a value of any size
 
 

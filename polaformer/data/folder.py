@@ -9,7 +9,7 @@ Class indices are the sorted class folder names (as torchvision's ``ImageFolder`
 found recursively under each class folder, by extension (case-insensitive, see ``IMG_EXTENSIONS``).
 Hidden entries (names starting with ``.``) are ignored. Problems with the layout raise
 ``DatasetError`` before training starts: a missing folder, a class folder without images, no
-images at all, train/val class lists that differ.
+images at all, a single class, train/val class lists that differ, no readable training image.
 
 Unreadable images (corrupt, truncated, not an image at all) do not stop an epoch: the dataset
 logs one warning per file and returns ``None`` for it; ``collate_skip_corrupt`` (the DataLoader
@@ -250,16 +250,37 @@ class ImageFolderDataset(Dataset):
         """The RGB image at ``index``, or ``None`` (with a warning the first time) if unreadable."""
         if index in self._bad:
             return None
-        path = self.path(index)
         try:
-            with open(path, "rb") as f:
-                image = Image.open(f)
-                image.load()  # decode now: truncated or corrupt data fails here, not in the transform
-                return to_rgb(image)
+            return self._read(index)
         except Exception as err:  # any decoding/reading failure: PIL raises many kinds
             self._bad.add(index)
-            logger.warning("skipping unreadable image %s: %s: %s", path, type(err).__name__, err)
+            logger.warning("skipping unreadable image %s: %s: %s", self.path(index), type(err).__name__, err)
             return None
+
+    def _read(self, index: int) -> Image.Image:
+        with open(self.path(index), "rb") as f:
+            image = Image.open(f)
+            image.load()  # decode now: truncated or corrupt data fails here, not in the transform
+            return to_rgb(image)
+
+    def check_readable(self, samples: int = 32) -> None:
+        """Raise ``DatasetError`` unless one of ``samples`` images spread evenly over the set decodes.
+
+        A set whose every image is unreadable would otherwise "train" on nothing; a sound set pays
+        for one decoded image. Every image is tried when the set holds no more than ``samples``.
+        """
+        indices = np.unique(np.linspace(0, len(self) - 1, num=min(samples, len(self))).round().astype(np.int64))
+        first_error = None
+        for index in indices.tolist():
+            try:
+                self._read(index)
+                return
+            except Exception as err:  # PIL's messages repeat the path: name the error, or the system's reason
+                reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+                first_error = first_error or f"{self.path(index)}: {reason}"
+        which = f"none of its {len(self)} images" if len(indices) == len(self) else (
+            f"none of {len(indices)} images sampled across its {len(self)}")
+        raise DatasetError(f"{self.root}: {which} can be read (e.g. {first_error})")
 
     def __getitem__(self, index: int):
         image = self.load(index)
@@ -433,7 +454,8 @@ def build_folder_datasets(cfg, *, is_distributed: bool = False):
     Both sets are ``ImageFolderDataset``s with ``build_transform`` applied; their ``collate_fn``
     attribute is ``collate_skip_corrupt`` bound to the image shape (and, for the training set, to
     ``even=True`` when Mixup/CutMix is on). Raises ``DatasetError`` for a missing or unset folder,
-    a class folder without images, no images, or train/val class lists that differ. With
+    a class folder without images, no images, a single class, train/val class lists that differ, or
+    training images none of which decodes (see ``ImageFolderDataset.check_readable``). With
     ``is_distributed`` only rank 0 logs the summary (every rank scans, and fails, alike).
     """
     data_path = cfg.DATA.DATA_PATH
@@ -466,6 +488,11 @@ def build_folder_datasets(cfg, *, is_distributed: bool = False):
             f"train and val class folders differ in {data_path}: {'; '.join(parts)} "
             f"(train has {len(train_set.classes)} classes, val {len(val_set.classes)})"
         )
+    if len(train_set.classes) < 2:
+        raise DatasetError(
+            f"{roots['train']} has one class folder ({train_set.classes[0]}): a classifier needs at least 2 classes"
+        )
+    train_set.check_readable()
     train_set.collate_fn = functools.partial(collate_skip_corrupt, image_shape=shape, even=mixup_active(cfg))
     num_classes = len(train_set.classes)
     rank0 = not is_distributed or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0

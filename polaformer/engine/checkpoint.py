@@ -10,7 +10,8 @@ A checkpoint is a plain dict (so it loads with ``weights_only=True``). The engin
 
 Classification adds ``'arch'`` + ``'num_classes'`` + ``'model_kwargs'`` (enough to rebuild the
 model with ``timm.create_model``, see :func:`polaformer.engine.factory.create_model_from_checkpoint`),
-``'config'``, ``'max_accuracy'`` (and ``'max_accuracy_ema'``); LRA ``'config'`` and
+``'config'``, ``'max_accuracy'`` (and ``'max_accuracy_ema'``), and for a data folder ``'class_names'``
+(the sorted class folder names, which ``eval`` compares with its folder's); LRA ``'config'`` and
 ``'model_config'``; detection and segmentation ``'config'`` (the recipe, with the class names).
 
 Files written by earlier versions (LRA's and the dense tasks' own formats, classification's

@@ -2,15 +2,18 @@
 
 Without these checks ``eval --img-size 100000`` grows until the kernel kills it, and a
 checkpoint whose ``model_kwargs`` say ``depth=1e9`` hangs, then aborts in C++. The estimates are
-lower bounds (the input batch alone; the weights of the transformer blocks alone), so a request
+lower bounds (the input batch alone; the weights of the transformer blocks alone; the batch and the
+input and output of its largest layer), so a request
 is refused only when it certainly cannot fit in the memory available now.
 """
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 
 import torch
+from torch import nn
 
 # Keyword arguments that size a model: each must be a positive number (or a list of them).
 SIZE_KWARGS = (
@@ -79,4 +82,45 @@ def check_batch_memory(batch_size: int, channels: int, height: int, width: int, 
         raise error(
             f"{what} ({batch_size} x {channels} x {height} x {width}) needs {_gib(needed)}, more than the "
             f"{_gib(free)} of memory available on {torch.device(device)}; use a smaller size or batch"
+        )
+
+
+def largest_layer_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
+    """Bytes of the largest input plus output of any one leaf module, for one float32 image.
+
+    Runs ``model`` once on a blank image of ``input_size``. Without gradients a layer's input and
+    output are both alive while it runs, so a batch needs at least this much per image on top of
+    the batch itself; the attention's own intermediates and the allocator's slack come on top.
+    """
+    largest = 0
+
+    def measure(module, inputs, output):
+        nonlocal largest
+        outputs = output if isinstance(output, (tuple, list)) else (output,)
+        # by address: an identity or in-place layer's output is its input, held once
+        held = {t.data_ptr(): t.numel() * t.element_size() for t in (*inputs, *outputs) if torch.is_tensor(t)}
+        largest = max(largest, sum(held.values()))
+
+    leaves = [m for m in model.modules() if not any(True for _ in m.children())]
+    handles = [m.register_forward_hook(measure) for m in leaves]
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, *input_size))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return largest
+
+
+def check_forward_memory(model: nn.Module, batch_size: int, input_size: tuple[int, int, int],
+                         device: torch.device | str, error: type[Exception] = ValueError, *, half: bool = False) -> None:
+    """Refuse a forward pass of ``batch_size`` images whose batch plus largest layer (see
+    :func:`largest_layer_bytes`; halved for 16-bit ``half`` precision) exceed the memory available."""
+    per_image = 4 * math.prod(input_size) + largest_layer_bytes(model, input_size) // (2 if half else 1)
+    needed, free = batch_size * per_image, available_memory(device)
+    if needed > free:
+        raise error(
+            f"a forward pass of {batch_size} x {' x '.join(map(str, input_size))} images needs at least "
+            f"{_gib(needed)} (the batch and its largest layer's input and output), more than the {_gib(free)} "
+            f"of memory available on {torch.device(device)}; use a smaller batch"
         )

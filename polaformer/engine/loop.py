@@ -430,6 +430,7 @@ class Engine:
                 log.warning("%s has no EMA weights: the EMA restarts from the model's", self.resume_path)
                 self.model_ema.module.load_state_dict(unwrap(self.model).state_dict())
         self.optimizer.load_state_dict(checkpoint["optimizer"])
+        self._check_optimizer_shapes()
         if checkpoint["lr_scheduler"] is not None:
             self.task.restore_scheduler(self.scheduler, checkpoint["lr_scheduler"])
         self.epoch = int(checkpoint["epoch"])
@@ -458,6 +459,18 @@ class Engine:
         if ctx.is_main:
             log.info("resumed from %s: epoch %d, step %d of %d, %d updates", self.resume_path, self.epoch,
                      self.batches, self.batches_per_epoch, self.num_updates)
+
+    def _check_optimizer_shapes(self) -> None:
+        """A per-parameter state (Adam's moments, SGD's momentum) of another shape would fail only at
+        the first update, deep inside the optimizer; scalars such as Adam's step count are exempt."""
+        names = {param: name for name, param in unwrap(self.model).named_parameters()}
+        for param, state in self.optimizer.state.items():
+            for key, value in state.items():
+                if torch.is_tensor(value) and value.dim() > 0 and value.shape != param.shape:
+                    raise ValueError(
+                        f"optimizer state {key!r} of {names.get(param, 'a parameter')!r} has shape "
+                        f"{tuple(value.shape)}, the parameter {tuple(param.shape)}"
+                    )
 
     def _restore_position(self, checkpoint: dict) -> None:
         """Where in the epoch the checkpoint was written, and the running totals since the last evaluation."""

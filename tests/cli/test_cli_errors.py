@@ -50,12 +50,25 @@ def work(tmp_path_factory):
                 pixels = np.full((32, 32, 3), 60 * c + 10 * i, dtype=np.uint8)
                 Image.fromarray(pixels).save(folder / f"{i}.png")
 
+    for folder, classes, readable in (("unreadable", ("ant", "bee"), False), ("one_class", ("ant",), True),
+                                      ("cat_dog", ("cat", "dog"), True)):
+        for split in ("train", "val"):
+            for c, name in enumerate(classes):
+                (root / folder / split / name).mkdir(parents=True)
+                for i in range(2):
+                    image = root / folder / split / name / f"{i}.png"
+                    if readable:
+                        Image.fromarray(np.full((32, 32, 3), 60 * c, dtype=np.uint8)).save(image)
+                    else:
+                        image.write_bytes(b"not a PNG")
+
     import timm
 
     import polaformer.models  # noqa: F401
 
     model = timm.create_model(DEIT, num_classes=2, **DEIT_KWARGS)
-    good = {"model": model.state_dict(), "arch": DEIT, "model_kwargs": DEIT_KWARGS, "num_classes": 2, "epoch": 1}
+    good = {"model": model.state_dict(), "arch": DEIT, "model_kwargs": DEIT_KWARGS, "num_classes": 2, "epoch": 1,
+            "class_names": ["ant", "bee"]}
     torch.save(good, root / "deit.pth")
     head = good["model"]["head.weight"]
     nan = {**good, "model": {**good["model"], "head.weight": torch.full_like(head, float("nan"))}}
@@ -70,6 +83,10 @@ def work(tmp_path_factory):
     torch.save({**digits, "epoch": "three"}, root / "bad_epoch.pth")
     torch.save({**digits, "optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, root / "bad_optimizer.pth")
     torch.save({**digits, "rng": [{"python": 5, "numpy": {}, "torch": torch.zeros(3)}]}, root / "bad_rng.pth")
+    moments = {**digits["optimizer"]["state"][0], "exp_avg": torch.zeros(3, 3)}
+    optimizer = {**digits["optimizer"], "state": {**digits["optimizer"]["state"], 0: moments}}
+    torch.save({**digits, "optimizer": optimizer}, root / "bad_exp_avg.pth")
+    (root / "model.onnx").write_bytes(b"an earlier export")
 
     configs = root / "configs"
     configs.mkdir()
@@ -130,6 +147,22 @@ CASES = [
     ("tampered epoch", [*RESUME, f"{R}/bad_epoch.pth"], "training state cannot be restored: ValueError"),
     ("tampered optimizer", [*RESUME, f"{R}/bad_optimizer.pth"], "training state cannot be restored"),
     ("tampered rng", [*RESUME, f"{R}/bad_rng.pth"], "training state cannot be restored"),
+    ("tampered exp_avg shape", [*RESUME, f"{R}/bad_exp_avg.pth"],
+     "training state cannot be restored: ValueError: optimizer state 'exp_avg' of '"),
+    # data folders
+    ("every image unreadable", [*TRAIN_FOLDER[:2], f"{R}/unreadable", *TRAIN_FOLDER[3:]],
+     "unreadable/train: none of its 4 images can be read (e.g. "),
+    ("one class folder", [*TRAIN_FOLDER[:2], f"{R}/one_class", *TRAIN_FOLDER[3:]],
+     "one_class/train has one class folder (ant): a classifier needs at least 2 classes"),
+    ("eval, other class names", [*EVAL_FOLDER[:4], f"{R}/cat_dog", *EVAL_FOLDER[5:]],
+     "cat_dog/val are not those"),
+    # export
+    ("export --atol -1", ["export", "--model", DEIT, "--out", f"{R}/model.onnx", "--atol", "-1"],
+     "--atol must be >= 0, got -1.0"),
+    ("export --weights ema, no checkpoint", ["export", "--model", DEIT, "--out", f"{R}/model.onnx", "--weights", "ema"],
+     "--weights needs --checkpoint FILE"),
+    ("export, NaN weights", ["export", "--model", DEIT, "--checkpoint", f"{R}/nan.pth", "--out", f"{R}/model.onnx"],
+     "weight 'head.weight' holds NaN or infinite values"),
     # sizes and memory
     ("depth=1e9 in a checkpoint", [*EVAL_FOLDER[:2], f"{R}/deep.pth", *EVAL_FOLDER[3:]], "for its weights"),
     ("eval --img-size 100000", [*EVAL_FOLDER, "--img-size", "100000"], "more than the"),
@@ -152,6 +185,19 @@ def test_bad_input_is_one_line_with_status_2(work, name, argv, fragment, capsys)
     assert (code, out) == (2, ""), err
     assert fragment in error_line(err, logs_allowed=name in AFTER_LOGS)
     assert_unchanged(before, work)
+
+
+def test_throughput_counts_activations_not_only_the_input(capsys, monkeypatch):
+    """Batch 20000 of DeiT-tiny: its 11.2 GiB input fits in 16 GiB, the input plus the largest layer's
+    activations do not (the kernel killed it at 24 GB). Memory is fixed so the case reads alike anywhere."""
+    import polaformer.engine.limits
+
+    monkeypatch.setattr(polaformer.engine.limits, "available_memory", lambda device="cpu": 16 * 2**30)
+    code, out, err = run_main(["throughput", "--model", DEIT, "--batch-size", "20000", "--device", "cpu"], capsys)
+    assert (code, out) == (2, ""), err
+    assert error_line(err).startswith(
+        "polaformer: error: a forward pass of 20000 x 3 x 224 x 224 images needs at least ")
+    assert "more than the 16 GiB of memory available on cpu; use a smaller batch" in err
 
 
 def test_non_finite_weights_load_when_allowed(work, capsys):
@@ -247,6 +293,22 @@ def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
         f"polaformer: interrupted; last saved checkpoint: {output / 'checkpoint.pth'}")
     torch.load(output / "checkpoint.pth", weights_only=True)  # complete
     assert not (output / ".polaformer.lock").exists()
+
+
+def test_subprocess_ctrl_c_while_starting(tmp_path):
+    """Ctrl-C one second in, while the command still imports torch: status 130 and one line, no
+    traceback and no output folder."""
+    process = subprocess.Popen([sys.executable, "-m", "polaformer", "train", "--output", str(tmp_path / "run")],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+    try:
+        time.sleep(1.0)
+        process.send_signal(signal.SIGINT)
+        stdout, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert (process.returncode, stdout) == (130, ""), stderr[-2000:]
+    assert error_line(stderr).startswith("polaformer: interrupted")
+    assert not (tmp_path / "run").exists()
 
 
 def test_subprocess_alias_bomb(work):

@@ -1,7 +1,11 @@
 """The guarantees of ``train`` hold for ``lra``, ``detect`` and ``segment`` too (issue 27): no finished or
 busy output folder is written into, no data set or drawing replaced, NaN/inf or integer weights refused on
 every loading path, and bad values end in one line with exit status 2 (in-process ``polaformer.cli.main``)."""
+import errno
+import io
 import json
+import os
+import shutil
 import struct
 import zlib
 
@@ -9,11 +13,12 @@ import pytest
 import torch
 from PIL import Image
 
+import polaformer.checkpoint
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
 from polaformer.tasks.lra.listops import generate_listops
 from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
-from dense_helpers import write_coco
+from dense_helpers import write_ade, write_coco
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
@@ -81,6 +86,7 @@ def runs(tmp_path_factory):
     configs.mkdir()
     (configs / "nested.yaml").write_text("a: " + "[" * 100_000 + "]" * 100_000 + "\n")
     (configs / "huge_int.yaml").write_text("train:\n  seed: " + "9" * 100_000 + "\n")
+    write_ade(root / "ade")
     images, annotations = write_coco(root / "coco")
     original = json.loads(annotations.read_text())
     for name, edit in COCO_EDITS.items():
@@ -160,6 +166,9 @@ CASES = [
                                                r / "new"], "an integer of 100000 digits (at most 100)"),
     ("segment train, a 100k-digit integer", lambda r: segment_train("--config", r / "configs" / "huge_int.yaml"),
      "an integer of 100000 digits (at most 100)"),
+    ("segment train --crop-size 100000", lambda r: segment_train("--root", r / "ade", "--crop-size", "100000",
+                                                                 "--output", r / "new"),
+     "a batch of data.crop_size 100000 crops (1 x 3 x 100000 x 100000) needs"),
     ("train --seed 1e20", lambda r: ["train", *TINY, "--epochs", "1", "--seed", "99999999999999999999", "--output",
                                      r / "new"], "the seed must be an integer in [-2**63, 2**63)"),
     ("COCO bbox 1e30", lambda r: coco_train(r, "bbox_1e30"), "bbox [1e+30, 2, 5, 5] lies outside its 48x64 image"),
@@ -251,3 +260,37 @@ def test_resume_refuses_a_negative_epoch(runs, capsys):
     assert code == 2
     assert "training state cannot be restored: ValueError: epoch -5 is negative" in error_line(err)
     assert_unchanged(before, runs)
+
+
+@pytest.mark.parametrize("task", ["lra", "detect", "segment"])
+def test_full_disk_and_a_killed_runs_temporary(runs, task, capsys, tmp_path, monkeypatch):
+    """Continuing a finished run whose folder holds a temporary left by kill -9, on a disk that is full
+    when the next checkpoint is written: the temporary is removed, the error is the documented line,
+    and the previous last.pth is unchanged."""
+    run = tmp_path / task
+    shutil.copytree(runs / task, run)
+    stale = run / ".last.pth.0123456789ab.tmp"
+    stale.write_bytes(b"half a checkpoint")
+    argv = {"lra": lambda: lra_train(runs, "--output", run, "--steps", "4"),
+            "detect": lambda: detect_train("--output", run, "--steps", "2"),
+            "segment": lambda: segment_train("--output", run, "--steps", "2")}[task]()
+    real_open = open
+
+    class FullDisk(io.FileIO):
+        def write(self, data):
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    def open_on_full_disk(path, mode="r", *args, **kwargs):
+        if "last.pth" in str(path) and "x" in mode:
+            return FullDisk(path, mode)
+        return real_open(path, mode, *args, **kwargs)
+
+    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_full_disk, raising=False)
+    last = (run / "last.pth").read_bytes()
+    code, out, err = run_main([*argv, "--resume", "auto"], capsys)
+    assert code == 2, err
+    line = error_line(err, logs_allowed=True)
+    assert line.endswith(f"cannot write {run / 'last.pth'}: no space left on device (any previous version of the "
+                         "file is unchanged)")
+    assert (run / "last.pth").read_bytes() == last
+    assert not [p.name for p in run.iterdir() if p.name.endswith(".tmp")]

@@ -561,4 +561,5 @@ def test_train_on_an_image_folder_from_the_command_line(tmp_path, capsys):
     assert out.strip().startswith("best top-1: ") and out.strip().endswith(f"-> {output}")
     last = torch.load(output / "last.pth", weights_only=True)
     assert last["num_classes"] == 3 and last["config"]["DATA"]["DATA_PATH"] == str(data)
+    assert last["class_names"] == ["class_0", "class_1", "class_2"]  # what `eval` checks another folder against
     assert last["model_kwargs"]["img_size"] == 32 and last["num_updates"] == 2 * (16 // 4)

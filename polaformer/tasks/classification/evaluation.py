@@ -45,7 +45,7 @@ from ...checkpoint import (
 from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
 from .config import OFFICIAL_MODEL_NAMES
 from ...engine.factory import create_model
-from ...engine.limits import check_batch_memory
+from ...engine.limits import check_batch_memory, check_forward_memory
 from ...engine.device import amp_dtype, autocast, place_model
 from ...engine.device import resolve_device as resolve_engine_device
 from .train import evaluate
@@ -154,6 +154,9 @@ def _checkpoint_metadata(path, weights: str) -> dict:
         kwargs = checkpoint.get("model_kwargs")
         meta.update(arch=checkpoint["arch"], model_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
     meta["config_model"] = _config_model_name(checkpoint.get("config"))
+    names = checkpoint.get("class_names")
+    if isinstance(names, list) and all(isinstance(name, str) for name in names):
+        meta["class_names"] = names
     return meta
 
 
@@ -263,6 +266,15 @@ def evaluate_folder_checkpoint(
         raise EvalError(
             f"the classifier in {checkpoint} has {file_classes} classes but {val_dir} has {num_classes} class "
             "folders: evaluate on a folder of the classes the model was trained on"
+        )
+    trained = meta.get("class_names")
+    if trained is not None and trained != dataset.classes:
+        other = [f"{ours} (trained: {theirs})" for ours, theirs in zip(dataset.classes, trained) if ours != theirs]
+        detail = (f"{len(other)} differ, e.g. {', '.join(other[:3])}" if other
+                  else f"{len(dataset.classes)} folders, {len(trained)} classes trained")
+        raise EvalError(
+            f"the class folders of {val_dir} are not those {checkpoint} was trained on, so its class indices "
+            f"would be scored against other classes: {detail}"
         )
 
     config = meta["config"]
@@ -395,5 +407,7 @@ def model_throughput(
     channels = _input_channels(network, kwargs_)
     check_batch_memory(kwargs.get("batch_size", 64), channels, size, size, device, EvalError)
     check_forward(network, (channels, size, size), arch)
+    check_forward_memory(network, kwargs.get("batch_size", 64), (channels, size, size), device, EvalError,
+                         half=kwargs.get("amp", False))
     network = place_model(network, device, inference=True)
     return measure_throughput(network, input_size=(channels, size, size), device=device, **kwargs)

@@ -257,7 +257,12 @@ class ClassificationTask(Task):
             # Every image unreadable. Under DDP all processes must still run backward together,
             # so the previous batch goes through with a zero loss.
             if self.previous is None:
-                raise RuntimeError("the first batch of the epoch has no readable image")
+                from ...data.folder import DatasetError
+
+                raise DatasetError(
+                    f"the first training batch of this run has no readable image ({skipped} skipped): too many "
+                    f"unreadable images in {self.cfg.DATA.DATA_PATH}"
+                )
             images, targets, weight = *self.previous, 0.0
         self.previous = (images, targets)
         images = images.to(device, non_blocking=True)
@@ -333,6 +338,9 @@ class ClassificationTask(Task):
             "model_kwargs": self.model_kwargs,
             "num_classes": self.data.num_classes,
         }
+        class_names = getattr(self.data.train, "classes", None)
+        if class_names is not None:  # a folder's: `eval` checks another folder's names against them
+            entries["class_names"] = list(class_names)
         if engine.model_ema is not None:
             entries["max_accuracy_ema"] = engine.best.get("ema_top1", 0.0)
         return entries

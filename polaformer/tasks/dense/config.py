@@ -14,6 +14,7 @@ import os
 from collections.abc import Sequence
 
 from ...engine.config import Config, ConfigError, configure
+from ...engine.limits import check_batch_memory
 
 __all__ = ["DEFAULTS", "check_recipe", "dense_config", "load_recipe"]
 
@@ -108,3 +109,9 @@ def check_recipe(cfg: Config) -> None:
         raise ConfigError(f"data.batch_size must be a positive integer, got {data.batch_size!r}")
     if not (count(data.workers) and data.workers >= 0):
         raise ConfigError(f"data.workers must be an integer >= 0, got {data.workers!r}")
+    if "crop_size" in data:
+        if not (count(data.crop_size) and data.crop_size >= 1):
+            raise ConfigError(f"data.crop_size must be a positive integer, got {data.crop_size!r}")
+        if data.format == "ade":  # each image is padded to the crop: a batch that cannot fit fails here
+            check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
+                               what=f"a batch of data.crop_size {data.crop_size} crops")
