@@ -412,11 +412,12 @@ def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep
     x = torch.stack([torch.cat([pos, neg], -1) * temp_same, torch.cat([neg, pos], -1) * temp_opposite], dim=2)
     shift = shift.unsqueeze(2)  # (B, H, 1, 1, 2d) against the (B, H, 2, N, 2d) query pre-activations
     x_const = x.detach()
-    # channels whose feature is 0 (x = 0) take no part in the row's shift, which is ≥ 0
-    row_shift = torch.where(x_const != 0, x_const.clamp_min(0) + shift, zero).amax(-1, keepdim=True)
-    # a zero feature keeps a zero offset, so that e^(s−c) cannot overflow in front of its factor 0
-    offset = torch.where(x_const != 0, shift - row_shift, zero)
-    phi_q = torch.exp(x + offset) * -_expm1(-x)  # (B, H, 2, N, 2d)
+    # Channels whose feature is 0 (x = 0) take no part in the row's shift, which is ≥ 0, and keep a zero
+    # exponent: e^(s−c) could overflow in front of their factor 0. Elsewhere x + s − c is ≤ 0 exactly, being
+    # rounded as the maximum was.
+    used = x_const != 0
+    row_shift = torch.where(used, x_const.clamp_min(0) + shift, zero).amax(-1, keepdim=True)
+    phi_q = torch.exp(torch.where(used, x + shift - row_shift, zero)) * -_expm1(-x)  # (B, H, 2, N, 2d)
     denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps * torch.exp(-row_shift)  # (B, H, 2, N, 1)
     if sin is not None:
         phi_k_num = apply_rope(phi_k, sin, cos)
