@@ -507,7 +507,8 @@ def pacs_linear_attention(
     overflow, the call is computed in the log domain instead: keys and query
     rows are shifted by their largest exponent, the shift cancelling between
     numerator and denominator (``eps`` shifted with them); see
-    :func:`_pacs_attention_graph`.
+    :func:`_pacs_attention_graph`. The Triton kernels (CUDA) have no such
+    fallback: there |k| and |q|·temperature must stay below about 88.
 
     Host synchronisations: none on the Triton path (CUDA) with offsets on the
     device, whose values are then trusted; offsets on the CPU are checked. The

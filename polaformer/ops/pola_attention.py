@@ -486,6 +486,14 @@ def pola_linear_attention(
         regions are computed in float32, since ``|x|ᵖ`` and the products
         overflow float16 long before the output does.
 
+    Numerics: on the CPU and in the torch formulation the result is finite for
+    any finite inputs whose output fits the dtype. A call whose ``|x|ᵖ``
+    products could overflow (a bound from max |q|, |k|, |v| and p) is computed
+    in the log domain: key channels and query rows are shifted by their largest
+    exponent, cancelling between numerator and normaliser (``eps`` shifted with
+    them); see :func:`_pola_attention_graph`. The Triton kernels have no such
+    fallback: there ``|q|ᵖ`` and ``M·|k|ᵖ·|v|`` must fit float32.
+
     Kernels: on CUDA tensors (``attention_backend()`` ``auto`` or ``triton``)
     the fused Triton kernels run (:mod:`polaformer.backends.triton.pola`), with
     no host synchronisation: there the exponent's ``p >= 1`` check and the

@@ -117,9 +117,9 @@ def test_pacs_is_finite_and_exact_at_large_magnitudes(cpu_backend, dtype, magnit
            lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1)), (q, k, v, temps), dtype, True)
 
 
-# With RoPE the numerator pairs channels that the normaliser does not, so at large magnitudes the output
-# itself leaves float32's range; these are the magnitudes where it does not.
-@pytest.mark.parametrize("magnitude", [1e2, 1e4])
+# With RoPE the numerator pairs channels that its normaliser does not, so the true output grows like e^|x|
+# (past float32 from |x| ≈ 50 on): a magnitude where the plain path overflows but the output fits.
+@pytest.mark.parametrize("magnitude", [30])
 def test_pacs_with_rope_is_finite_and_exact_at_large_magnitudes(cpu_backend, magnitude):
     q, k, v, gen = _inputs(magnitude, torch.float32, seed=2, n=6, m=6)
     temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
