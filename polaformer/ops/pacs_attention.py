@@ -501,14 +501,16 @@ def pacs_linear_attention(
         causal: query ``t`` sees keys ``0..t`` only:
             :func:`~polaformer.ops.causal_pacs_linear_attention`.
 
-    Both streams share one ``φkᵀv`` product. Numerics: the result is finite for
-    any finite inputs whose output fits the dtype (|q|, |k| up to float32's
-    largest value). Where the plain ``exp`` features or their products would
-    overflow, the call is computed in the log domain instead: keys and query
-    rows are shifted by their largest exponent, the shift cancelling between
-    numerator and denominator (``eps`` shifted with them); see
-    :func:`_pacs_attention_graph`. The Triton kernels (CUDA) have no such
-    fallback: there |k| and |q|·temperature must stay below about 88.
+    Both streams share one ``φkᵀv`` product. Numerics: without RoPE the result
+    is finite for any finite q, k (up to float32's largest value). Where the
+    plain ``exp`` features or their products overflow, the call is computed in
+    the log domain instead: keys and query rows are shifted by their largest
+    exponent, the shifts cancelling between numerator and denominator (``eps``
+    shifted with them); see :func:`_pacs_attention_graph`. With RoPE the
+    numerator pairs channels that the denominator does not, so the output
+    itself grows like ``e^|x|``; it is finite where it fits the dtype. The
+    Triton kernels (CUDA) have no log-domain fallback: there |k| and
+    |q|·temperature must stay below about 88. The causal form is not shifted.
 
     Host synchronisations: none on the Triton path (CUDA) with offsets on the
     device, whose values are then trusted; offsets on the CPU are checked. The

@@ -269,11 +269,14 @@ def _may_overflow(q, k, v, power, dtype) -> bool:
     """Whether the plain power-map products could leave ``dtype``'s range: each term is at most
     ``max(1, |q|)ᵖ·max(1, |k|)ᵖ·max(1, |v|)``, summed over M keys and 2d channels (reads q, k and v once)."""
     def bits(t):
-        return math.log2(max(1.0, float(t.detach().abs().amax()))) if t.numel() else 0.0
+        if not t.numel():
+            return 0.0
+        low, high = torch.aminmax(t.detach())
+        return math.log2(max(1.0, -float(low), float(high)))
 
     p = float(power.detach().amax())
     total = p * (bits(q) + bits(k)) + bits(v) + math.log2(max(1, k.shape[-2]) * 2 * q.shape[-1])
-    return not total < math.log2(torch.finfo(dtype).max) - 2  # NaN or infinite inputs go to the log domain too
+    return total >= math.log2(torch.finfo(dtype).max) - 2
 
 
 def _stream_rhs(kv: torch.Tensor, k_sum: torch.Tensor, m, half: int) -> torch.Tensor:
