@@ -250,10 +250,12 @@ def _pola_attention_graph(q, k, v, power, eps, keep, m):
         k_used = k_used & (keep != 0)
     lowest = q.new_tensor(torch.finfo(q.dtype).min)
     shift = torch.where(k_used, log_k.detach(), lowest).amax(dim=-2, keepdim=True)  # (B, H, 1, d)
-    phi_k = halves(k, torch.where(k_used, torch.exp(log_k - shift), zero))
+    # exponents of unused entries are 0 before exp, so that no inf meets a zero gradient (padded keys may be large)
+    phi_k = halves(k, torch.where(k_used, torch.exp(torch.where(k_used, log_k - shift, zero)), zero))
     log_q, q_used = log_magnitude(q)
     row_shift = torch.where(q_used, log_q.detach() + shift, zero).amax(dim=-1, keepdim=True)  # (B, H, N, 1)
-    phi_q = halves(q, torch.where(q_used, torch.exp(log_q + torch.where(q_used, shift - row_shift, zero)), zero))
+    # q = 0 lands in neither half; elsewhere the exponent is ≤ 0 exactly, rounded as the maximum was
+    phi_q = halves(q, torch.exp(torch.where(q_used, log_q + shift - row_shift, zero)))
 
     kv = torch.matmul(phi_k.transpose(-2, -1), v) / m  # (B, H, 2d, dv)
     k_mean = phi_k.sum(dim=-2).unsqueeze(-1) / m  # (B, H, 2d, 1)

@@ -144,12 +144,16 @@ def test_padded_keys_of_any_magnitude_do_not_shift_the_real_ones(cpu_backend, op
     mask = torch.zeros(1, 6, dtype=torch.bool)
     mask[0, 4:] = True
     k[:, :, 4:] = 1e30
+    k.requires_grad_()
     if op == "pola":
         power = torch.full((1, 2, 1, 4), 3.0)
         out = pola_linear_attention(q, k, v, power, key_padding_mask=mask)
-        ref = _pola_reference(*(t.double() for t in (q, k[:, :, :4], v[:, :, :4], power)))
+        ref = _pola_reference(*(t.detach().double() for t in (q, k[:, :, :4], v[:, :, :4], power)))
     else:
         temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
         out = pacs_linear_attention(q, k, v, temps, temps, key_padding_mask=mask)
-        ref = _pacs_reference(*(t.double() for t in (q, k[:, :, :4], v[:, :, :4], temps, temps)))
-    torch.testing.assert_close(out.double(), ref, rtol=2e-3, atol=2e-3)
+        ref = _pacs_reference(*(t.detach().double() for t in (q, k[:, :, :4], v[:, :, :4], temps, temps)))
+    torch.testing.assert_close(out.detach().double(), ref, rtol=2e-3, atol=2e-3)
+    (grad_k,) = torch.autograd.grad(out.sum(), k)
+    assert torch.isfinite(grad_k).all()
+    assert not grad_k[:, :, 4:].any()
