@@ -15,8 +15,8 @@ import weakref
 import torch
 
 from .causal import causal_pacs_linear_attention
-from .dispatch import capturing, legacy_onnx_export, triton_kernels
-from .feature_maps import pacs_key_features, pacs_query_features
+from .dispatch import capturing, triton_kernels
+from .feature_maps import _expm1
 from .pola_attention import (
     _block_tokens,
     _check_float,
@@ -202,54 +202,50 @@ def _pacs_output(q, v):
 
 
 def _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out):
-    """Query features of both streams and the normalised products, written into ``out``.
-
-    Returns ``(φq, rotated φq, normalisers, row scale or None)``. Features are made without rescaling
-    first; only if a product overflows does the row rescaling run (exact in floating point, so both
-    give the same bits whenever the first one is finite).
-    """
+    """Query features of both streams and the normalised products, written into ``out``: ``(φq, rotated φq,
+    normalisers)``. Where a feature or product overflows, ``out`` is filled with NaN (see :func:`_overflowed`)."""
     half = out.shape[-1]
-    # Off the CPU the rows are always rescaled: the finiteness test below would wait for the device.
-    for scaled in (False, True) if p_q.device.type == "cpu" else (True,):
-        # (B, H, 2, N, 2d) features and, unscaled, their rotation and normalisers
-        phi_q, q_num, denom = _pacs_exp_features(p_q, temps, *((None, None) if scaled else (tables, k_means, eps)))
-        row_scale = None
-        if scaled:
-            exponent = torch.floor(torch.log2(phi_q.amax(dim=-1, keepdim=True).clamp_min_(1.0)))
-            row_scale = torch.exp2(exponent.neg_())
-            phi_q.mul_(row_scale)
-            q_num = phi_q if tables is None else _rotate(phi_q, *tables)
-        eps_rows = eps if row_scale is None else row_scale * eps
-        if denom is not None:  # the normalisers came with the features: the product needs only the numerators
-            num = torch.matmul(q_num, kvs)
-        elif tables is not None:
-            num = torch.matmul(q_num, kvs)
-            denom = torch.matmul(phi_q, k_means).add_(eps_rows)
-        else:
-            res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
-            num, denom = res[..., :half], res[..., half:].add_(eps_rows)
-        torch.div(num, denom, out=out)
-        # one sum is finite exactly when every term is (or else rescaling runs, which is always right)
-        if scaled or bool(torch.isfinite(denom.sum() + out.sum())):
-            return phi_q, q_num, denom, row_scale
+    # (B, H, 2, N, 2d) features, their rotation and (from the native kernel) their normalisers
+    phi_q, q_num, denom = _pacs_exp_features(p_q, temps, tables, k_means, eps)
+    if denom is not None:  # the normalisers came with the features: the product needs only the numerators
+        num = torch.matmul(q_num, kvs)
+    elif tables is not None:
+        num = torch.matmul(q_num, kvs)
+        denom = torch.matmul(phi_q, k_means).add_(eps)
+    else:
+        res = torch.matmul(phi_q, torch.cat([kvs, k_means], -1))
+        num, denom = res[..., :half], res[..., half:].add_(eps)
+    torch.div(num, denom, out=out)
+    # a finite numerator over an infinite normaliser divides to a finite, wrong zero
+    if not bool(torch.isfinite(denom.sum())):
+        _overflowed(out)
+    return phi_q, q_num, denom
+
+
+def _overflowed(out: torch.Tensor) -> torch.Tensor:
+    """Mark a fast-path result whose features or products overflowed: filled with NaN, which sends
+    :func:`pacs_linear_attention` to the log-domain formulation (:func:`_pacs_attention_graph`)."""
+    return out.fill_(float("nan"))
 
 
 def _pacs_fused(q, k, v, temps, tables, eps, keep):
     """The whole op on the native fused kernel (no key padding, unit channel strides, native kernels built):
-    ``(out memory (B, N, H, dv), denom, kvs, k_means)``, or None where it does not apply or a value came out
-    non-finite (the caller's path then rescales the rows)."""
+    ``(out memory (B, N, H, dv), denom, kvs, k_means)``, the output marked by :func:`_overflowed` where a value
+    came out non-finite; None where the kernel does not apply."""
     native = _native_for(q)
     if (native is None or keep is not None or not hasattr(native, "pacs_fused_forward")
             or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
     cos, cross = tables if tables is not None else (None, None)
     results, finite = native.pacs_fused_forward(q, k, v, temps, cos, cross, eps)
-    return results if finite else None
+    if not finite:
+        _overflowed(results[0])
+    return results
 
 
 def _pacs_attention_no_grad(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
     """:class:`_PacsAttention`'s forward for a call that needs no gradient, the queries by blocks of tokens
-    (see :func:`.pola_attention._pola_attention_no_grad`); each block decides its own rescaling, as rows do."""
+    (see :func:`.pola_attention._pola_attention_no_grad`)."""
     rope = sin is not None
     temps = _pacs_stacked_temperatures(temp_same, temp_opposite, q.shape[-1], rope, q.device)
     tables = _pacs_rope_tables(sin, cos) if rope else None
@@ -293,13 +289,12 @@ class _PacsAttention(torch.autograd.Function):
         phi_k, k_num, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
         p_q = _relu_halves(q, rope)  # (B, H, N, 2d)
         out_tok, out = _pacs_output(q, v)
-        phi_q, q_num, denom, row_scale = _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out)
+        phi_q, q_num, denom = _pacs_query_side(p_q, temps, tables, kvs, k_means, eps, out)
 
         ctx.eps_m = m if keep is None else None
         ctx.save_for_backward(q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out,
-                              *(t for t in (row_scale, keep, None if keep is None else m) if t is not None),
-                              *(tables or ()))
-        ctx.has_scale, ctx.has_keep = row_scale is not None, keep is not None
+                              *(() if keep is None else (keep, m)), *(tables or ()))
+        ctx.has_keep = keep is not None
         return out_tok.flatten(-2).transpose(1, 2)
 
     @staticmethod
@@ -307,7 +302,6 @@ class _PacsAttention(torch.autograd.Function):
         if ctx.fused:
             return _pacs_backward_fused(ctx, grad_out)
         q, k, v, temps, p_q, phi_q, q_num, phi_k, k_num, kvs, k_means, denom, out, *rest = ctx.saved_tensors
-        row_scale = rest.pop(0) if ctx.has_scale else None
         keep, m = (rest.pop(0), rest.pop(0)) if ctx.has_keep else (None, ctx.eps_m)
         tables = rest if ctx.rope else None
         d = q.shape[-1]
@@ -349,7 +343,7 @@ class _PacsAttention(torch.autograd.Function):
 
         need_temps = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
         native = _native_for(q)
-        if native is not None and row_scale is None and q.stride(-1) == 1 and grad_phi_q.is_contiguous():
+        if native is not None and q.stride(-1) == 1 and grad_phi_q.is_contiguous():
             # one pass: grad_q, and the temperatures' gradient summed over the tokens
             grad_q, grad_temps = native.pacs_query_backward(q, p_q, phi_q, grad_phi_q, temps, ctx.rope, need_temps)
             grad_q = grad_q if ctx.needs_input_grad[0] else None
@@ -357,11 +351,8 @@ class _PacsAttention(torch.autograd.Function):
             return (grad_q, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
                     None, None, None, None, None)
 
-        # d/d(pre) of (exp(pre) - 1)·c is (phi_q + c)·dphi_q
-        if row_scale is None:
-            grad_pre = grad_phi_q.addcmul_(grad_phi_q, phi_q)
-        else:
-            grad_pre = grad_phi_q.mul_(phi_q + row_scale)
+        # d/d(pre) of exp(pre) - 1 is phi_q + 1
+        grad_pre = grad_phi_q.addcmul_(grad_phi_q, phi_q)
         grad_q = None
         if ctx.needs_input_grad[0]:
             grad_p_q = torch.mul(grad_pre[:, :, 0], temps[:, :, 0]).addcmul_(grad_pre[:, :, 1], temps[:, :, 1])
@@ -397,21 +388,37 @@ def _pacs_temperature_grads(ctx, grad_temps, d, device):
 
 
 def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
-    """The same math as :class:`_PacsAttention`, written functionally for graph capture."""
-    half = v.shape[-1] // 2
-    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
-    phi_k = pacs_key_features(k)
+    """The same math as :class:`_PacsAttention`, written functionally (graph capture, devices without the
+    kernels, and eager calls whose fast path overflowed), in the log domain so that no magnitude overflows.
+
+    Each key channel is shifted by ``s``, its largest pre-activation over the sequence (shared by the two
+    channels of a RoPE pair, which rotate together): ``φk·e^-s``. Each query row of each stream gets
+    ``φq·e^(s−c)`` with ``c`` its largest ``x + s``. Products and ``eps`` are then all ``e^-c`` times the
+    plain ones, so the ratio is unchanged; every exponent is ≤ 0 and each feature is formed as
+    ``e^(x+s−c)·(1 − e^-x)``, exact for tiny ``x`` too. The shifts are constants for autograd.
+    """
+    half, d = v.shape[-1] // 2, q.shape[-1]
+    zero = q.new_zeros(())
+    y = torch.cat([torch.relu(k), torch.relu(-k)], -1)  # (B, H, M, 2d) key pre-activations
     if keep is not None:
-        phi_k = phi_k * keep
+        y = y * keep
+    shift = y.detach().amax(dim=-2, keepdim=True) if y.shape[-2] else torch.zeros_like(y[..., :1, :])
+    if sin is not None:
+        shift = shift.unflatten(-1, (d, 2)).amax(-1, keepdim=True).expand(*shift.shape[:-1], d, 2).flatten(-2)
+    phi_k = torch.exp(y - shift) * -_expm1(-y)
     k_mean = (phi_k.sum(dim=-2) / (m if keep is None else m[..., 0])).unsqueeze(-1)  # (B, H, 2d, 1)
-    phi_q = torch.stack([q_same, q_opposite], dim=2)  # (B, H, 2, N, 2d)
-    # Power-of-two row scale: exact, and bounds every product by 2d·max|S|.
-    row_max = phi_q.amax(dim=-1, keepdim=True).detach()
-    exponent = torch.floor(torch.log2(row_max.clamp_min(1.0)))
-    # The TorchScript-based ONNX exporter has no exp2; Pow(2, n) is what the dynamo exporter writes.
-    scale = torch.pow(2.0, exponent) if legacy_onnx_export() else torch.exp2(exponent)
-    phi_q = phi_q / scale
-    denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps / scale  # (B, H, 2, N, 1)
+
+    pos, neg = torch.relu(q), torch.relu(-q)
+    x = torch.stack([torch.cat([pos, neg], -1) * temp_same, torch.cat([neg, pos], -1) * temp_opposite], dim=2)
+    shift = shift.unsqueeze(2)  # (B, H, 1, 1, 2d) against the (B, H, 2, N, 2d) query pre-activations
+    x_const = x.detach()
+    # Channels whose feature is 0 (x = 0) take no part in the row's shift, which is ≥ 0, and keep a zero
+    # exponent: e^(s−c) could overflow in front of their factor 0. Elsewhere x + s − c is ≤ 0 exactly, being
+    # rounded as the maximum was.
+    used = x_const != 0
+    row_shift = torch.where(used, x_const.clamp_min(0) + shift, zero).amax(-1, keepdim=True)
+    phi_q = torch.exp(torch.where(used, x + shift - row_shift, zero)) * -_expm1(-x)  # (B, H, 2, N, 2d)
+    denom = torch.matmul(phi_q, k_mean.unsqueeze(2)) + eps * torch.exp(-row_shift)  # (B, H, 2, N, 1)
     if sin is not None:
         phi_k_num = apply_rope(phi_k, sin, cos)
         phi_q_num = apply_rope(phi_q, sin, cos)
@@ -494,9 +501,16 @@ def pacs_linear_attention(
         causal: query ``t`` sees keys ``0..t`` only:
             :func:`~polaformer.ops.causal_pacs_linear_attention`.
 
-    Both streams share one ``φkᵀv`` product. Each query row is rescaled by a
-    power of two before the products (and ``eps`` with it), which is exact in
-    floating point and keeps ``exp`` features from overflowing float32.
+    Both streams share one ``φkᵀv`` product. Numerics: without RoPE the result
+    is finite for any finite q, k (up to float32's largest value). Where the
+    plain ``exp`` features or their products overflow, the call is computed in
+    the log domain instead: keys and query rows are shifted by their largest
+    exponent, the shifts cancelling between numerator and denominator (``eps``
+    shifted with them); see :func:`_pacs_attention_graph`. With RoPE the
+    numerator pairs channels that the denominator does not, so the output
+    itself grows like ``e^|x|``; it is finite where it fits the dtype. The
+    Triton kernels (CUDA) have no log-domain fallback: there |k| and
+    |q|·temperature must stay below about 88. The causal form is not shifted.
 
     Host synchronisations: none on the Triton path (CUDA) with offsets on the
     device, whose values are then trusted; offsets on the CPU are checked. The
@@ -540,7 +554,8 @@ def pacs_linear_attention(
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
     keep, m = _key_keep(key_padding_mask, k, dtype)
     out_dtype = v.dtype
-    if capturing() or not pairs:
+    # Off the CPU a finiteness test would wait for the device: there the log domain always runs.
+    if capturing() or not pairs or q.device.type != "cpu":
         attention = _pacs_attention_graph
     elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, temp_same, temp_opposite)):
         attention = _PacsAttention.apply
@@ -548,7 +563,11 @@ def pacs_linear_attention(
         attention = _pacs_attention_no_grad
     if sin is not None:
         sin, cos = sin.to(dtype), cos.to(dtype)
+    args = (q.to(dtype), k.to(dtype), v.to(dtype), temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps,
+            keep, m)
     with full_precision(q.device.type):
-        out = attention(q.to(dtype), k.to(dtype), v.to(dtype), temp_same.to(dtype), temp_opposite.to(dtype),
-                        sin, cos, eps, keep, m)
+        out = attention(*args)
+        # the sum is finite only if every entry is; a fast path that overflowed is redone in the log domain
+        if attention is not _pacs_attention_graph and not bool(torch.isfinite(out.sum())):
+            out = _pacs_attention_graph(*args)
     return out.to(out_dtype)

@@ -227,24 +227,58 @@ def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
 
 
 def _pola_attention_graph(q, k, v, power, eps, keep, m):
-    """The same math as :class:`_PolaPowerAttention`, written functionally (autograd derives the backward)."""
+    """The same math as :class:`_PolaPowerAttention`, written functionally (autograd derives the backward) for
+    graph capture, devices without the kernels, and eager calls whose plain products could overflow
+    (:func:`_may_overflow`). It works in the log domain, ``|x|ᵖ = e^(p·ln|x|)``: each key channel is shifted
+    by ``s``, its largest ``p·ln|k|`` over the sequence, and each query row by ``c``, its largest
+    ``p·ln|q| + s`` (at least 0). Products and ``eps`` are then all ``e^-c`` times the plain ones, so the
+    ratio is unchanged, and no exponent is positive. The shifts are constants for autograd.
+    """
     d = q.shape[-1]
     half = _same_sign_width(v)
+    zero, one = q.new_zeros(()), q.new_ones(())
 
-    def features(x):
-        magnitude = x.abs() ** power  # 0 at x = 0, where torch's pow gradients are 0 as well
-        zero = torch.zeros_like(magnitude)
+    def log_magnitude(x):  # p·ln|x| where x ≠ 0 (elsewhere the feature is 0 and its gradient too)
+        nonzero = x != 0
+        return torch.log(torch.where(nonzero, x.abs(), one)) * power, nonzero
+
+    def halves(x, magnitude):
         return torch.cat([torch.where(x > 0, magnitude, zero), torch.where(x < 0, magnitude, zero)], dim=-1)
 
-    phi_q, phi_k = features(q), features(k)
+    log_k, k_used = log_magnitude(k)
     if keep is not None:
-        phi_k = phi_k * keep
+        k_used = k_used & (keep != 0)
+    lowest = q.new_tensor(torch.finfo(q.dtype).min)
+    shift = torch.where(k_used, log_k.detach(), lowest).amax(dim=-2, keepdim=True)  # (B, H, 1, d)
+    # exponents of unused entries are 0 before exp, so that no inf meets a zero gradient (padded keys may be large)
+    phi_k = halves(k, torch.where(k_used, torch.exp(torch.where(k_used, log_k - shift, zero)), zero))
+    log_q, q_used = log_magnitude(q)
+    row_shift = torch.where(q_used, log_q.detach() + shift, zero).amax(dim=-1, keepdim=True)  # (B, H, N, 1)
+    # q = 0 lands in neither half; elsewhere the exponent is ≤ 0 exactly, rounded as the maximum was
+    phi_q = halves(q, torch.exp(torch.where(q_used, log_q + shift - row_shift, zero)))
+
     kv = torch.matmul(phi_k.transpose(-2, -1), v) / m  # (B, H, 2d, dv)
     k_mean = phi_k.sum(dim=-2).unsqueeze(-1) / m  # (B, H, 2d, 1)
     swap = lambda t: torch.cat([t[..., d:, :], t[..., :d, :]], dim=-2)
     rhs = torch.cat([kv[..., :half], swap(kv[..., half:]), k_mean, swap(k_mean)], dim=-1)
     res = torch.matmul(phi_q, rhs)
-    return torch.cat([res[..., :half] / (res[..., -2:-1] + eps), res[..., half:-2] / (res[..., -1:] + eps)], dim=-1)
+    eps_rows = eps * torch.exp(-row_shift)
+    return torch.cat([res[..., :half] / (res[..., -2:-1] + eps_rows), res[..., half:-2] / (res[..., -1:] + eps_rows)],
+                     dim=-1)
+
+
+def _may_overflow(q, k, v, power, dtype) -> bool:
+    """Whether the plain power-map products could leave ``dtype``'s range: each term is at most
+    ``max(1, |q|)ᵖ·max(1, |k|)ᵖ·max(1, |v|)``, summed over M keys and 2d channels (reads q, k and v once)."""
+    def bits(t):
+        if not t.numel():
+            return 0.0
+        low, high = torch.aminmax(t.detach())
+        return math.log2(max(1.0, -float(low), float(high)))
+
+    p = float(power.detach().amax())
+    total = p * (bits(q) + bits(k)) + bits(v) + math.log2(max(1, k.shape[-2]) * 2 * q.shape[-1])
+    return total >= math.log2(torch.finfo(dtype).max) - 2
 
 
 def _stream_rhs(kv: torch.Tensor, k_sum: torch.Tensor, m, half: int) -> torch.Tensor:
@@ -457,6 +491,14 @@ def pola_linear_attention(
         regions are computed in float32, since ``|x|ᵖ`` and the products
         overflow float16 long before the output does.
 
+    Numerics: on the CPU and in the torch formulation the result is finite for
+    any finite inputs whose output fits the dtype. A call whose ``|x|ᵖ``
+    products could overflow (a bound from max |q|, |k|, |v| and p) is computed
+    in the log domain: key channels and query rows are shifted by their largest
+    exponent, cancelling between numerator and normaliser (``eps`` shifted with
+    them); see :func:`_pola_attention_graph`. The Triton kernels have no such
+    fallback: there ``|q|ᵖ`` and ``M·|k|ᵖ·|v|`` must fit float32.
+
     Kernels: on CUDA tensors (``attention_backend()`` ``auto`` or ``triton``)
     the fused Triton kernels run (:mod:`polaformer.backends.triton.pola`), with
     no host synchronisation: there the exponent's ``p >= 1`` check and the
@@ -491,14 +533,16 @@ def pola_linear_attention(
     if packed:
         return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
     check_power_values(power, graph)
+    dtype = _compute_dtype(q, k, v, power)
+    # Off the CPU the bound would wait for the device: there the log domain always runs.
+    log_domain = graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
-    if not (graph or needs_grad or key_padding_mask is not None):
+    if not (log_domain or needs_grad or key_padding_mask is not None):
         native = _native_forward(q, k, v, power)
         if native is not None:
             return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
-    dtype = _compute_dtype(q, k, v, power)
     keep, count = _key_keep(key_padding_mask, k, dtype)
-    if graph:
+    if log_domain:
         attention = _pola_attention_graph
     elif needs_grad:
         attention = _PolaPowerAttention.apply

@@ -493,10 +493,9 @@ def test_fused_pacs_op_does_not_depend_on_thread_count(native):
             assert torch.equal(a, b)
 
 
-def test_fused_pacs_op_hands_overflow_to_the_rescaling_path(native):
+def test_fused_pacs_op_hands_overflow_to_the_log_domain(native):
     """Products that overflow float32 (features near its largest value) make the fused forward report
-    non-finite values; the op then takes the path that rescales each query row by a power of two, and gives
-    the float64 result."""
+    non-finite values; the op then redoes the call in the log domain, and gives the float64 result."""
     from polaformer.ops import naive_pacs_linear_attention, pacs_linear_attention
 
     gen = torch.Generator().manual_seed(2)

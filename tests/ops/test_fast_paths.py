@@ -122,14 +122,14 @@ def test_blocked_forward_without_gradients_equals_the_reference(monkeypatch, mas
 
 
 @pytest.mark.parametrize("masked", [False, True])
-def test_blocked_pacs_forward_without_gradients_rescales_only_the_blocks_that_overflow(monkeypatch, masked):
+def test_blocked_pacs_forward_without_gradients_redoes_an_overflow_in_the_log_domain(monkeypatch, masked):
     import polaformer.ops.pola_attention as op
 
     monkeypatch.setattr(op, "_BLOCK_ELEMENTS", 1)
     monkeypatch.setattr(op, "_MIN_BLOCK_TOKENS", 5)  # 20 tokens: blocks of 5
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(2, 2, 20, 8, generator=gen)
-    # features up to e^87 in one token of one block: float32 sums of products overflow unless rescaled
+    # features up to e^87 in one token of one block: float32 sums of products overflow outside the log domain
     q[:, :, 11] = q[:, :, 11].sign() * (80 + 7 * torch.rand(2, 2, 8, generator=gen))
     k, v = torch.randn(2, 2, 20, 8, generator=gen), torch.randn(2, 2, 20, 8, generator=gen)
     t_same = t_opp = torch.ones(1, 2, 1, 16)

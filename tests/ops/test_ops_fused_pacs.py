@@ -40,8 +40,8 @@ def test_temperatures_of_any_broadcast_shape_get_their_own_gradient(with_rope):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-11)
 
 
-def test_overflow_falls_back_to_exact_row_rescaling_forward_and_backward():
-    # |q|, |k| up to 50 at temperature 1: features up to e^50, products beyond float32 unless rescaled
+def test_overflow_falls_back_to_the_log_domain_forward_and_backward():
+    # |q|, |k| up to 50 at temperature 1: features up to e^50, products beyond float32 outside the log domain
     gen = torch.Generator().manual_seed(5)
     q, k = ((torch.rand(1, 2, 16, 8, generator=gen) * 100 - 50).requires_grad_() for _ in range(2))
     v = torch.randn(1, 2, 16, 8, generator=gen, requires_grad=True)

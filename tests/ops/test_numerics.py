@@ -1,0 +1,159 @@
+"""Both bidirectional ops at large magnitudes: finite, and equal to an O(N²) float64 reference computed in the
+log domain (the plain naive reference overflows float64 itself past |x| ≈ 700), forward and gradients, on the
+torch and native CPU backends, float32 and float16 inputs."""
+import pytest
+import torch
+
+from polaformer.ops import pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
+from polaformer.ops.dispatch import set_attention_backend
+
+F64 = torch.float64
+MAGNITUDES = {torch.float32: [1e2, 1e4, 1e8, 1e16, 1e30], torch.float16: [1e2, 1e4]}
+CASES = [(dtype, mag) for dtype, mags in MAGNITUDES.items() for mag in mags]
+
+
+def _log_positive(x, log_f):
+    """``log f(x)`` where x > 0, -inf elsewhere (f(0) = 0), with finite gradients."""
+    positive = x > 0
+    return torch.where(positive, log_f(torch.where(positive, x, 1.0)), -torch.inf)
+
+
+def _log_features(x, log_f):
+    """``log φ`` of the features ``[f(x⁺) ; f(x⁻)]``."""
+    return torch.cat([_log_positive(x, log_f), _log_positive(-x, log_f)], -1)
+
+
+def _weighted_sum(log_q, log_k, v, eps, mixing=None):
+    """``Σ_j w(t, j)·v_j / (Σ_j w_den(t, j) + M·eps)`` with ``w_den = Σ_c e^(log φq_c + log φk_c)``, every
+    exponent shifted by the row's largest normaliser term. ``mixing`` (N, M, P, 2, 2), RoPE's coupling of the
+    channel pairs in the numerator; None: the numerator weights are the normaliser's."""
+    b, h, n, two_d = log_q.shape
+    m = log_k.shape[-2]
+    exponents = log_q[..., :, None, :] + log_k[..., None, :, :]  # (B, H, N, M, 2d)
+    row_max = exponents.detach().amax(dim=(3, 4), keepdim=True).clamp_min(0)
+    w_den = torch.exp(exponents - row_max).sum(-1)
+    w_num = w_den
+    if mixing is not None:
+        pairs = log_q.reshape(b, h, n, 1, two_d // 2, 2, 1) + log_k.reshape(b, h, 1, m, two_d // 2, 1, 2)
+        w_num = (torch.exp(pairs - row_max[..., None, None]) * mixing).sum(dim=(4, 5, 6))
+    return (w_num @ v) / (w_den.sum(-1, keepdim=True) + m * eps * torch.exp(-row_max[..., 0]))
+
+
+def _pacs_reference(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps=1e-6):
+    """float64 PaCS attention: features ``exp(x) − 1``, so ``log φ = x + log(1 − e^-x)``."""
+    log_exp_minus_one = lambda x: x + torch.log(-torch.expm1(-x))
+    d = q.shape[-1]
+    log_k = _log_features(k, log_exp_minus_one)
+    mixing = None
+    if sin is not None:  # (R_t a)·(R_j b) = aᵀ R(θ_j − θ_t) b per channel pair
+        s_t, c_t = sin[:, None, 0::2], cos[:, None, 0::2]
+        s_j, c_j = sin[None, :, 0::2], cos[None, :, 0::2]
+        cos_d, sin_d = c_j * c_t + s_j * s_t, s_j * c_t - c_j * s_t
+        mixing = torch.stack([torch.stack([cos_d, -sin_d], -1), torch.stack([sin_d, cos_d], -1)], -2)
+    half = v.shape[-1] // 2
+    outs = []
+    for temps, swap, values in ((temp_same, False, v[..., :half]), (temp_opposite, True, v[..., half:])):
+        q_halves = torch.cat([torch.relu(-q), torch.relu(q)] if swap else [torch.relu(q), torch.relu(-q)], -1)
+        log_q = _log_positive(q_halves * temps, log_exp_minus_one)
+        outs.append(_weighted_sum(log_q, log_k, values, eps, mixing))
+    return torch.cat(outs, -1)
+
+
+def _pola_reference(q, k, v, power, eps=1e-6):
+    """float64 PolaFormer attention: features ``|x|ᵖ``, so ``log φ = p·log|x|`` per channel."""
+    log_power = lambda x: power * torch.log(x)
+    log_q, log_k = _log_features(q, log_power), _log_features(k, log_power)
+    d = q.shape[-1]
+    swap = lambda t: torch.cat([t[..., d:], t[..., :d]], -1)
+    half = (v.shape[-1] + 1) // 2
+    return torch.cat([_weighted_sum(log_q, log_k, v[..., :half], eps),
+                      _weighted_sum(swap(log_q), log_k, v[..., half:], eps)], -1)
+
+
+@pytest.fixture(params=["torch", "native"])
+def cpu_backend(request):
+    previous = set_attention_backend(request.param)
+    yield request.param
+    set_attention_backend(previous)
+
+
+def _inputs(magnitude, dtype, seed, d=4, dv=6, n=5, m=6):
+    gen = torch.Generator().manual_seed(seed)
+    q = (torch.randn(1, 2, n, d, generator=gen, dtype=F64) * magnitude).to(dtype)
+    k = (torch.randn(1, 2, m, d, generator=gen, dtype=F64) * magnitude).to(dtype)
+    v = torch.randn(1, 2, m, dv, generator=gen).to(dtype)
+    return q, k, v, gen
+
+
+def _check(op, reference, leaves, dtype, temperature=False):
+    """Forward and gradients of ``op`` against ``reference`` in float64, relative to each result's largest
+    entry. PaCS's temperature gradient is ``Σ ∂out/∂x·q`` with ``x = q·t``: float32's rounding of the
+    saturated weights' gradient (which cancels exactly in float64) comes out multiplied by |q|, so that one
+    is compared on its natural scale |q|·|v|, to 64 float32 ulps."""
+    leaves = [t.detach().requires_grad_() for t in leaves]
+    out = op(*leaves)
+    assert out.dtype == dtype
+    grad_out = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype)
+    grads = torch.autograd.grad(out, leaves, grad_out)
+    leaves64 = [t.detach().to(F64).requires_grad_() for t in leaves]
+    ref = reference(*leaves64)
+    refs = torch.autograd.grad(ref, leaves64, grad_out.to(F64))
+    tol = 2e-3 if dtype == torch.float32 else 1e-2
+    names = ("out", "grad q", "grad k", "grad v", "grad temperatures" if temperature else "grad power")
+    q_scale, v_scale = (leaves64[i].abs().max().item() for i in (0, 2))
+    for name, a, b in zip(names, (out, *grads), (ref, *refs)):
+        assert torch.isfinite(a).all(), name
+        atol = tol * max(1.0, b.abs().max().item())
+        if name == "grad temperatures":
+            atol += 64 * 2**-24 * q_scale * v_scale
+        torch.testing.assert_close(a.to(F64), b, rtol=tol, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("dtype, magnitude", CASES)
+def test_pacs_is_finite_and_exact_at_large_magnitudes(cpu_backend, dtype, magnitude):
+    q, k, v, gen = _inputs(magnitude, dtype, seed=1)
+    temps = (0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)).to(dtype)
+    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1)),
+           lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1)), (q, k, v, temps), dtype, True)
+
+
+# With RoPE the numerator pairs channels that its normaliser does not, so the true output grows like e^|x|
+# (past float32 from |x| ≈ 50 on): a magnitude where the plain path overflows but the output fits.
+@pytest.mark.parametrize("magnitude", [30])
+def test_pacs_with_rope_is_finite_and_exact_at_large_magnitudes(cpu_backend, magnitude):
+    q, k, v, gen = _inputs(magnitude, torch.float32, seed=2, n=6, m=6)
+    temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
+    sin, cos = rope_2d(rope_angles(16, 2, dtype=F64), 2, 3)
+    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1), sin.float(), cos.float()),
+           lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1), sin, cos), (q, k, v, temps), torch.float32,
+           True)
+
+
+@pytest.mark.parametrize("dtype, magnitude", CASES)
+def test_pola_is_finite_and_exact_at_large_magnitudes(cpu_backend, dtype, magnitude):
+    q, k, v, gen = _inputs(magnitude, dtype, seed=3, dv=5)
+    power = (1 + 2 * torch.rand(1, 2, 1, 4, generator=gen)).to(dtype)
+    power[..., 0] = 3.0
+    _check(pola_linear_attention, _pola_reference, (q, k, v, power), dtype)
+
+
+@pytest.mark.parametrize("op", ["pola", "pacs"])
+def test_padded_keys_of_any_magnitude_do_not_shift_the_real_ones(cpu_backend, op):
+    """Padded keys hold 1e30 (finite, as the mask contract asks): the per-channel key shift ignores them."""
+    q, k, v, gen = _inputs(1e2, torch.float32, seed=4)
+    mask = torch.zeros(1, 6, dtype=torch.bool)
+    mask[0, 4:] = True
+    k[:, :, 4:] = 1e30
+    k.requires_grad_()
+    if op == "pola":
+        power = torch.full((1, 2, 1, 4), 3.0)
+        out = pola_linear_attention(q, k, v, power, key_padding_mask=mask)
+        ref = _pola_reference(*(t.detach().double() for t in (q, k[:, :, :4], v[:, :, :4], power)))
+    else:
+        temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
+        out = pacs_linear_attention(q, k, v, temps, temps, key_padding_mask=mask)
+        ref = _pacs_reference(*(t.detach().double() for t in (q, k[:, :, :4], v[:, :, :4], temps, temps)))
+    torch.testing.assert_close(out.detach().double(), ref, rtol=2e-3, atol=2e-3)
+    (grad_k,) = torch.autograd.grad(out.sum(), k)
+    assert torch.isfinite(grad_k).all()
+    assert not grad_k[:, :, 4:].any()
