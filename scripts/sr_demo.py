@@ -17,8 +17,15 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw
 
-from polaformer.tasks.sr import bicubic_upscale, evaluate_sr, load_sr_model, photo_pairs, sr_config, train_sr
-from polaformer.tasks.sr.train import model_upscaler
+from polaformer.tasks.sr import (
+    bicubic_upscale,
+    evaluate_sr,
+    load_sr_model,
+    model_upscaler,
+    photo_pairs,
+    sr_config,
+    train_sr,
+)
 
 # a small model: 2 groups of 2 layers, 24 channels; x2, 64-pixel HR patches
 OPTS = ["model.scale", "2", "model.embed_dim", "24", "model.depths", "[2, 2]", "model.num_heads", "[2, 2]",

@@ -99,8 +99,7 @@ def cmd_sr_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sr_eval(args: argparse.Namespace) -> int:
-    from ..tasks.sr import bicubic_upscale, evaluate_sr, sr_pairs
-    from ..tasks.sr.train import model_upscaler
+    from ..tasks.sr import bicubic_upscale, evaluate_sr, model_upscaler, sr_pairs
 
     model, cfg = _model(args)
     scale = cfg.model.scale
@@ -115,8 +114,7 @@ def cmd_sr_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_sr_upscale(args: argparse.Namespace) -> int:
-    from ..tasks.sr import read_image, save_image, to_uint8
-    from ..tasks.sr.train import model_upscaler
+    from ..tasks.sr import model_upscaler, read_image, save_image, to_uint8
 
     model, cfg = _model(args)
     upscale = model_upscaler(model, cfg)

@@ -210,9 +210,6 @@ class PolaSR(nn.Module):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
 
-    def no_weight_decay_keywords(self) -> set[str]:
-        return {"relative_position_bias_table"}
-
     def mirror_pad(self, x: torch.Tensor) -> torch.Tensor:
         """Extend the bottom and right edges by their mirror image up to whole windows."""
         h, w = x.shape[-2:]

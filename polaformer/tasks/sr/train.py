@@ -19,8 +19,8 @@ from ...models.pola_sr import PolaSR, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
 
-__all__ = ["SRTask", "bicubic_upscale", "build_sr_model", "evaluate_sr", "load_sr_model", "sr_config", "sr_pairs",
-           "train_sr"]
+__all__ = ["SRTask", "bicubic_upscale", "build_sr_model", "evaluate_sr", "load_sr_model", "model_upscaler", "sr_config",
+           "sr_pairs", "train_sr"]
 
 LAST, BEST = "last.pth", "best.pth"
 PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
