@@ -84,7 +84,8 @@ def main() -> None:
         }
         print(f"x{scale}: {manifest[f'x{scale}']['parameters']:,} parameters")
     text = json.dumps(manifest, indent=1)
-    text = re.sub(r"\[\s+([^\[\]]*?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)  # a list per line
+    # each shape on one line
+    text = re.sub(r"\[\s+([^\[\]]*?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text)
     (DATA / "pola_sr_manifest.json").write_text(text + "\n")
 
     torch.manual_seed(0)

@@ -16,5 +16,5 @@ from .train import (
 )
 
 __all__ = ["ImagePair", "RandomPatches", "SRTask", "bicubic_downscale", "bicubic_upscale", "build_sr_model",
-           "evaluate_sr", "folder_pairs", "load_sr_model", "model_upscaler", "photo_pairs", "read_image", "rgb_to_y", "save_image",
-           "sr_config", "sr_metrics", "sr_pairs", "to_uint8", "train_sr"]
+           "evaluate_sr", "folder_pairs", "load_sr_model", "model_upscaler", "photo_pairs", "read_image", "rgb_to_y",
+           "save_image", "sr_config", "sr_metrics", "sr_pairs", "to_uint8", "train_sr"]

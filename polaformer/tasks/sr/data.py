@@ -33,7 +33,7 @@ def image_to_tensor(array: np.ndarray) -> torch.Tensor:
         array = array[:, :, None]
     if array.ndim != 3 or array.dtype != np.uint8:
         raise DatasetError(f"expected an 8-bit (H, W) or (H, W, C) image, got {array.dtype} of shape {array.shape}")
-    tensor = torch.from_numpy(np.array(array, copy=True)).permute(2, 0, 1)  # a copy: skimage and PIL arrays are read-only
+    tensor = torch.from_numpy(np.array(array, copy=True)).permute(2, 0, 1)  # skimage and PIL arrays are read-only
     return tensor.expand(3, -1, -1).contiguous() if tensor.shape[0] == 1 else tensor[:3].contiguous()
 
 
@@ -43,7 +43,8 @@ def read_image(path: Path) -> torch.Tensor:
         with Image.open(path) as image:
             return image_to_tensor(np.asarray(image.convert("RGB")))
     except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        raise DatasetError(f"cannot read image {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise DatasetError(f"cannot read image {path}: {reason}") from None
 
 
 def save_image(image: torch.Tensor, path: Path) -> None:
