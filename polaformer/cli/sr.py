@@ -106,7 +106,8 @@ def cmd_sr_eval(args: argparse.Namespace) -> int:
     pairs = sr_pairs(args.hr, args.lr, scale, "valid")
     result = evaluate_sr(model_upscaler(model, cfg), pairs, scale)
     bicubic = evaluate_sr(lambda lr: bicubic_upscale(lr, scale), pairs, scale)
-    print(f"x{scale} on {len(pairs)} images: PSNR-Y {result['psnr_y']:.2f} dB, SSIM-Y {result['ssim_y']:.4f} "
+    images = f"{len(pairs)} image" + ("s" if len(pairs) > 1 else "")
+    print(f"x{scale} on {images}: PSNR-Y {result['psnr_y']:.2f} dB, SSIM-Y {result['ssim_y']:.4f} "
           f"(bicubic {bicubic['psnr_y']:.2f} dB, {bicubic['ssim_y']:.4f})")
     if args.json:
         Path(args.json).write_text(json.dumps({"scale": scale, "model": result, "bicubic": bicubic}, indent=1) + "\n")
