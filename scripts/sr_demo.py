@@ -30,7 +30,7 @@ from polaformer.tasks.sr import (
 # a small model: 2 groups of 2 layers, 24 channels; x2, 64-pixel HR patches
 OPTS = ["model.scale", "2", "model.embed_dim", "24", "model.depths", "[2, 2]", "model.num_heads", "[2, 2]",
         "model.window_size", "8", "data.patch_size", "64", "data.repeats", "400", "train.batch_size", "8",
-        "train.steps", "800", "train.eval_every", "400", "train.lr", "1e-3"]
+        "train.steps", "400", "train.eval_every", "200", "train.lr", "1e-3"]
 CROP = ("chelsea", 60, 150, 64)  # held-out photo, LR top, LR left, LR side of the figure's crop
 
 

@@ -45,6 +45,8 @@ def sr_config(path=None, opts=()) -> Config:
         raise ConfigError(f"model.scale must be a positive integer, got {cfg.model.scale}")
     if not all(0 < m < 1 for m in cfg.train.milestones):
         raise ConfigError(f"train.milestones are fractions of the steps in (0, 1), got {cfg.train.milestones}")
+    if not 0 <= cfg.eval.overlap < cfg.eval.tile:
+        raise ConfigError(f"eval.overlap must be in [0, eval.tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
     return cfg
 
 
