@@ -170,3 +170,12 @@ def test_official_weights_load_by_scale(tmp_path, capsys):
     assert code == 2 and "upsample.0.weight" in error_line(err)
     code, _, err = run_main(["sr", "eval", "--official", tmp_path / "official_x2.pth", "--hr", hr_dir], capsys)
     assert code == 2 and "--official needs --scale" in error_line(err)
+
+
+def test_bad_settings_are_one_line_errors(tmp_path, capsys):
+    code, _, err = run_main(["sr", "train", "--output", tmp_path / "run", "--opts", "eval.overlap", "300"], capsys)
+    assert code == 2 and "eval.overlap must be in [0, eval.tile)" in error_line(err)
+    hr_dir, _ = write_folders(tmp_path, size=(32, 32), photos=("astronaut",))
+    code, _, err = run_main(["sr", "train", "--train-hr", hr_dir, "--valid-hr", hr_dir, "--patch-size", "32",
+                             "--output", tmp_path / "run", "--opts", "model.embed_dim", "12"], capsys)
+    assert code == 2 and "embed_dim must be divisible by 8" in error_line(err, logs_allowed=True)
