@@ -1,0 +1,129 @@
+"""``polaformer sr``: train / eval / upscale with the PaCS super-resolution model (docs/super_resolution.md).
+Errors (bad options, unusable images or checkpoints) reach the one handler of :func:`polaformer.cli.main`."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import positive_int
+
+__all__ = ["add_sr_parser"]
+
+
+def add_sr_parser(commands) -> None:
+    sr = commands.add_parser("sr", help="single-image super-resolution with PaCS attention (x2/x3/x4)",
+                             description="Super-resolution with the PolaFormer++ lightSR model. Data: a folder of "
+                                         "HR images (LR made by bicubic downscaling), HR and LR folders, or "
+                                         "'photos' (those of scikit-image and scikit-learn). See "
+                                         "docs/super_resolution.md.")
+    sub = sr.add_subparsers(dest="sr_command", required=True, metavar="COMMAND")
+
+    train = sub.add_parser("train", help="train a model (step-based, resumable); reports PSNR-Y/SSIM-Y")
+    train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, train, eval keys)")
+    for flag, kind, text in (
+            ("--scale", positive_int, "model.scale"), ("--train-hr", str, "data.train_hr (folder or 'photos')"),
+            ("--train-lr", str, "data.train_lr (folder; default: bicubic from HR)"),
+            ("--valid-hr", str, "data.valid_hr (folder or 'photos')"), ("--valid-lr", str, "data.valid_lr"),
+            ("--patch-size", positive_int, "data.patch_size (HR pixels)"), ("--steps", positive_int, "train.steps"),
+            ("--batch-size", positive_int, "train.batch_size"), ("--lr", float, "train.lr"),
+            ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")):
+        train.add_argument(flag, type=kind, help=text)
+    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
+    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/sr/xSCALE)")
+    train.add_argument("--resume", metavar="auto|FILE")
+    train.add_argument("--overwrite", action="store_true")
+    train.add_argument("--device", default="auto")
+    train.set_defaults(handler=cmd_sr_train)
+
+    evaluate = sub.add_parser("eval", help="PSNR-Y/SSIM-Y of a model against bicubic upsampling")
+    _add_weights(evaluate)
+    evaluate.add_argument("--hr", default="photos", metavar="DIR", help="HR folder or 'photos' (held-out photos)")
+    evaluate.add_argument("--lr", default="", metavar="DIR", help="LR folder (default: bicubic from HR)")
+    evaluate.add_argument("--json", metavar="FILE", help="also write the scores of every image here")
+    evaluate.set_defaults(handler=cmd_sr_eval)
+
+    upscale = sub.add_parser("upscale", help="upscale image files, written as PNG")
+    _add_weights(upscale)
+    upscale.add_argument("images", nargs="+", metavar="IMAGE", help="low-resolution image files")
+    upscale.add_argument("--output", required=True, metavar="DIR", help="folder for NAME_xSCALE.png")
+    upscale.set_defaults(handler=cmd_sr_upscale)
+
+
+def _add_weights(parser) -> None:
+    weights = parser.add_mutually_exclusive_group(required=True)
+    weights.add_argument("--checkpoint", metavar="FILE", help="a checkpoint of 'polaformer sr train'")
+    weights.add_argument("--official", metavar="FILE",
+                         help="the authors' basicsr file (params_ema/params) or a state dict; needs --scale")
+    parser.add_argument("--scale", type=positive_int, help="the scale of --official (checked against --checkpoint)")
+    parser.add_argument("--tile", type=positive_int, help="LR tile side of tiled inference (eval.tile)")
+    parser.add_argument("--overlap", type=int, help="LR pixels shared by neighbouring tiles (eval.overlap)")
+
+
+def _model(args: argparse.Namespace):
+    from ..engine.config import ConfigError
+    from ..tasks.sr import load_sr_model
+
+    if args.official and args.scale is None:
+        raise ConfigError("--official needs --scale (2, 3 or 4 for the authors' lightSR models)")
+    model, cfg = load_sr_model(args.checkpoint or args.official, official_scale=args.scale if args.official else None)
+    if args.checkpoint and args.scale is not None and args.scale != cfg.model.scale:
+        raise ConfigError(f"scale mismatch: {args.checkpoint} is a x{cfg.model.scale} model, --scale asks for "
+                          f"x{args.scale}")
+    for flag, key in (("tile", "tile"), ("overlap", "overlap")):
+        if getattr(args, flag) is not None:
+            cfg.eval.merge({key: getattr(args, flag)}, source="the command line")
+    if not 0 <= cfg.eval.overlap < cfg.eval.tile:
+        raise ConfigError(f"--overlap must be in [0, tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
+    return model, cfg
+
+
+def cmd_sr_train(args: argparse.Namespace) -> int:
+    from ..tasks.sr import sr_config, train_sr
+
+    cfg = sr_config(args.config, args.opts)
+    flags = {"scale": ("model", "scale"), "train_hr": ("data", "train_hr"), "train_lr": ("data", "train_lr"),
+             "valid_hr": ("data", "valid_hr"), "valid_lr": ("data", "valid_lr"),
+             "patch_size": ("data", "patch_size"), "steps": ("train", "steps"),
+             "batch_size": ("train", "batch_size"), "lr": ("train", "lr"), "eval_every": ("train", "eval_every"),
+             "seed": ("train", "seed")}
+    for flag, (section, key) in flags.items():
+        if getattr(args, flag) is not None:
+            cfg[section].merge({key: getattr(args, flag)}, source="the command line")
+    output = Path(args.output or f"runs/sr/x{cfg.model.scale}")
+    summary = train_sr(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
+    print(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
+          f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
+          f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
+    return 0
+
+
+def cmd_sr_eval(args: argparse.Namespace) -> int:
+    from ..tasks.sr import bicubic_upscale, evaluate_sr, model_upscaler, sr_pairs
+
+    model, cfg = _model(args)
+    scale = cfg.model.scale
+    pairs = sr_pairs(args.hr, args.lr, scale, "valid")
+    result = evaluate_sr(model_upscaler(model, cfg), pairs, scale)
+    bicubic = evaluate_sr(lambda lr: bicubic_upscale(lr, scale), pairs, scale)
+    images = f"{len(pairs)} image" + ("s" if len(pairs) > 1 else "")
+    print(f"x{scale} on {images}: PSNR-Y {result['psnr_y']:.2f} dB, SSIM-Y {result['ssim_y']:.4f} "
+          f"(bicubic {bicubic['psnr_y']:.2f} dB, {bicubic['ssim_y']:.4f})")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"scale": scale, "model": result, "bicubic": bicubic}, indent=1) + "\n")
+    return 0
+
+
+def cmd_sr_upscale(args: argparse.Namespace) -> int:
+    from ..tasks.sr import model_upscaler, read_image, save_image, to_uint8
+
+    model, cfg = _model(args)
+    upscale = model_upscaler(model, cfg)
+    images = [(Path(path), read_image(Path(path))) for path in args.images]  # every input read before any output
+    output = Path(args.output)
+    output.mkdir(parents=True, exist_ok=True)
+    for path, lr in images:
+        target = output / f"{path.stem}_x{cfg.model.scale}.png"
+        save_image(to_uint8(upscale(lr[None].float() / 255)[0]), target)
+        print(f"{path} ({lr.shape[-1]}x{lr.shape[-2]}) -> {target}")
+    return 0

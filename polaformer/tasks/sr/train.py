@@ -1,0 +1,195 @@
+"""Training and evaluation of the PaCS super-resolution model as a step-based task of the one engine
+(:mod:`polaformer.engine.loop`), with the official lightSR recipe as defaults: random aligned HR patches of 192
+pixels, L1 loss, Adam (2e-4, betas 0.9/0.99), the learning rate halved at 50/80/90/95 % of the steps. Every
+``eval_every`` steps the validation PSNR-Y/SSIM-Y (border = scale; tiled inference), ``best.pth`` (highest PSNR-Y)
+and ``last.pth``; ``metrics.json`` also holds bicubic upsampling's scores on the same images."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ...checkpoint import CorruptCheckpointError, read_checkpoint
+from ...engine.checkpoint import load_task_weights, read_task_checkpoint
+from ...engine.config import Config, ConfigError, configure
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...models.pola_sr import PolaSR, tiled_upscale
+from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
+from .metrics import sr_metrics, to_uint8
+
+__all__ = ["SRTask", "bicubic_upscale", "build_sr_model", "evaluate_sr", "load_sr_model", "model_upscaler", "sr_config",
+           "sr_pairs", "train_sr"]
+
+LAST, BEST = "last.pth", "best.pth"
+PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
+# basicsr's checkpoint entries, EMA first
+OFFICIAL_ENTRIES = ("params_ema", "params")
+
+
+def sr_config(path=None, opts=()) -> Config:
+    """The defaults, then a YAML file, then ``KEY VALUE`` overrides (:func:`~polaformer.engine.config.configure`)."""
+    cfg = Config({
+        "model": {"scale": 4, "embed_dim": 48, "depths": [5, 5, 5, 5], "num_heads": [4, 4, 4, 4],
+                  "window_size": 16, "mlp_ratio": 1.0},
+        # train_hr/valid_hr: a folder of HR images or 'photos'; *_lr: a folder of LR images ('' = bicubic from HR)
+        "data": {"train_hr": PHOTOS, "train_lr": "", "valid_hr": PHOTOS, "valid_lr": "", "patch_size": 192,
+                 "repeats": 100},
+        "train": {"steps": 500000, "batch_size": 16, "lr": 2e-4, "milestones": [0.5, 0.8, 0.9, 0.95],
+                  "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0},
+        "eval": {"tile": 192, "overlap": 16},
+    })
+    cfg = configure(cfg, path, opts)
+    if cfg.model.scale < 1:
+        raise ConfigError(f"model.scale must be a positive integer, got {cfg.model.scale}")
+    if not all(0 < m < 1 for m in cfg.train.milestones):
+        raise ConfigError(f"train.milestones are fractions of the steps in (0, 1), got {cfg.train.milestones}")
+    if not 0 <= cfg.eval.overlap < cfg.eval.tile:
+        raise ConfigError(f"eval.overlap must be in [0, eval.tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
+    return cfg
+
+
+def build_sr_model(cfg: Config) -> PolaSR:
+    m = cfg.model
+    try:
+        return PolaSR(upscale=m.scale, embed_dim=m.embed_dim, depths=tuple(m.depths), num_heads=tuple(m.num_heads),
+                      window_size=m.window_size, mlp_ratio=m.mlp_ratio)
+    except ValueError as e:
+        raise ConfigError(f"cannot build the SR model: {e}") from None
+
+
+def sr_pairs(hr: str, lr: str, scale: int, split: str) -> list[ImagePair]:
+    """The pairs a data entry names: the embedded photos of ``split``, or a folder (with an LR folder or not)."""
+    if hr == PHOTOS:
+        if lr:
+            raise ConfigError("the embedded photos make their own LR images; leave the LR folder empty")
+        return photo_pairs(split, scale)
+    return folder_pairs(hr, scale, lr or None)
+
+
+@torch.no_grad()
+def bicubic_upscale(lr: torch.Tensor, scale: int) -> torch.Tensor:
+    """The baseline: (B, C, H, W) floats in [0, 1] upsampled by bicubic interpolation."""
+    return F.interpolate(lr, scale_factor=scale, mode="bicubic", align_corners=False)
+
+
+@torch.no_grad()
+def evaluate_sr(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> dict:
+    """Mean PSNR-Y/SSIM-Y over ``pairs`` of ``upscale`` ((1, 3, h, w) floats → (1, 3, s·h, s·w)), with a border
+    of ``scale``; ``images`` holds each image's scores."""
+    images = {}
+    for pair in pairs:
+        sr = upscale(pair.lr[None].float().div(255).to(device))
+        images[pair.name] = sr_metrics(to_uint8(sr[0]).cpu(), pair.hr, crop_border=scale)
+    return {"psnr_y": sum(r["psnr_y"] for r in images.values()) / len(images),
+            "ssim_y": sum(r["ssim_y"] for r in images.values()) / len(images), "images": images}
+
+
+def model_upscaler(model: nn.Module, cfg: Config):
+    """``model`` run tile by tile as the configuration's ``eval`` section says."""
+    return lambda lr: tiled_upscale(model, lr, cfg.model.scale, tile=cfg.eval.tile, overlap=cfg.eval.overlap)
+
+
+class SRTask(Task):
+    name = "sr"
+    best_files = {BEST: "psnr_y"}
+    resume_hint = "use another --output"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        d, scale = cfg.data, cfg.model.scale
+        self.train_pairs = sr_pairs(d.train_hr, d.train_lr, scale, "train")
+        self.valid_pairs = sr_pairs(d.valid_hr, d.valid_lr, scale, "valid")
+        self.train_set = RandomPatches(self.train_pairs, scale, d.patch_size, d.repeats)
+        self.bicubic = evaluate_sr(lambda lr: bicubic_upscale(lr, scale), self.valid_pairs, scale)
+
+    def build(self, engine: Engine, resuming: bool) -> nn.Module:
+        return build_sr_model(self.cfg)
+
+    def start_message(self, engine: Engine) -> str:
+        t = self.cfg.train
+        return (f"training the x{self.cfg.model.scale} SR model: {sum(p.numel() for p in engine.model.parameters())} "
+                f"parameters, {len(self.train_pairs)} train / {len(self.valid_pairs)} valid images, {t.steps} steps "
+                f"of batch {t.batch_size} ({self.cfg.data.patch_size}-pixel HR patches)")
+
+    def check_resume(self, checkpoint: dict, path: Path) -> None:
+        saved = checkpoint.get("config", {})
+        for key in ("model", "data"):
+            if saved.get(key) != self.cfg.to_dict()[key]:
+                raise ConfigError(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for "
+                                  f"{self.cfg.to_dict()[key]!r}")
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam(model.parameters(), lr=self.cfg.train.lr, betas=(0.9, 0.99))
+
+    def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
+        t = self.cfg.train
+        milestones = sorted({max(1, round(m * t.steps)) for m in t.milestones})
+        return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=t.gamma)
+
+    def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
+        lr, hr = (x.to(device) for x in batch)
+        return StepOutput(F.l1_loss(model(lr).float(), hr), len(lr))
+
+    def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        was_training = model.training
+        model.eval()
+        result = evaluate_sr(model_upscaler(model, self.cfg), self.valid_pairs, self.cfg.model.scale, engine.device)
+        model.train(was_training)
+        return result
+
+    def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
+        r = results["model"]
+        return {"step": engine.num_updates, "lr": train["lr"], "train_l1": train["loss"], "psnr_y": r["psnr_y"],
+                "ssim_y": r["ssim_y"], "elapsed_s": engine.elapsed}
+
+    def describe(self, record: dict, improved: bool) -> str:
+        return (f"step {record['step']}/{self.cfg.train.steps}: train L1 {record['train_l1']:.4f}, valid PSNR-Y "
+                f"{record['psnr_y']:.2f} dB, SSIM-Y {record['ssim_y']:.4f}{' (best)' if improved else ''}")
+
+    def summary(self, engine: Engine) -> dict:
+        best = max(engine.history, key=lambda r: r["psnr_y"], default={})
+        return {"scale": self.cfg.model.scale, "config": self.cfg.to_dict(),
+                "parameters": sum(p.numel() for p in engine.model.parameters()), "steps": engine.num_updates,
+                "best_psnr_y": best.get("psnr_y"), "best_ssim_y": best.get("ssim_y"),
+                "bicubic_psnr_y": self.bicubic["psnr_y"], "bicubic_ssim_y": self.bicubic["ssim_y"],
+                "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
+
+    def metadata(self, engine: Engine) -> dict:
+        return {"config": self.cfg.to_dict()}
+
+
+def train_sr(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
+             show_progress: bool = True) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+    t = cfg.train
+    settings = LoopSettings(
+        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every, seed=t.seed,
+        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
+        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
+    )
+    return train(SRTask(cfg), settings)
+
+
+def load_sr_model(path, *, official_scale: int | None = None) -> tuple[PolaSR, Config]:
+    """The model in a checkpoint of :func:`train_sr`, or, with ``official_scale``, the official lightSR model of
+    that scale loaded from the authors' basicsr file (``params_ema`` or ``params``) or a plain state dict."""
+    if official_scale is None:
+        checkpoint = read_task_checkpoint(path, SRTask.name)
+        try:
+            cfg = sr_config(opts=[])
+            cfg.merge(checkpoint["config"])
+        except (KeyError, TypeError, ConfigError) as e:
+            raise CorruptCheckpointError(path, f"not a usable SR checkpoint: {str(e).splitlines()[0]}") from None
+        state_dict = checkpoint["model"]
+    else:
+        cfg = sr_config(opts=["model.scale", str(official_scale)])
+        checkpoint = read_checkpoint(path)
+        entry = next((k for k in OFFICIAL_ENTRIES if isinstance(checkpoint, dict) and k in checkpoint), None)
+        state_dict = checkpoint[entry] if entry else checkpoint
+        if not isinstance(state_dict, dict):
+            raise CorruptCheckpointError(path, f"expected a state dict or a dict with {' or '.join(OFFICIAL_ENTRIES)}")
+    model = build_sr_model(cfg)
+    load_task_weights(model, state_dict, path)
+    return model.eval(), cfg
