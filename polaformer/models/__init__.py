@@ -1,9 +1,10 @@
 """Model families, one file each; importing this package registers them with timm."""
 from .deit import PolaDeiT
+from .pola_dit import PolaDiT
 from .pola_lm import PolaLM
 from .polapp import PolaFormerPP
 from .pvt import PolaPVT
 from .pvt_v2 import PolaPVTv2
 from .swin import PolaSwinTransformer
 
-__all__ = ["PolaDeiT", "PolaFormerPP", "PolaLM", "PolaPVT", "PolaPVTv2", "PolaSwinTransformer"]
+__all__ = ["PolaDeiT", "PolaDiT", "PolaFormerPP", "PolaLM", "PolaPVT", "PolaPVTv2", "PolaSwinTransformer"]
