@@ -55,8 +55,8 @@ def model_names() -> list[str]:
     """Registered polaformer models, skipping lower-case aliases of official upper-case names."""
     names = timm.list_models(["pola_*", "POLA_*"])
     upper = {n.lower() for n in names if n != n.lower()}
-    language_models = set(timm.list_models("pola_lm_*"))  # the table is of image classifiers
-    return [n for n in names if n not in upper and n != "pola_deit_digits" and n not in language_models]
+    not_classifiers = set(timm.list_models(["pola_lm_*", "pola_dit_*"]))  # the table is of image classifiers
+    return [n for n in names if n not in upper and n != "pola_deit_digits" and n not in not_classifiers]
 
 
 def measure(name: str) -> tuple[int, float, tuple[int, ...]]:

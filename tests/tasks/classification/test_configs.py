@@ -112,8 +112,10 @@ def command_line_keys(name: str) -> set[tuple]:
 
 
 def zoo_models() -> set[str]:
-    """The image classifiers (the causal language models, ``pola_lm_*``, have no ImageNet recipe)."""
-    return set(timm.list_models(["pola_*", "POLA_*"])) - ALIASES - set(timm.list_models("pola_lm_*"))
+    """The image classifiers (the causal language models, ``pola_lm_*``, and the diffusion transformers,
+    ``pola_dit_*``, have no ImageNet recipe)."""
+    return (set(timm.list_models(["pola_*", "POLA_*"])) - ALIASES - set(timm.list_models("pola_lm_*"))
+            - set(timm.list_models("pola_dit_*")))
 
 
 def read(path: Path) -> dict:
