@@ -11,8 +11,6 @@ from .common import positive_int
 
 __all__ = ["add_diffusion_parser"]
 
-SAMPLERS = ("ddpm", "ddim")  # polaformer.tasks.diffusion.SAMPLERS, without importing diffusers for --help
-
 
 def add_diffusion_parser(commands) -> None:
     diffusion = commands.add_parser("diffusion", help="class-conditional diffusion transformers (PolaDiT)",
@@ -58,7 +56,7 @@ def add_diffusion_parser(commands) -> None:
 
 def _sampling_flags(parser) -> None:
     parser.add_argument("--per-class", type=positive_int, default=10, help="samples per class")
-    parser.add_argument("--sampler", choices=SAMPLERS, help="default: the checkpoint's sample.sampler")
+    parser.add_argument("--sampler", help="ddpm or ddim (default: the checkpoint's sample.sampler)")
     parser.add_argument("--steps", type=positive_int, help="sampling steps (default: sample.steps)")
     parser.add_argument("--cfg-scale", type=float, help="classifier-free guidance (1: none; default: sample.cfg_scale)")
     parser.add_argument("--seed", type=int, default=0)
