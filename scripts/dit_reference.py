@@ -87,6 +87,17 @@ def tiny_vectors(models, create_diffusion) -> dict:
     tensors.update({"diffusion.x_start": x_start, "diffusion.noise": noise, "diffusion.prediction": prediction,
                     "diffusion.t": steps, "diffusion.mse": terms["mse"], "diffusion.vb": terms["vb"],
                     "diffusion.loss": terms["loss"]})
+
+    # one step of the official 250-step respaced sampler: the mean and log-variance of p(x_{t-1} | x_t)
+    spaced = create_diffusion("250")
+    x_t = torch.randn(2, 2, 4, 4, dtype=torch.float64)
+    step_out = torch.randn(2, 4, 4, 4, dtype=torch.float64)
+    step_out[:, 2:] = step_out[:, 2:].tanh()
+    index = torch.tensor([100, 100])  # respaced index 100: original step 400
+    p = spaced.p_mean_variance(lambda x, t, **kwargs: step_out, x_t, index, clip_denoised=False)
+    tensors.update({"step.x_t": x_t, "step.prediction": step_out, "step.t": torch.tensor(spaced.timestep_map)[index],
+                    "step.mean": p["mean"], "step.log_variance": p["log_variance"],
+                    "step.timestep_map": torch.tensor(spaced.timestep_map)})
     return tensors
 
 

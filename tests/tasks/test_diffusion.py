@@ -30,6 +30,18 @@ def test_loss_matches_official_mse_and_variational_bound():
     torch.testing.assert_close(terms["vb"], ref["diffusion.vb"], rtol=1e-4, atol=1e-6)
 
 
+def test_ddpm_step_matches_the_official_respaced_sampler():
+    ref = load_file(str(REFERENCE))
+    scheduler = make_scheduler("ddpm")
+    scheduler.set_timesteps(250)
+    assert sorted(scheduler.timesteps.tolist()) == ref["step.timestep_map"].tolist()
+    t = int(ref["step.t"][0])
+    out = scheduler.step(ref["step.prediction"], t, ref["step.x_t"], generator=torch.Generator().manual_seed(3))
+    noise = torch.randn(ref["step.x_t"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
+    expected = ref["step.mean"] + torch.exp(0.5 * ref["step.log_variance"]) * noise
+    torch.testing.assert_close(out.prev_sample, expected, rtol=0, atol=1e-6)  # float32 schedule
+
+
 def test_bound_trains_only_the_variance_output():
     model = PolaDiT(input_size=4, patch_size=2, in_channels=1, hidden_size=8, depth=1, num_heads=2, num_classes=2)
     torch.nn.init.normal_(model.final_layer.linear.weight)

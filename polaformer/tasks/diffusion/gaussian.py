@@ -24,8 +24,9 @@ def make_scheduler(kind: str = "ddpm", train_timesteps: int = 1000, beta_start: 
     """The DiT's schedule (linear betas) as a diffusers scheduler; ``ddpm`` takes the learned-range variance."""
     common = dict(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
                   beta_schedule="linear", clip_sample=clip_sample, prediction_type="epsilon")
-    if kind == "ddpm":
-        return DDPMScheduler(**common, variance_type="learned_range" if learn_sigma else "fixed_small")
+    if kind == "ddpm":  # respaced steps spread over 0..T-1 with rounding, as the official sampler's
+        return DDPMScheduler(**common, variance_type="learned_range" if learn_sigma else "fixed_small",
+                             timestep_spacing="linspace")
     if kind == "ddim":
         return DDIMScheduler(**common, set_alpha_to_one=False)
     raise ValueError(f"unknown sampler {kind!r} (known: {', '.join(SAMPLERS)})")
