@@ -84,12 +84,12 @@ def cmd_diffusion_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate(args):
+def _generate(args, loaded):
     import torch
 
-    from ..tasks.diffusion import generate, load_diffusion_model
+    from ..tasks.diffusion import generate
 
-    model, cfg, vae = load_diffusion_model(args.checkpoint)
+    model, cfg, vae = loaded
     classes = getattr(args, "classes", None) or list(range(model.num_classes))
     bad = [c for c in classes if not 0 <= c < model.num_classes]
     if bad:
@@ -106,18 +106,23 @@ def cmd_diffusion_sample(args: argparse.Namespace) -> int:
     output = Path(args.output)
     if output.suffix not in (".png", ".safetensors"):
         raise ConfigError(f"--output must end in .png or .safetensors, got {output.name}")
-    images, labels, _ = _generate(args)
+    from ..tasks.diffusion import load_diffusion_model
+
+    images, labels, _ = _generate(args, load_diffusion_model(args.checkpoint))
     save_samples(images, labels, output, per_row=args.per_class)
     print(f"{len(images)} samples -> {output}")
     return 0
 
 
 def cmd_diffusion_fid(args: argparse.Namespace) -> int:
-    from ..tasks.diffusion import class_accuracy, feature_network, frechet_distance, train_digits_classifier
+    from ..tasks.diffusion import (class_accuracy, feature_network, frechet_distance, load_diffusion_model,
+                                   train_digits_classifier)
     from ..tasks.diffusion.data import load_images
 
-    images, labels, cfg = _generate(args)
+    loaded = load_diffusion_model(args.checkpoint)
+    cfg = loaded[1]
     network, inception = feature_network(args.features, cfg.data.image_size, cfg.data.channels)
+    images, labels, _ = _generate(args, loaded)
     _, _, real, _, _ = load_images(cfg.data)
     score = frechet_distance(real, images, network, inception)
     line = f"FID ({args.features} features): {score:.3f} ({len(images)} samples, {len(real)} held-out images)"

@@ -166,7 +166,7 @@ def test_vae_image_size_must_fit_the_downsampling(tmp_path, capsys):
     assert "data.image_size 9 is not a multiple of the VAE's downsampling 2" in error_line(err, logs_allowed=True)
 
 
-def test_sample_refuses_unknown_classes_and_outputs(tmp_path, capsys):
+def test_sample_and_fid_refuse_bad_requests(tmp_path, capsys):
     out = tmp_path / "run"
     code, _, err = run_main(["diffusion", "train", "--steps", "1", "--batch-size", "4", "--image-size", "8",
                              "--output", out, *TINY], capsys)
@@ -177,3 +177,6 @@ def test_sample_refuses_unknown_classes_and_outputs(tmp_path, capsys):
         argv = ["diffusion", "sample", "--checkpoint", out / "last.pth", "--output", tmp_path / "s.png", *extra]
         code, _, err = run_main(argv, capsys)
         assert code == 2 and message in error_line(err), err
+    code, _, err = run_main(["diffusion", "fid", "--checkpoint", out / "last.pth", "--features",
+                             tmp_path / "inception.pth"], capsys)
+    assert code == 2 and f"not found: {tmp_path / 'inception.pth'}" in error_line(err), err
