@@ -36,7 +36,8 @@ def _opts(args, attention: str) -> list[str]:
     return ["model.attention", attention, "model.hidden_size", str(args.dim), "model.depth", str(args.depth),
             "model.num_heads", str(args.heads), "model.patch_size", str(args.patch), "train.steps", str(args.steps),
             "train.eval_every", str(max(1, args.steps // 4)), "train.batch_size", str(args.batch_size),
-            "sample.steps", str(args.sample_steps), "sample.cfg_scale", str(args.cfg_scale)]
+            "sample.steps", str(args.sample_steps), "sample.cfg_scale", str(args.cfg_scale),
+            "train.ema_decay", str(args.ema)]
 
 
 def _train_and_sample(args, attention: str) -> dict:
@@ -47,9 +48,11 @@ def _train_and_sample(args, attention: str) -> dict:
         torch.manual_seed(0)
         model, seconds = build_model(cfg, 10, cfg.data.image_size, 1).eval(), 0.0
     else:
-        summary = train_diffusion(cfg, Path(args.output) / attention, overwrite=True, show_progress=False)
-        model, cfg, _ = load_diffusion_model(Path(args.output) / attention / "last.pth")
-        seconds = summary["wall_time_s"]
+        folder = Path(args.output) / attention
+        if not args.reuse:
+            train_diffusion(cfg, folder, overwrite=True, show_progress=False)
+        model, cfg, _ = load_diffusion_model(folder / "last.pth", ema=args.weights == "ema")
+        seconds = json.loads((folder / "metrics.json").read_text())["wall_time_s"]
     images = generate(model, cfg, labels, seed=1)
     return {"attention": attention, "train_s": seconds, "images": images,
             "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
@@ -81,6 +84,9 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=50)
     parser.add_argument("--sample-steps", type=int, default=50)
     parser.add_argument("--cfg-scale", type=float, default=2.0)
+    parser.add_argument("--ema", type=float, default=0.999, help="EMA decay of the weights")
+    parser.add_argument("--weights", choices=("ema", "raw"), default="ema", help="which weights sample")
+    parser.add_argument("--reuse", action="store_true", help="sample and score the runs already in --output")
     args = parser.parse_args()
 
     with ProcessPoolExecutor(2) as pool:
