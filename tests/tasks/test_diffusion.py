@@ -173,7 +173,7 @@ def test_sample_and_fid_refuse_bad_requests(tmp_path, capsys):
     assert code == 0, err
     for extra, message in ((["--classes", "10"], "classes must be in 0..9, got [10]"),
                            (["--output", tmp_path / "s.jpg"], "--output must end in .png or .safetensors"),
-                           (["--sampler", "euler"], "the sampler must be one of ddpm, ddim, got 'euler'")):
+                           (["--sampler", "euler"], "unknown sampler 'euler' (known: ddpm, ddim)")):
         argv = ["diffusion", "sample", "--checkpoint", out / "last.pth", "--output", tmp_path / "s.png", *extra]
         code, _, err = run_main(argv, capsys)
         assert code == 2 and message in error_line(err), err

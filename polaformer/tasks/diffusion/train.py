@@ -203,21 +203,18 @@ def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, s
     """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample``."""
     s = cfg.sample
     sampler, steps = sampler or s.sampler, steps or s.steps
-    if sampler not in SAMPLERS:
-        raise ConfigError(f"the sampler must be one of {', '.join(SAMPLERS)}, got {sampler!r}")
-    if not 1 <= steps <= cfg.diffusion.train_timesteps:
-        raise ConfigError(f"sampling steps must be in 1..{cfg.diffusion.train_timesteps}, got {steps}")
-    if cfg_scale != 1.0 and model.null_class is None:
-        raise ConfigError("classifier-free guidance needs a model trained with class dropout: use --cfg-scale 1")
-    cfg_scale = s.cfg_scale if cfg_scale is None else cfg_scale
     model = model.to(device)
     generator = torch.Generator().manual_seed(seed)
     shape = (model.in_channels, model.input_size, model.input_size)
     chunks = []
     for part in labels.split(batch_size):
-        out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale,
-                     clip_sample=vae is None, train_timesteps=cfg.diffusion.train_timesteps,
-                     beta_start=cfg.diffusion.beta_start, beta_end=cfg.diffusion.beta_end, generator=generator, device=device)
+        try:
+            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale,
+                         clip_sample=vae is None, train_timesteps=cfg.diffusion.train_timesteps,
+                         beta_start=cfg.diffusion.beta_start, beta_end=cfg.diffusion.beta_end, generator=generator,
+                         device=device)
+        except ValueError as e:  # a sampler setting the model or schedule cannot take, before any step ran
+            raise ConfigError(str(e)) from None
         if vae is not None:
             vae.to(device)
             out = vae.decode(out / LATENT_SCALE).sample
