@@ -90,7 +90,10 @@ class DiTBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, attention: str):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        self.attn = PacsGridAttention(dim, num_heads) if attention == "pacs" else Attention(dim, num_heads, qkv_bias=True)
+        if attention == "pacs":
+            self.attn = PacsGridAttention(dim, num_heads)
+        else:
+            self.attn = Attention(dim, num_heads, qkv_bias=True)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))

@@ -111,7 +111,8 @@ def diffusion_loss(model: nn.Module, scheduler, x_start: torch.Tensor, labels: t
 @torch.no_grad()
 def sample(model: nn.Module, labels: torch.Tensor, shape: tuple[int, ...], *, sampler: str = "ddpm",
            steps: int = 250, cfg_scale: float = 1.0, clip_sample: bool = False, train_timesteps: int = 1000,
-           beta_start: float = 1e-4, beta_end: float = 0.02, generator: torch.Generator | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+           beta_start: float = 1e-4, beta_end: float = 0.02, generator: torch.Generator | None = None,
+           device: torch.device | str = "cpu") -> torch.Tensor:
     """Draw one image (or latent) of ``shape`` (C, S, S) per label with ``steps`` respaced steps.
 
     With ``cfg_scale`` != 1 each step also runs the null class and moves ε to
