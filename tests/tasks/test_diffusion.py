@@ -42,6 +42,24 @@ def test_ddpm_step_matches_the_official_respaced_sampler():
     torch.testing.assert_close(out.prev_sample, expected, rtol=0, atol=1e-6)  # float32 schedule
 
 
+class _Oracle(torch.nn.Module):
+    """The exact ε of a data set holding one image: (x_t − sqrt(ᾱ_t)·x*) / sqrt(1 − ᾱ_t)."""
+
+    null_class, learn_sigma = 3, True
+    target = torch.linspace(-0.9, 0.9, 16).reshape(1, 1, 4, 4)
+
+    def forward(self, x, t, y):
+        a = make_scheduler("ddpm").alphas_cumprod[t].reshape(-1, 1, 1, 1)
+        return torch.cat([(x - a.sqrt() * self.target) / (1 - a).sqrt(), torch.zeros_like(x)], dim=1)
+
+
+@pytest.mark.parametrize("sampler, atol", [("ddpm", 1e-5), ("ddim", 0.05)])
+def test_samplers_recover_the_image_an_exact_noise_predictor_implies(sampler, atol):
+    out = sample(_Oracle(), torch.tensor([0, 1]), (1, 4, 4), sampler=sampler, steps=50, cfg_scale=2.0,
+                 generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(out, _Oracle.target.expand(2, -1, -1, -1), rtol=0, atol=atol)
+
+
 def test_bound_trains_only_the_variance_output():
     model = PolaDiT(input_size=4, patch_size=2, in_channels=1, hidden_size=8, depth=1, num_heads=2, num_classes=2)
     torch.nn.init.normal_(model.final_layer.linear.weight)
