@@ -3,6 +3,7 @@ samples; its hidden features for FID) and torchmetrics' FID on those features or
 whose weights file the user has (torchmetrics' default downloads it)."""
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
@@ -46,18 +47,25 @@ class _Features(nn.Module):
         return self.classifier.features(x)
 
 
+@functools.lru_cache(maxsize=4)
 def train_digits_classifier(image_size: int = 16, steps: int = 300, seed: int = 0) -> DigitsClassifier:
-    """The classifier trained (full batch, Adam, seeded) on the digits training split at ``image_size``."""
+    """The classifier trained (full batch, Adam, seeded) on the digits training split at ``image_size``; made
+    once per process and setting (a frozen module, shared)."""
     x, y, _, _ = digits_images(image_size)
     generator_state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = DigitsClassifier()
     torch.random.set_rng_state(generator_state)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2, weight_decay=1e-4)
-    for _ in range(steps):
-        optimizer.zero_grad()
-        F.cross_entropy(model(x), y).backward()
-        optimizer.step()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # products this small only lose time to thread hand-offs
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            F.cross_entropy(model(x), y).backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
     return model.eval().requires_grad_(False)
 
 

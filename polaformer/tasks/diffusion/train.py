@@ -203,6 +203,7 @@ def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, s
     """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample``."""
     s = cfg.sample
     sampler, steps = sampler or s.sampler, steps or s.steps
+    cfg_scale = s.cfg_scale if cfg_scale is None else cfg_scale
     model = model.to(device)
     generator = torch.Generator().manual_seed(seed)
     shape = (model.in_channels, model.input_size, model.input_size)
