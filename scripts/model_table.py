@@ -55,7 +55,8 @@ def model_names() -> list[str]:
     """Registered polaformer models, skipping lower-case aliases of official upper-case names."""
     names = timm.list_models(["pola_*", "POLA_*"])
     upper = {n.lower() for n in names if n != n.lower()}
-    non_classifiers = set(timm.list_models(["pola_lm_*", "pola_sr_*"]))  # the table is of image classifiers
+    # the table is of image classifiers
+    non_classifiers = set(timm.list_models(["pola_lm_*", "pola_sr_*", "pola_dit_*"]))
     return [n for n in names if n not in upper and n != "pola_deit_digits" and n not in non_classifiers]
 
 

@@ -8,6 +8,7 @@
 - :mod:`.dense`: ``detect train|eval|predict`` and ``segment train|eval``;
 - :mod:`.lm`: ``lm train|eval|sample`` (causal byte-level language models);
 - :mod:`.sr`: ``sr train|eval|upscale`` (super-resolution).
+- :mod:`.diffusion`: ``diffusion train|sample|fid`` (class-conditional PolaDiT).
 
 Dependencies point one way: this package -> the tasks -> the engine. Every user error (a bad option,
 a missing or foreign checkpoint, an unknown model) and every environmental fault (a full disk, a busy
@@ -33,6 +34,7 @@ from .bench import add_bench_parser
 from .classification import add_classification_parsers
 from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
 from .dense import add_dense_parsers
+from .diffusion import add_diffusion_parser
 from .lm import add_lm_parser
 from .lra import add_lra_parser
 from .sr import add_sr_parser
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_dense_parsers(commands)
     add_lm_parser(commands)
     add_sr_parser(commands)
+    add_diffusion_parser(commands)
     return parser
 
 

@@ -112,9 +112,10 @@ def command_line_keys(name: str) -> set[tuple]:
 
 
 def zoo_models() -> set[str]:
-    """The image classifiers (the language and super-resolution models, ``pola_lm_*`` and ``pola_sr_*``, have no
-    ImageNet recipe)."""
-    return set(timm.list_models(["pola_*", "POLA_*"])) - ALIASES - set(timm.list_models(["pola_lm_*", "pola_sr_*"]))
+    """The image classifiers (the language, super-resolution and diffusion models, ``pola_lm_*``, ``pola_sr_*``
+    and ``pola_dit_*``, have no ImageNet recipe)."""
+    return (set(timm.list_models(["pola_*", "POLA_*"])) - ALIASES
+            - set(timm.list_models(["pola_lm_*", "pola_sr_*", "pola_dit_*"])))
 
 
 def read(path: Path) -> dict:

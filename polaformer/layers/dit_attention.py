@@ -1,0 +1,53 @@
+"""PolaFormer++'s PaCS attention as the token mixer of a diffusion transformer (PolaDiT).
+
+Tokens (B, N, C) in raster order of a square grid, no RoPE (the DiT adds a fixed sin-cos table to its
+tokens). Parameter names follow the official PolaDiT (``qkvg``, ``s1``, ``s2``, ``lepe``, ``proj``).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..ops import pacs_linear_attention, pacs_temperature
+from .polapp_attention import _LocalBranchAndGate, _split_heads
+
+__all__ = ["PacsGridAttention"]
+
+
+class PacsGridAttention(_LocalBranchAndGate):
+    """PaCS linear attention on the tokens of a square grid.
+
+    One projection gives ``q, k, v, g``; queries use ``exp(s·x) − 1`` with ``s = sigmoid(s1)``
+    (same-sign stream) or ``sigmoid(s2)`` (opposite-sign stream), keys ``exp(x) − 1``; a 5×5
+    depthwise conv on v over the grid (LePE) is added, then the raw linear gate ``g`` multiplies
+    before the output projection.
+    """
+
+    def __init__(self, dim: int, num_heads: int):
+        super().__init__()
+        if dim % num_heads or (dim // num_heads) % 2:
+            raise ValueError(f"dim {dim} must split into {num_heads} heads of even width")
+        self.dim = dim
+        self.num_heads = num_heads
+        head_dim = dim // num_heads
+        self.qkvg = nn.Linear(dim, 4 * dim)
+        self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
+        self.proj = nn.Linear(dim, dim)
+        self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
+        self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 3 or x.shape[-1] != self.dim:
+            raise ValueError(f"expected tokens of shape (B, N, {self.dim}), got {tuple(x.shape)}")
+        b, n, c = x.shape
+        side = math.isqrt(n)
+        if side * side != n:
+            raise ValueError(f"PacsGridAttention needs the tokens of a square grid, got {n} tokens")
+        q, k, v, g = self.qkvg(x).reshape(b, n, 4, c).unbind(2)
+        heads = self.num_heads
+        out = pacs_linear_attention(_split_heads(q, heads), _split_heads(k, heads), _split_heads(v, heads),
+                                    pacs_temperature(self.s1), pacs_temperature(self.s2))
+        out = out.transpose(1, 2).reshape(b, n, c)
+        return self.proj(self.local_branch_and_gate(out, v, g, side, side))

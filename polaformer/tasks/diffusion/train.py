@@ -1,0 +1,223 @@
+"""Class-conditional PolaDiT training as a step-based task of the one engine (:mod:`polaformer.engine.loop`), and
+sampling from its checkpoints.
+
+Pixel mode trains on the images themselves; latent mode on ``AutoencoderKL`` latents (a local folder,
+``data.vae``) scaled by 0.18215, as the official DiT. AdamW without weight decay, a weight EMA (sampling uses
+it), the loss of :func:`~.gaussian.diffusion_loss`; every ``eval_every`` steps the validation loss on fixed
+noise and steps, ``best.pth`` (lowest EMA validation loss) and ``last.pth``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import timm
+import torch
+from torch import nn
+from torch.utils.data import TensorDataset
+
+from ... import models  # noqa: F401  (registers pola_dit_*)
+from ...checkpoint import CorruptCheckpointError
+from ...engine.checkpoint import read_task_checkpoint
+from ...engine.config import Config, ConfigError, configure
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
+from .gaussian import SAMPLERS, diffusion_loss, make_scheduler, sample
+
+__all__ = ["DiffusionTask", "diffusion_config", "generate", "load_diffusion_model", "train_diffusion"]
+
+LAST, BEST = "last.pth", "best.pth"
+
+
+def diffusion_config(path=None, opts=()) -> Config:
+    """The defaults (a tiny model on digits, pixel space), then a YAML file, then ``KEY VALUE`` overrides."""
+    cfg = Config({
+        # hidden_size / depth / num_heads / patch_size 0: those of the named model
+        "model": {"name": "pola_dit_s_2", "attention": "pacs", "hidden_size": 64, "depth": 4, "num_heads": 4,
+                  "patch_size": 0, "learn_sigma": True, "class_dropout_prob": 0.1},
+        # name: 'digits' or a root/<class>/<image> folder; vae: a local AutoencoderKL folder (latent mode)
+        "data": {"name": "digits", "image_size": 16, "channels": 1, "latent": False, "vae": "",
+                 "valid_fraction": 0.1, "seed": 0},
+        "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
+        "train": {"steps": 2000, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.0, "ema_decay": 0.999,
+                  "clip_grad_norm": 1.0, "eval_every": 500, "eval_samples": 256, "seed": 0, "num_workers": 0},
+        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0},
+    })
+    cfg = configure(cfg, path, opts)
+    if cfg.model.attention not in models.pola_dit.ATTENTIONS:
+        raise ConfigError(f"model.attention must be one of {', '.join(models.pola_dit.ATTENTIONS)}, "
+                          f"got {cfg.model.attention!r}")
+    if cfg.sample.sampler not in SAMPLERS:
+        raise ConfigError(f"sample.sampler must be one of {', '.join(SAMPLERS)}, got {cfg.sample.sampler!r}")
+    if cfg.data.latent and not cfg.data.vae:
+        raise ConfigError("latent mode needs a local AutoencoderKL folder: set data.vae")
+    return cfg
+
+
+def model_geometry(cfg: Config, vae=None) -> tuple[int, int]:
+    """``(input_size, in_channels)`` of the model: the images, or their latents."""
+    size, channels = cfg.data.image_size, cfg.data.channels
+    if cfg.data.latent:
+        factor = vae_downsampling(vae)
+        if size % factor:
+            raise ConfigError(f"data.image_size {size} is not a multiple of the VAE's downsampling {factor}")
+        return size // factor, vae.config.latent_channels
+    return size, channels
+
+
+def build_model(cfg: Config, num_classes: int, input_size: int, in_channels: int) -> nn.Module:
+    m = cfg.model
+    sizes = {k: m[k] for k in ("hidden_size", "depth", "num_heads", "patch_size") if m[k]}
+    try:
+        return timm.create_model(m.name, input_size=input_size, in_channels=in_channels, num_classes=num_classes,
+                                 learn_sigma=m.learn_sigma, class_dropout_prob=m.class_dropout_prob,
+                                 attention=m.attention, **sizes)
+    except (RuntimeError, ValueError) as e:  # timm's unknown model, a size that does not fit
+        raise ConfigError(f"cannot build model {m.name!r}: {str(e).splitlines()[0]}") from None
+
+
+def _scheduler(cfg: Config):
+    d = cfg.diffusion
+    return make_scheduler("ddpm", d.train_timesteps, d.beta_start, d.beta_end, cfg.model.learn_sigma)
+
+
+class DiffusionTask(Task):
+    name = "diffusion"
+    best_files = {BEST: "neg_valid_loss"}
+    resume_hint = "use another --output"
+
+    def __init__(self, cfg: Config):
+        self.cfg = cfg
+        self.vae = load_vae(cfg.data.vae) if cfg.data.latent else None
+        train_x, train_y, valid_x, valid_y, self.num_classes = load_images(cfg.data)
+        self.train_set = TensorDataset(train_x, train_y)
+        keep = cfg.train.eval_samples
+        self.valid_x, self.valid_y = valid_x[:keep], valid_y[:keep]
+        self.input_size, self.in_channels = model_geometry(cfg, self.vae)
+        self.scheduler = _scheduler(cfg)
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        if self.vae is None:
+            return images
+        with torch.no_grad():
+            self.vae.to(images.device)
+            return self.vae.encode(images).latent_dist.sample() * LATENT_SCALE
+
+    def build(self, engine: Engine, resuming: bool) -> nn.Module:
+        return build_model(self.cfg, self.num_classes, self.input_size, self.in_channels)
+
+    def start_message(self, engine: Engine) -> str:
+        t = self.cfg.train
+        mode = f"latents {self.in_channels}x{self.input_size}x{self.input_size}" if self.vae else "pixels"
+        return (f"training {self.cfg.model.name} ({self.cfg.model.attention}, {mode}): "
+                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.train_set)} images, "
+                f"{t.steps} steps of batch {t.batch_size}")
+
+    def check_resume(self, checkpoint: dict, path: Path) -> None:
+        saved = checkpoint.get("config", {})
+        for key in ("model", "data", "diffusion"):
+            if saved.get(key) != self.cfg.to_dict()[key]:
+                raise ConfigError(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for "
+                                  f"{self.cfg.to_dict()[key]!r}")
+
+    def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
+        t = self.cfg.train
+        return torch.optim.AdamW(model.parameters(), lr=t.lr, weight_decay=t.weight_decay)
+
+    def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant, as the official
+
+    def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
+        images, labels = (x.to(device) for x in batch)
+        terms = diffusion_loss(model, self.scheduler, self.encode(images), labels)
+        return StepOutput(terms["loss"].mean(), len(images), {"mse": terms["mse"].sum().item()})
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        was_training = model.training
+        model.eval()
+        generator = torch.Generator().manual_seed(1234)  # the same steps and noise at every evaluation
+        totals = {"mse": 0.0, "vb": 0.0, "loss": 0.0}
+        for images, labels in zip(self.valid_x.split(256), self.valid_y.split(256)):
+            terms = diffusion_loss(model, self.scheduler, self.encode(images.to(engine.device)),
+                                   labels.to(engine.device), generator=generator)
+            for key in totals:
+                totals[key] += terms[key].sum().item()
+        model.train(was_training)
+        return {key: value / max(len(self.valid_x), 1) for key, value in totals.items()}
+
+    def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
+        chosen = results.get("ema", results["model"])
+        return {"step": engine.num_updates, "train_loss": train["loss"], "valid_loss": results["model"]["loss"],
+                "valid_mse": results["model"]["mse"], "ema_valid_loss": chosen["loss"],
+                "neg_valid_loss": -chosen["loss"], "elapsed_s": engine.elapsed}
+
+    def describe(self, record: dict, improved: bool) -> str:
+        return (f"step {record['step']}/{self.cfg.train.steps}: train loss {record['train_loss']:.4f}, valid "
+                f"{record['valid_loss']:.4f} (EMA {record['ema_valid_loss']:.4f}){' (best)' if improved else ''}")
+
+    def summary(self, engine: Engine) -> dict:
+        return {"model": self.cfg.model.name, "attention": self.cfg.model.attention, "config": self.cfg.to_dict(),
+                "parameters": sum(p.numel() for p in engine.model.parameters()), "steps": engine.num_updates,
+                "best_valid_loss": -engine.best.get("neg_valid_loss", -float("inf")),
+                "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
+
+    def metadata(self, engine: Engine) -> dict:
+        return {"config": self.cfg.to_dict(), "num_classes": self.num_classes}
+
+
+def train_diffusion(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
+                    show_progress: bool = True) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+    t = cfg.train
+    settings = LoopSettings(
+        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
+        clip_grad_norm=t.clip_grad_norm or None, ema_decay=t.ema_decay or None, seed=t.seed,
+        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
+        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
+    )
+    return train(DiffusionTask(cfg), settings)
+
+
+def load_diffusion_model(path, ema: bool = True) -> tuple[nn.Module, Config, object]:
+    """``(model, config, vae or None)`` from a checkpoint of :func:`train_diffusion`; the EMA weights where
+    the checkpoint has them and ``ema``."""
+    checkpoint = read_task_checkpoint(path, DiffusionTask.name)
+    try:
+        cfg = diffusion_config()
+        cfg.merge(checkpoint["config"])
+        vae = load_vae(cfg.data.vae) if cfg.data.latent else None
+        input_size, in_channels = model_geometry(cfg, vae)
+        model = build_model(cfg, int(checkpoint["num_classes"]), input_size, in_channels)
+        weights = checkpoint.get("model_ema") if ema and checkpoint.get("model_ema") is not None else \
+            checkpoint["model"]
+        model.load_state_dict(weights)
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise CorruptCheckpointError(path, f"not a usable diffusion checkpoint: {str(e).splitlines()[0]}") from None
+    return model.eval(), cfg, vae
+
+
+@torch.no_grad()
+def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, sampler: str | None = None,
+             steps: int | None = None, cfg_scale: float | None = None, seed: int = 0, batch_size: int = 256,
+             device="cpu") -> torch.Tensor:
+    """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample``."""
+    s = cfg.sample
+    sampler, steps = sampler or s.sampler, steps or s.steps
+    cfg_scale = s.cfg_scale if cfg_scale is None else cfg_scale
+    model = model.to(device)
+    generator = torch.Generator().manual_seed(seed)
+    shape = (model.in_channels, model.input_size, model.input_size)
+    chunks = []
+    for part in labels.split(batch_size):
+        try:
+            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale,
+                         clip_sample=vae is None, train_timesteps=cfg.diffusion.train_timesteps,
+                         beta_start=cfg.diffusion.beta_start, beta_end=cfg.diffusion.beta_end, generator=generator,
+                         device=device)
+        except ValueError as e:  # a sampler setting the model or schedule cannot take, before any step ran
+            raise ConfigError(str(e)) from None
+        if vae is not None:
+            vae.to(device)
+            out = vae.decode(out / LATENT_SCALE).sample
+        chunks.append(out.clamp(-1, 1).cpu())
+    return torch.cat(chunks)

@@ -1,0 +1,88 @@
+"""pola_dit_*: the official PolaDiT's state_dict keys and shapes (manifest made from the official class by
+scripts/dit_reference.py), a strict load of official weights with equal float64 outputs, the sin-cos table, and
+one-line errors on bad inputs."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+from safetensors.torch import load_file
+
+import polaformer.models  # noqa: F401  (registers pola_dit_*)
+from polaformer.models.pola_dit import PolaDiT, sincos_pos_table
+
+DATA = Path(__file__).resolve().parent.parent / "data" / "pola_dit"
+MANIFEST = json.loads((DATA / "manifest.json").read_text())
+
+
+def _ours(official_name: str) -> str:
+    size, patch = official_name.removeprefix("DiT-").split("/")
+    return f"pola_dit_{size.lower()}_{patch}"
+
+
+@pytest.mark.parametrize("official", sorted(MANIFEST["models"]))
+def test_state_dict_matches_official_manifest(official):
+    record = MANIFEST["models"][official]
+    with torch.device("meta"):
+        model = timm.create_model(_ours(official))
+    assert {k: list(v.shape) for k, v in model.state_dict().items()} == record["state_dict"]
+    assert sum(p.numel() for p in model.parameters()) == record["num_params"]
+    assert not model.pos_embed.requires_grad
+
+
+def test_official_tiny_weights_load_strictly_and_match_in_float64():
+    ref = load_file(str(DATA / "tiny_float64.safetensors"))
+    weights = {k.removeprefix("weights."): v for k, v in ref.items() if k.startswith("weights.")}
+    model = PolaDiT(**MANIFEST["tiny"]).double().eval()
+    model.load_state_dict(weights, strict=True)
+    with torch.no_grad():
+        out = model(ref["input.x"], ref["input.t"], ref["input.y"])
+    assert out.shape == (3, 6, 8, 8)
+    torch.testing.assert_close(out, ref["output"], rtol=1e-10, atol=1e-10)
+
+
+def test_pos_embed_is_the_official_table():
+    ref = load_file(str(DATA / "tiny_float64.safetensors"))
+    official = ref["weights.pos_embed"]  # computed in float64, stored as float32 by the official model
+    torch.testing.assert_close(sincos_pos_table(16, 4).float().double().unsqueeze(0), official, rtol=0, atol=0)
+
+
+def test_null_class_only_with_class_dropout():
+    assert PolaDiT(input_size=4, patch_size=2, hidden_size=8, depth=1, num_heads=2, num_classes=3).null_class == 3
+    model = PolaDiT(input_size=4, patch_size=2, hidden_size=8, depth=1, num_heads=2, num_classes=3,
+                    class_dropout_prob=0)
+    assert model.null_class is None and model.y_embedder.embedding_table.num_embeddings == 3
+
+
+def test_softmax_baseline_has_the_original_dit_keys():
+    model = PolaDiT(input_size=4, patch_size=2, in_channels=1, hidden_size=8, depth=1, num_heads=2,
+                    attention="softmax")
+    keys = {k for k in model.state_dict() if k.startswith("blocks.0.attn.")}
+    assert keys == {"blocks.0.attn.qkv.weight", "blocks.0.attn.qkv.bias", "blocks.0.attn.proj.weight",
+                    "blocks.0.attn.proj.bias"}
+    x = torch.randn(2, 1, 4, 4)
+    assert model(x, torch.tensor([3, 4]), torch.tensor([0, 1])).shape == (2, 2, 4, 4)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(input_size=6, patch_size=4), "patch_size 4 must divide input_size 6"),
+    (dict(attention="flash"), "unknown attention 'flash'"),
+    (dict(class_dropout_prob=1.0), "class_dropout_prob must be in"),
+])
+def test_bad_configs_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        PolaDiT(**{**dict(input_size=8, patch_size=2, hidden_size=8, depth=1, num_heads=2), **kwargs})
+
+
+def test_wrong_image_size_is_one_line_error():
+    model = PolaDiT(input_size=8, patch_size=2, in_channels=1, hidden_size=8, depth=1, num_heads=2)
+    with pytest.raises(ValueError, match=r"expects images of shape \(B, 1, 8, 8\), got \(2, 1, 16, 16\)"):
+        model(torch.randn(2, 1, 16, 16), torch.zeros(2), torch.zeros(2, dtype=torch.long))
+
+
+def test_pretrained_has_no_download():
+    with pytest.raises(ValueError, match="no downloadable weights"):
+        timm.create_model("pola_dit_s_2", pretrained=True)
