@@ -7,7 +7,7 @@
 - :mod:`.lra`: ``lra train|eval|generate|curves|bench`` (the Long Range Arena);
 - :mod:`.dense`: ``detect train|eval|predict`` and ``segment train|eval``;
 - :mod:`.lm`: ``lm train|eval|sample`` (causal byte-level language models);
-- :mod:`.sr`: ``sr train|eval|upscale`` (super-resolution).
+- :mod:`.sr`: ``sr train|eval|upscale`` (super-resolution);
 - :mod:`.diffusion`: ``diffusion train|sample|fid`` (class-conditional PolaDiT).
 
 Dependencies point one way: this package -> the tasks -> the engine. Every user error (a bad option,
