@@ -46,7 +46,7 @@ DEFAULTS = {
         "train": {
             "steps": None, "epochs": 3, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
             "milestones": [], "gamma": 0.1, "power": 0.9, "clip_grad": None, "eval_every": None, "save_every": 50,
-            "seed": 0,
+            "seed": 0, "head_lr_mult": 1.0,
         },
     },
 }
@@ -108,3 +108,10 @@ def check_recipe(cfg: Config) -> None:
         raise ConfigError(f"data.batch_size must be a positive integer, got {data.batch_size!r}")
     if not (count(data.workers) and data.workers >= 0):
         raise ConfigError(f"data.workers must be an integer >= 0, got {data.workers!r}")
+    if cfg.task == "segment":
+        if not (number(train.head_lr_mult) and train.head_lr_mult > 0):
+            raise ConfigError(f"train.head_lr_mult must be a finite number > 0, got {train.head_lr_mult!r}")
+        channels = cfg.model.decoder_channels
+        if cfg.model.decoder == "lightham" and not (count(channels) and channels > 0 and channels % 32 == 0):
+            raise ConfigError(f"model.decoder_channels must be a positive multiple of 32 for lightham (GroupNorm(32)), "
+                              f"got {channels!r}")
