@@ -51,7 +51,7 @@ def _coco_options(parser, train: bool) -> None:
 def add_dense_parsers(commands) -> None:
     detect = commands.add_parser(
         "detect", help="detection / instance segmentation with torchvision detectors on Pola backbones",
-        description="RetinaNet, FCOS, Faster and Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
+        description="RetinaNet, FCOS, Faster, Mask and Cascade Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
                     "options: the embedded digit scenes.",
     )
     sub = detect.add_subparsers(dest="detect_command", required=True, metavar="COMMAND")
@@ -79,7 +79,7 @@ def add_dense_parsers(commands) -> None:
 
     segment = commands.add_parser(
         "segment", help="semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
-        description="Semantic FPN and UPerNet from segmentation_models_pytorch on a Pola encoder (docs/dense.md). "
+        description="Semantic FPN and UPerNet from segmentation_models_pytorch, or LightHamHead, on a Pola encoder (docs/dense.md). "
                     "Without --root: the embedded digit scenes.",
     )
     sub = segment.add_subparsers(dest="segment_command", required=True, metavar="COMMAND")
