@@ -51,13 +51,14 @@ def _coco_options(parser, train: bool) -> None:
 def add_dense_parsers(commands) -> None:
     detect = commands.add_parser(
         "detect", help="detection / instance segmentation with torchvision detectors on Pola backbones",
-        description="RetinaNet, FCOS, Faster and Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
+        description="RetinaNet, FCOS, Faster, Mask and Cascade Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
                     "options: the embedded digit scenes.",
     )
     sub = detect.add_subparsers(dest="detect_command", required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="train a detector; writes last.pth/best.pth (atomically) and metrics.json")
     _common_train(train, "detect")
-    train.add_argument("--detector", choices=("retinanet", "fcos", "fasterrcnn", "maskrcnn"), help="model.detector")
+    train.add_argument("--detector", choices=("retinanet", "fcos", "fasterrcnn", "maskrcnn", "cascade_mask_rcnn"),
+                       help="model.detector")
     _coco_options(train, train=True)
     train.set_defaults(handler=cmd_detect_train)
 
@@ -78,13 +79,13 @@ def add_dense_parsers(commands) -> None:
 
     segment = commands.add_parser(
         "segment", help="semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
-        description="Semantic FPN and UPerNet from segmentation_models_pytorch on a Pola encoder (docs/dense.md). "
+        description="Semantic FPN and UPerNet from segmentation_models_pytorch, or LightHamHead, on a Pola encoder (docs/dense.md). "
                     "Without --root: the embedded digit scenes.",
     )
     sub = segment.add_subparsers(dest="segment_command", required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="train a segmenter; writes last.pth/best.pth (atomically) and metrics.json")
     _common_train(train, "segment")
-    train.add_argument("--decoder", choices=("fpn", "upernet"), help="model.decoder")
+    train.add_argument("--decoder", choices=("fpn", "upernet", "lightham"), help="model.decoder")
     train.add_argument("--root", metavar="DIR", help="ADE20K-layout folder (images/ and annotations/, training and validation)")
     train.add_argument("--num-classes", type=positive_int, help="ADE layout: number of classes (data.num_classes, 150)")
     train.add_argument("--crop-size", type=positive_int, help="ADE layout: training crop (data.crop_size, 512)")

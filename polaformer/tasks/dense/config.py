@@ -47,7 +47,7 @@ DEFAULTS = {
         "train": {
             "steps": None, "epochs": 3, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
             "milestones": [], "gamma": 0.1, "power": 0.9, "clip_grad": None, "eval_every": None, "save_every": 50,
-            "seed": 0,
+            "seed": 0, "head_lr_mult": 1.0,
         },
     },
 }
@@ -115,3 +115,10 @@ def check_recipe(cfg: Config) -> None:
         if data.format == "ade":  # each image is padded to the crop: a batch that cannot fit fails here
             check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
                                what=f"a batch of data.crop_size {data.crop_size} crops")
+    if cfg.task == "segment":
+        if not (number(train.head_lr_mult) and train.head_lr_mult > 0):
+            raise ConfigError(f"train.head_lr_mult must be a finite number > 0, got {train.head_lr_mult!r}")
+        channels = cfg.model.decoder_channels
+        if cfg.model.decoder == "lightham" and not (count(channels) and channels > 0 and channels % 32 == 0):
+            raise ConfigError(f"model.decoder_channels must be a positive multiple of 32 for lightham (GroupNorm(32)), "
+                              f"got {channels!r}")

@@ -1,8 +1,8 @@
 """Detection and instance segmentation: torchvision's detectors on a feature-pyramid backbone.
 
 ``retinanet``, ``fcos``, ``fasterrcnn`` and ``maskrcnn`` (boxes + masks) from
-:mod:`torchvision.models.detection`. torchvision has no Cascade R-CNN, so the paper's Cascade
-Mask R-CNN rows cannot be run here. Scores are the official COCO metrics from pycocotools.
+:mod:`torchvision.models.detection`, and ``cascade_mask_rcnn`` built from its parts (:mod:`.cascade`).
+Scores are the official COCO metrics from pycocotools.
 """
 from __future__ import annotations
 
@@ -18,11 +18,12 @@ from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
 from .backbone import BackboneError, build_backbone
+from .cascade import build_cascade_mask_rcnn
 
 __all__ = ["DETECTORS", "build_detector", "evaluate_detector", "detection_loss", "draw_predictions"]
 
 
-DETECTORS = ("retinanet", "fcos", "fasterrcnn", "maskrcnn")
+DETECTORS = ("retinanet", "fcos", "fasterrcnn", "maskrcnn", "cascade_mask_rcnn")
 
 
 def build_detector(detector: str, backbone: str, num_classes: int, *, backbone_weights: str | None = None,
@@ -60,6 +61,8 @@ def build_detector(detector: str, backbone: str, num_classes: int, *, backbone_w
     if detector == "fasterrcnn":
         return FasterRCNN(body, num_classes + 1, rpn_anchor_generator=anchors, box_batch_size_per_image=roi_batch,
                           **common)
+    if detector == "cascade_mask_rcnn":
+        return build_cascade_mask_rcnn(body, num_classes + 1, anchor_generator=anchors, roi_batch=roi_batch, **common)
     heads = {"num_classes": num_classes + 1}
     if fpn_channels != 256:  # torchvision's mask head is 4 convs of 256 whatever the FPN; narrow it with the FPN
         heads = dict(mask_head=MaskRCNNHeads(fpn_channels, [fpn_channels] * 4, 1),

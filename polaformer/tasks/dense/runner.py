@@ -23,7 +23,7 @@ from ...engine.checkpoint import DENSE_KEY_METRICS, load_task_weights, read_task
 from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
-from ...engine.optim import param_groups
+from ...engine.optim import param_groups, unwrap
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss
@@ -148,7 +148,14 @@ class DenseTask(Task):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         wd = self.schedule.weight_decay
-        return torch.optim.AdamW(param_groups(model, wd, NO_DECAY_NAMES), lr=self.schedule.lr, weight_decay=wd)
+        groups = param_groups(model, wd, NO_DECAY_NAMES)
+        head_mult = self.recipe["train"].get("head_lr_mult", 1.0)
+        if head_mult != 1.0:  # mmseg's paramwise 'head' lr_mult: the decoder learns faster than the encoder
+            encoder = {id(p) for n, p in unwrap(model).named_parameters() if n.startswith("net.encoder.")}
+            groups = [dict(group, params=[p for p in group["params"] if (id(p) in encoder) == is_encoder],
+                           **({} if is_encoder else {"lr": self.schedule.lr * head_mult}))
+                      for group in groups for is_encoder in (True, False)]
+        return torch.optim.AdamW(groups, lr=self.schedule.lr, weight_decay=wd)
 
     def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, self.schedule.factor)

@@ -1,4 +1,5 @@
-"""Semantic segmentation: segmentation_models_pytorch decoders (FPN = Semantic FPN, UPerNet) on Pola encoders.
+"""Semantic segmentation: segmentation_models_pytorch decoders (FPN = Semantic FPN, UPerNet) and SegNeXt's
+LightHamHead (:mod:`.lightham`, the PolaFormer++ decoder) on Pola encoders.
 
 The encoders go through smp's timm universal encoder (``tu-<timm name>``), which calls our
 registered models' ``features_only``; that works for every hierarchical family (Pola-PVT,
@@ -16,11 +17,12 @@ from torch import nn
 
 from .backbone import BackboneError, build_trunk, pyramid_indices
 from .data import IGNORE_INDEX
+from .lightham import LightHamSegmentationNet
 
 __all__ = ["DECODERS", "Segmenter", "build_segmenter", "segmentation_loss", "evaluate_segmenter", "ConfusionMatrix"]
 
 
-DECODERS = ("fpn", "upernet")
+DECODERS = ("fpn", "upernet", "lightham")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 
@@ -56,7 +58,11 @@ def build_segmenter(decoder: str, backbone: str, num_classes: int, *, backbone_w
             "(use a hierarchical family, or 'polaformer detect' whose backbone adds a simple pyramid)"
         )
     kwargs = dict(encoder_name=f"tu-{backbone}", encoder_weights=None, classes=num_classes, **(backbone_kwargs or {}))
-    if decoder == "fpn":
+    if decoder == "lightham":
+        encoder = smp.encoders.get_encoder(f"tu-{backbone}", in_channels=3, depth=5, weights=None,
+                                           **(backbone_kwargs or {}))
+        net = LightHamSegmentationNet(encoder, num_classes, channels=decoder_channels)
+    elif decoder == "fpn":
         net = smp.FPN(decoder_pyramid_channels=decoder_channels, decoder_segmentation_channels=decoder_channels // 2,
                       **kwargs)
     else:
