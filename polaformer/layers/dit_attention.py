@@ -8,35 +8,22 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from ..ops import pacs_linear_attention, pacs_temperature
-from .polapp_attention import _LocalBranchAndGate, _split_heads
+from .polapp_attention import PacsLinearAttention, _split_heads
 
 __all__ = ["PacsGridAttention"]
 
 
-class PacsGridAttention(_LocalBranchAndGate):
-    """PaCS linear attention on the tokens of a square grid.
+class PacsGridAttention(PacsLinearAttention):
+    """PaCS linear attention on the tokens of a square grid: the parameters of PolaFormer++'s
+    :class:`.PacsLinearAttention`, applied to tokens and without RoPE.
 
     One projection gives ``q, k, v, g``; queries use ``exp(s·x) − 1`` with ``s = sigmoid(s1)``
     (same-sign stream) or ``sigmoid(s2)`` (opposite-sign stream), keys ``exp(x) − 1``; a 5×5
     depthwise conv on v over the grid (LePE) is added, then the raw linear gate ``g`` multiplies
     before the output projection.
     """
-
-    def __init__(self, dim: int, num_heads: int):
-        super().__init__()
-        if dim % num_heads or (dim // num_heads) % 2:
-            raise ValueError(f"dim {dim} must split into {num_heads} heads of even width")
-        self.dim = dim
-        self.num_heads = num_heads
-        head_dim = dim // num_heads
-        self.qkvg = nn.Linear(dim, 4 * dim)
-        self.lepe = nn.Conv2d(dim, dim, 5, padding=2, groups=dim)
-        self.proj = nn.Linear(dim, dim)
-        self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
-        self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 3 or x.shape[-1] != self.dim:
