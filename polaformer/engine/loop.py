@@ -125,6 +125,13 @@ class LoopSettings:
     on_update: Callable[[int], None] | None = None  # called after each update (and its checkpoint)
 
 
+def refuse_changed_settings(saved: dict, ours: dict, keys, path: Path, error: type = ConfigError) -> None:
+    """For ``Task.check_resume``: one line when a checkpoint's settings under ``keys`` differ from this run's."""
+    for key in keys:
+        if saved.get(key) != ours[key]:
+            raise error(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for {ours[key]!r}")
+
+
 class Task:
     """What a task gives the engine. Subclasses set the attributes and override the methods."""
 

@@ -26,7 +26,8 @@ from polaformer.tasks.classification import (
     make_config,
     run_training,
 )
-from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task
+from polaformer.engine.config import ConfigError
+from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings
 from polaformer.tasks.classification.train import model_kwargs_for
 
 # A ViT small enough to train for an epoch on digits in about a second.
@@ -563,3 +564,12 @@ def test_train_on_an_image_folder_from_the_command_line(tmp_path, capsys):
     assert last["num_classes"] == 3 and last["config"]["DATA"]["DATA_PATH"] == str(data)
     assert last["class_names"] == ["class_0", "class_1", "class_2"]  # what `eval` checks another folder against
     assert last["model_kwargs"]["img_size"] == 32 and last["num_updates"] == 2 * (16 // 4)
+
+
+def test_resume_refuses_a_checkpoint_of_other_settings_in_one_line(tmp_path):
+    settings = {"model": {"dim": 32}, "data": {"root": "a"}}
+    refuse_changed_settings(settings, {"model": {"dim": 32}, "data": {"root": "a"}}, ("model", "data"), tmp_path)
+    with pytest.raises(ConfigError, match=r"x\.pth was trained with model = \{'dim': 32\}, this run asks for "
+                                          r"\{'dim': 64\}$"):
+        refuse_changed_settings(settings, {"model": {"dim": 64}, "data": {"root": "a"}}, ("model", "data"),
+                                tmp_path / "x.pth")

@@ -19,7 +19,7 @@ from ... import models  # noqa: F401  (registers pola_dit_*)
 from ...checkpoint import CorruptCheckpointError
 from ...engine.checkpoint import read_task_checkpoint
 from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
 from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, diffusion_loss, make_scheduler, sample
 
@@ -113,11 +113,7 @@ class DiffusionTask(Task):
                 f"{t.steps} steps of batch {t.batch_size}")
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        saved = checkpoint.get("config", {})
-        for key in ("model", "data", "diffusion"):
-            if saved.get(key) != self.cfg.to_dict()[key]:
-                raise ConfigError(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for "
-                                  f"{self.cfg.to_dict()[key]!r}")
+        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data", "diffusion"), path)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train

@@ -17,7 +17,7 @@ from ... import models  # noqa: F401  (registers pola_lm_*)
 from ...checkpoint import CorruptCheckpointError
 from ...engine.checkpoint import read_task_checkpoint
 from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
 from .data import ByteWindows, stdlib_corpus
 
 __all__ = ["LMTask", "evaluate_bits_per_byte", "lm_config", "load_lm_model", "train_lm", "unigram_bits_per_byte"]
@@ -96,11 +96,7 @@ class LMTask(Task):
                 f"{len(self.valid_bytes)} valid bytes, {t.steps} steps of batch {t.batch_size}")
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        saved = checkpoint.get("config", {})
-        for key in ("model", "data"):
-            if saved.get(key) != self.cfg.to_dict()[key]:
-                raise ConfigError(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for "
-                                  f"{self.cfg.to_dict()[key]!r}")
+        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data"), path)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train

@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from ...checkpoint import CorruptCheckpointError
 from ...engine.checkpoint import load_task_weights, read_checkpoint, read_task_checkpoint
 from ...engine.device import autocast
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
 from ...engine.config import Config
 from .config import LRAConfigError, check_lra_config, lra_config
 from .data import TASKS, collate_lra, load_lra_split
@@ -157,11 +157,8 @@ class LRATask(Task):
                                                if k in saved}).to_dict()
         except (KeyError, TypeError, ValueError):
             pass
-        for key in ("task", "attention", "attention_options", "model"):
-            if saved.get(key) != ours[key]:
-                raise LRAConfigError(
-                    f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for {ours[key]!r}"
-                )
+        refuse_changed_settings(saved, ours, ("task", "attention", "attention_options", "model"), path,
+                                LRAConfigError)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train

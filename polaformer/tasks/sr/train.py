@@ -14,7 +14,7 @@ from torch import nn
 from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights, read_task_checkpoint
 from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
 from ...models.pola_sr import PolaSR, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
@@ -114,11 +114,7 @@ class SRTask(Task):
                 f"of batch {t.batch_size} ({self.cfg.data.patch_size}-pixel HR patches)")
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        saved = checkpoint.get("config", {})
-        for key in ("model", "data"):
-            if saved.get(key) != self.cfg.to_dict()[key]:
-                raise ConfigError(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for "
-                                  f"{self.cfg.to_dict()[key]!r}")
+        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data"), path)
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=self.cfg.train.lr, betas=(0.9, 0.99))
