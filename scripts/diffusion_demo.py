@@ -1,6 +1,9 @@
 """PolaDiT against a softmax DiT of the same size and an untrained model on scikit-learn's digits (docs/diffusion.md).
 
     python scripts/diffusion_demo.py --output runs/diffusion_demo --grid docs/diffusion_samples.png
+    # or train each model apart (on a GPU, say), then sample and score where you like:
+    python scripts/diffusion_demo.py --output runs/diffusion_demo --train-only pacs    # and softmax
+    python scripts/diffusion_demo.py --output runs/diffusion_demo --reuse --grid docs/diffusion_samples.png
 
 Trains both class-conditional models in pixel space (16×16, two processes of one thread each), draws
 ``--per-class`` samples of every digit with DDIM and classifier-free guidance from the EMA weights, and scores
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -35,9 +39,14 @@ from polaformer.tasks.diffusion.train import build_model
 def _opts(args, attention: str) -> list[str]:
     return ["model.attention", attention, "model.hidden_size", str(args.dim), "model.depth", str(args.depth),
             "model.num_heads", str(args.heads), "model.patch_size", str(args.patch), "train.steps", str(args.steps),
-            "train.eval_every", str(max(1, args.steps // 4)), "train.batch_size", str(args.batch_size),
+            "train.eval_every", str(args.eval_every or max(1, args.steps // 4)), "train.batch_size", str(args.batch_size),
             "sample.steps", str(args.sample_steps), "sample.cfg_scale", str(args.cfg_scale),
-            "train.ema_decay", str(args.ema)]
+            "train.ema_decay", str(args.ema), "train.lr", str(args.lr)]
+
+
+def _train(args, attention: str) -> None:
+    cfg = diffusion_config(opts=_opts(args, attention))
+    train_diffusion(cfg, Path(args.output) / attention, overwrite=True, show_progress=False, device=args.device)
 
 
 def _train_and_sample(args, attention: str) -> dict:
@@ -50,10 +59,10 @@ def _train_and_sample(args, attention: str) -> dict:
     else:
         folder = Path(args.output) / attention
         if not args.reuse:
-            train_diffusion(cfg, folder, overwrite=True, show_progress=False)
+            _train(args, attention)
         model, cfg, _ = load_diffusion_model(folder / "last.pth", ema=args.weights == "ema")
         seconds = json.loads((folder / "metrics.json").read_text())["wall_time_s"]
-    images = generate(model, cfg, labels, seed=1)
+    images = generate(model, cfg, labels, seed=1, device=args.device)
     return {"attention": attention, "train_s": seconds, "images": images,
             "parameters": sum(p.numel() for p in model.parameters() if p.requires_grad)}
 
@@ -84,12 +93,19 @@ def main() -> None:
     parser.add_argument("--per-class", type=int, default=50)
     parser.add_argument("--sample-steps", type=int, default=50)
     parser.add_argument("--cfg-scale", type=float, default=2.0)
+    parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+    parser.add_argument("--eval-every", type=int, default=0, help="steps between evaluations (0: a quarter)")
     parser.add_argument("--ema", type=float, default=0.999, help="EMA decay of the weights")
     parser.add_argument("--weights", choices=("ema", "raw"), default="ema", help="which weights sample")
     parser.add_argument("--reuse", action="store_true", help="sample and score the runs already in --output")
+    parser.add_argument("--train-only", choices=("pacs", "softmax"), help="train this model alone, then stop")
+    parser.add_argument("--device", default="cpu", help="where training and sampling run ('cuda' on a GPU)")
     args = parser.parse_args()
+    if args.train_only:
+        _train(args, args.train_only)
+        return
 
-    with ProcessPoolExecutor(2) as pool:
+    with ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn")) as pool:  # CUDA-safe
         jobs = [pool.submit(_train_and_sample, args, a) for a in ("pacs", "softmax")]
         runs = [_train_and_sample(args, "untrained")] + [job.result() for job in jobs]
     runs = [runs[1], runs[2], runs[0]]

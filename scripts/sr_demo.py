@@ -2,6 +2,7 @@
 then score it on the held-out photos against bicubic upsampling (docs/super_resolution.md).
 
     python scripts/sr_demo.py --output runs/sr_demo --figure docs/figures/sr_side_by_side.png
+    # or train on a GPU and score here: --train-only there, --evaluate-only here
 
 Prints the markdown table of the docs (PSNR-Y / SSIM-Y per held-out photo, border = scale) and writes a
 side-by-side crop (LR nearest | bicubic | model | HR). A quiet 2-core CPU runs it in under ten minutes.
@@ -28,9 +29,8 @@ from polaformer.tasks.sr import (
 )
 
 # a small model: 2 groups of 2 layers, 24 channels; x2, 64-pixel HR patches
-OPTS = ["model.scale", "2", "model.embed_dim", "24", "model.depths", "[2, 2]", "model.num_heads", "[2, 2]",
-        "model.window_size", "8", "data.patch_size", "64", "data.repeats", "400", "train.batch_size", "8",
-        "train.steps", "400", "train.eval_every", "200", "train.lr", "1e-3"]
+MODEL = ["model.scale", "2", "model.embed_dim", "24", "model.depths", "[2, 2]", "model.num_heads", "[2, 2]",
+         "model.window_size", "8", "data.patch_size", "64", "data.repeats", "400"]
 CROP = ("chelsea", 60, 150, 64)  # held-out photo, LR top, LR left, LR side of the figure's crop
 
 
@@ -62,13 +62,23 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=Path("runs/sr_demo"))
     parser.add_argument("--figure", type=Path, default=Path("docs/figures/sr_side_by_side.png"))
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--eval-every", type=int, default=200)
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--device", default="auto", help="where training runs ('auto': CUDA when available)")
+    parser.add_argument("--train-only", action="store_true", help="train, then stop (score later here)")
     parser.add_argument("--evaluate-only", action="store_true", help="score and draw the run already in --output")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     logging.basicConfig(level=logging.INFO, format="%(message)s")  # the engine's line per evaluation
 
     if not args.evaluate_only:
-        train_sr(sr_config(opts=OPTS), args.output, overwrite=True, show_progress=False)
+        recipe = ["train.steps", str(args.steps), "train.eval_every", str(args.eval_every),
+                  "train.batch_size", str(args.batch_size), "train.lr", str(args.lr)]
+        train_sr(sr_config(opts=MODEL + recipe), args.output, overwrite=True, show_progress=False, device=args.device)
+        if args.train_only:
+            return
     history = [json.loads(line) for line in (args.output / "metrics.jsonl").read_text().splitlines()]
     model, cfg = load_sr_model(args.output / "best.pth")
     scale = cfg.model.scale
