@@ -34,6 +34,7 @@ from .common import accumulator_dtype, padded_width
 __all__ = ["CausalNumerator", "causal_numerator", "kernel_chunk"]
 
 _LARGEST_CHUNK = 128  # a chunk's (C × C) and (C × F) products are held in registers
+_CHUNK_WARPS = 8  # the per-chunk kernels hold several (C × F) tiles at once
 
 
 def kernel_chunk(chunk_size: int) -> int:
@@ -236,7 +237,7 @@ class _Launch:
         )
         out = q.new_empty(self.batch, self.heads, self.length, self.dv, dtype=self.acc)
         _output_kernel[self.chunk_grid](q, k, v, states, out, *_strides(q), *_strides(k), *_strides(v),
-                                        **self.sizes)
+                                        num_warps=_CHUNK_WARPS, **self.sizes)
         return out, final, states
 
     def backward(self, q, k, v, states, grad_out, grad_final):
@@ -253,7 +254,7 @@ class _Launch:
         grad_v = q.new_empty(v.shape, dtype=self.acc)
         _input_grads_kernel[self.chunk_grid](
             q, k, v, grad_out, states, grad_states, grad_q, grad_k, grad_v,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), **self.sizes,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), num_warps=_CHUNK_WARPS, **self.sizes,
         )
         return grad_q, grad_k, grad_v, grad_initial
 
