@@ -33,13 +33,13 @@ from .common import accumulator_dtype, padded_width
 
 __all__ = ["CausalNumerator", "causal_numerator", "kernel_chunk"]
 
-_LARGEST_CHUNK = 128  # a chunk's (C × C) and (C × F) products are held in registers
-_CHUNK_WARPS = 8  # the per-chunk kernels hold several (C × F) tiles at once
+_LARGEST_CHUNK = 64  # with larger chunks the backward kernel outgrows a Hopper block's shared memory
+_CHUNK_WARPS = 8  # the per-chunk kernels hold (C × C) scores and several (C × 32) tiles at once
 
 
 def kernel_chunk(chunk_size: int) -> int:
     """The kernels' tokens per chunk for the op's ``chunk_size``: rounded up to a power of two, at least 16
-    (``tl.dot``'s smallest operand) and at most 128. The results do not depend on it beyond rounding."""
+    (``tl.dot``'s smallest operand) and at most 64. The results do not depend on it beyond rounding."""
     return min(_LARGEST_CHUNK, max(16, triton.next_power_of_2(chunk_size)))
 
 
@@ -90,27 +90,32 @@ def _output_kernel(
     stride_kb, stride_kh, stride_kt, stride_kc,
     stride_vb, stride_vh, stride_vt, stride_vc,
     HEADS, LENGTH, F, DV, CHUNKS,
-    CHUNK: tl.constexpr, FP: tl.constexpr, DVP: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, FP: tl.constexpr, DVP: tl.constexpr, BLOCK_F: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """``q S_c + tril(q kᵀ) v`` of one chunk of one (batch, head); ``out`` is contiguous. Grid: (chunks, B·H)."""
+    """``q S_c + tril(q kᵀ) v`` of one chunk of one (batch, head), the features taken ``BLOCK_F`` channels at a
+    time; ``out`` is contiguous. Grid: (chunks, B·H)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     batch, head = bh // HEADS, bh % HEADS
     acc_t = states_ptr.dtype.element_ty
-    c = tl.arange(0, FP)
     j = tl.arange(0, DVP)
     t = chunk * CHUNK + tl.arange(0, CHUNK)
     rows, valid = t.to(tl.int64), t < LENGTH
-    queries = _tile(q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh, rows, c, stride_qt, stride_qc,
-                    valid, c < F, acc_t)
-    keys = _tile(k_ptr + batch.to(tl.int64) * stride_kb + head * stride_kh, rows, c, stride_kt, stride_kc,
-                 valid, c < F, acc_t)
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + head * stride_kh
+    state_base = states_ptr + (bh.to(tl.int64) * CHUNKS + chunk) * FP * DVP
+    scores = tl.zeros([CHUNK, CHUNK], dtype=acc_t)
+    out = tl.zeros([CHUNK, DVP], dtype=acc_t)
+    for f0 in range(0, FP, BLOCK_F):
+        c = f0 + tl.arange(0, BLOCK_F)
+        queries = _tile(q_base, rows, c, stride_qt, stride_qc, valid, c < F, acc_t)
+        keys = _tile(k_base, rows, c, stride_kt, stride_kc, valid, c < F, acc_t)
+        state = tl.load(state_base + c[:, None] * DVP + j[None, :])
+        scores += tl.dot(queries, tl.trans(keys), input_precision=PRECISION, out_dtype=acc_t)
+        out += tl.dot(queries, state, input_precision=PRECISION, out_dtype=acc_t)
     values = _tile(v_ptr + batch.to(tl.int64) * stride_vb + head * stride_vh, rows, j, stride_vt, stride_vc,
                    valid, j < DV, acc_t)
-    state = tl.load(states_ptr + (bh.to(tl.int64) * CHUNKS + chunk) * FP * DVP + c[:, None] * DVP + j[None, :])
-    seen = t[:, None] >= t[None, :]
-    scores = tl.where(seen, tl.dot(queries, tl.trans(keys), input_precision=PRECISION, out_dtype=acc_t), 0.0)
-    out = tl.dot(queries, state, input_precision=PRECISION, out_dtype=acc_t)
+    scores = tl.where(t[:, None] >= t[None, :], scores, 0.0)
     out += tl.dot(scores, values, input_precision=PRECISION, out_dtype=acc_t)
     tl.store(out_ptr + bh.to(tl.int64) * LENGTH * DV + rows[:, None] * DV + j[None, :],
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
@@ -160,45 +165,56 @@ def _input_grads_kernel(
     stride_vb, stride_vh, stride_vt, stride_vc,
     stride_gb, stride_gh, stride_gt, stride_gc,
     HEADS, LENGTH, F, DV, CHUNKS,
-    CHUNK: tl.constexpr, FP: tl.constexpr, DVP: tl.constexpr, PRECISION: tl.constexpr,
+    CHUNK: tl.constexpr, FP: tl.constexpr, DVP: tl.constexpr, BLOCK_F: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """``grad_q``, ``grad_k`` and ``grad_v`` of one chunk of one (batch, head) from the states entering and
-    the gradients leaving it; the gradient buffers are contiguous. Grid: (chunks, B·H)."""
+    the gradients leaving it, the features taken ``BLOCK_F`` channels at a time: a first pass gathers
+    ``q kᵀ`` and ``grad_v``, a second writes ``grad_q`` and ``grad_k``. The gradient buffers are contiguous.
+    Grid: (chunks, B·H)."""
     chunk = tl.program_id(0)
     bh = tl.program_id(1)
     batch, head = bh // HEADS, bh % HEADS
     acc_t = states_ptr.dtype.element_ty
-    c = tl.arange(0, FP)
     j = tl.arange(0, DVP)
     t = chunk * CHUNK + tl.arange(0, CHUNK)
     rows, valid = t.to(tl.int64), t < LENGTH
-    queries = _tile(q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh, rows, c, stride_qt, stride_qc,
-                    valid, c < F, acc_t)
-    keys = _tile(k_ptr + batch.to(tl.int64) * stride_kb + head * stride_kh, rows, c, stride_kt, stride_kc,
-                 valid, c < F, acc_t)
+    seen = t[:, None] >= t[None, :]
+    q_base = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh
+    k_base = k_ptr + batch.to(tl.int64) * stride_kb + head * stride_kh
     values = _tile(v_ptr + batch.to(tl.int64) * stride_vb + head * stride_vh, rows, j, stride_vt, stride_vc,
                    valid, j < DV, acc_t)
     grad_out = _tile(grad_out_ptr + batch.to(tl.int64) * stride_gb + head * stride_gh, rows, j, stride_gt,
                      stride_gc, valid, j < DV, acc_t)
-    cell = (bh.to(tl.int64) * CHUNKS + chunk) * FP * DVP + c[:, None] * DVP + j[None, :]
-    state = tl.load(states_ptr + cell)
-    grad_state = tl.load(grad_states_ptr + cell)
-    seen = t[:, None] >= t[None, :]
-    scores = tl.where(seen, tl.dot(queries, tl.trans(keys), input_precision=PRECISION, out_dtype=acc_t), 0.0)
-    grad_scores = tl.where(seen, tl.dot(grad_out, tl.trans(values), input_precision=PRECISION, out_dtype=acc_t),
-                           0.0)
-    grad_q = tl.dot(grad_out, tl.trans(state), input_precision=PRECISION, out_dtype=acc_t)
-    grad_q += tl.dot(grad_scores, keys, input_precision=PRECISION, out_dtype=acc_t)
-    grad_k = tl.dot(values, tl.trans(grad_state), input_precision=PRECISION, out_dtype=acc_t)
-    grad_k += tl.dot(tl.trans(grad_scores), queries, input_precision=PRECISION, out_dtype=acc_t)
-    grad_v = tl.dot(keys, grad_state, input_precision=PRECISION, out_dtype=acc_t)
+    state_offset = (bh.to(tl.int64) * CHUNKS + chunk) * FP * DVP
+    scores = tl.zeros([CHUNK, CHUNK], dtype=acc_t)
+    grad_v = tl.zeros([CHUNK, DVP], dtype=acc_t)
+    for f0 in range(0, FP, BLOCK_F):
+        c = f0 + tl.arange(0, BLOCK_F)
+        queries = _tile(q_base, rows, c, stride_qt, stride_qc, valid, c < F, acc_t)
+        keys = _tile(k_base, rows, c, stride_kt, stride_kc, valid, c < F, acc_t)
+        grad_state = tl.load(grad_states_ptr + state_offset + c[:, None] * DVP + j[None, :])
+        scores += tl.dot(queries, tl.trans(keys), input_precision=PRECISION, out_dtype=acc_t)
+        grad_v += tl.dot(keys, grad_state, input_precision=PRECISION, out_dtype=acc_t)
+    scores = tl.where(seen, scores, 0.0)
     grad_v += tl.dot(tl.trans(scores), grad_out, input_precision=PRECISION, out_dtype=acc_t)
-    features = bh.to(tl.int64) * LENGTH * F + rows[:, None] * F + c[None, :]
-    feature_rows = valid[:, None] & (c < F)[None, :]
-    tl.store(grad_q_ptr + features, grad_q.to(grad_q_ptr.dtype.element_ty), mask=feature_rows)
-    tl.store(grad_k_ptr + features, grad_k.to(grad_k_ptr.dtype.element_ty), mask=feature_rows)
     tl.store(grad_v_ptr + bh.to(tl.int64) * LENGTH * DV + rows[:, None] * DV + j[None, :],
              grad_v.to(grad_v_ptr.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
+    grad_scores = tl.where(seen, tl.dot(grad_out, tl.trans(values), input_precision=PRECISION, out_dtype=acc_t),
+                           0.0)
+    feature_base = bh.to(tl.int64) * LENGTH * F + rows[:, None] * F
+    for f0 in range(0, FP, BLOCK_F):
+        c = f0 + tl.arange(0, BLOCK_F)
+        queries = _tile(q_base, rows, c, stride_qt, stride_qc, valid, c < F, acc_t)
+        keys = _tile(k_base, rows, c, stride_kt, stride_kc, valid, c < F, acc_t)
+        state = tl.load(states_ptr + state_offset + c[:, None] * DVP + j[None, :])
+        grad_state = tl.load(grad_states_ptr + state_offset + c[:, None] * DVP + j[None, :])
+        grad_q = tl.dot(grad_out, tl.trans(state), input_precision=PRECISION, out_dtype=acc_t)
+        grad_q += tl.dot(grad_scores, keys, input_precision=PRECISION, out_dtype=acc_t)
+        grad_k = tl.dot(values, tl.trans(grad_state), input_precision=PRECISION, out_dtype=acc_t)
+        grad_k += tl.dot(tl.trans(grad_scores), queries, input_precision=PRECISION, out_dtype=acc_t)
+        feature_rows = valid[:, None] & (c < F)[None, :]
+        tl.store(grad_q_ptr + feature_base + c[None, :], grad_q.to(grad_q_ptr.dtype.element_ty), mask=feature_rows)
+        tl.store(grad_k_ptr + feature_base + c[None, :], grad_k.to(grad_k_ptr.dtype.element_ty), mask=feature_rows)
 
 
 def _strides(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -237,7 +253,7 @@ class _Launch:
         )
         out = q.new_empty(self.batch, self.heads, self.length, self.dv, dtype=self.acc)
         _output_kernel[self.chunk_grid](q, k, v, states, out, *_strides(q), *_strides(k), *_strides(v),
-                                        num_warps=_CHUNK_WARPS, **self.sizes)
+                                        BLOCK_F=self.block_f, num_warps=_CHUNK_WARPS, **self.sizes)
         return out, final, states
 
     def backward(self, q, k, v, states, grad_out, grad_final):
@@ -254,7 +270,8 @@ class _Launch:
         grad_v = q.new_empty(v.shape, dtype=self.acc)
         _input_grads_kernel[self.chunk_grid](
             q, k, v, grad_out, states, grad_states, grad_q, grad_k, grad_v,
-            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), num_warps=_CHUNK_WARPS, **self.sizes,
+            *_strides(q), *_strides(k), *_strides(v), *_strides(grad_out), BLOCK_F=self.block_f,
+            num_warps=_CHUNK_WARPS, **self.sizes,
         )
         return grad_q, grad_k, grad_v, grad_initial
 
