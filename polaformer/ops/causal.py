@@ -18,7 +18,9 @@ Two forms of that one function:
 - recurrent (generation, :func:`causal_pola_step`, :func:`causal_pacs_step`): one token at a time, carrying
   :class:`CausalState` (``S`` per stream, the key sum and the count), O(d²) per token.
 
-Both are plain torch (autograd derives the gradients) computed in at least float32 with autocast off.
+Both are computed in at least float32 with autocast off, in plain torch (autograd derives the gradients),
+except that on CUDA the chunked form's numerator runs through a Triton kernel pair
+(:mod:`polaformer.backends.triton.causal`, chosen in :func:`_chunked` through :mod:`.dispatch`).
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from . import varlen
-from .dispatch import capturing
+from .dispatch import capturing, triton_kernels
 from .feature_maps import check_power_values, pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
 
@@ -95,6 +97,11 @@ def _keep(key_padding_mask, k):
     return (~key_padding_mask).to(device=k.device, dtype=k.dtype)[:, None, :, None]
 
 
+def _half_precision(*tensors) -> bool:
+    """Whether every input is fp16/bf16: their products then lose nothing to TF32."""
+    return all(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
+
+
 def _compute_dtype(*tensors):
     dtype = torch.float32
     for t in tensors:
@@ -113,8 +120,32 @@ def _empty_state(phi_k, k_num, streams) -> CausalState:
     return CausalState(kv, phi_k.new_zeros(b, h, f), phi_k.new_zeros(b, 1, 1))
 
 
-def _chunked(streams, phi_k, k_num, keep, chunk_size, state):
-    """The chunked-parallel form for every stream over shared key features; returns (outputs, final state)."""
+def _split_chunks(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(B, H, N, X) -> (B, H, ceil(N / C), C, X), zero rows appended."""
+    n = x.shape[-2]
+    chunks = -(-n // c)
+    return F.pad(x, (0, 0, 0, chunks * c - n)).reshape(*x.shape[:2], chunks, c, x.shape[-1])
+
+
+def _chunked_numerator(q_num, k_num, v, kv0, chunk_size):
+    """``(num, kv)``: ``num_t = q_num_t·kv0 + Σ_{s≤t} (q_num_t·k_num_s) v_s`` and ``kv = kv0 + Σ k_numᵀv``, in
+    chunks of ``chunk_size`` tokens; the torch form of :func:`polaformer.backends.triton.causal_numerator`."""
+    b, h, n, _ = k_num.shape
+    c = min(chunk_size, n)
+    qn, kn, vv = _split_chunks(q_num, c), _split_chunks(k_num, c), _split_chunks(v, c)
+    chunk_kv = kn.transpose(-2, -1) @ vv  # (B, H, chunks, F, dv)
+    kv_before = torch.cat([kv0[:, :, None], chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
+    causal_mask = torch.ones(c, c, dtype=torch.bool, device=k_num.device).tril()
+    scores = (qn @ kn.transpose(-2, -1)).masked_fill(~causal_mask, 0.0)
+    num = (qn @ kv_before + scores @ vv).reshape(b, h, -1, v.shape[-1])[:, :, :n]
+    return num, kv_before[:, :, -1] + chunk_kv[:, :, -1]
+
+
+def _chunked(streams, phi_k, k_num, keep, chunk_size, state, half_precision_inputs=False):
+    """The chunked-parallel form for every stream over shared key features; returns (outputs, final state).
+    Each stream's numerator runs through the Triton kernel where :func:`.dispatch.triton_kernels` offers it
+    (``half_precision_inputs``: the op's inputs were fp16/bf16, so its products may use TF32), else in torch;
+    the normaliser, a prefix sum, is torch either way."""
     b, h, n, f = phi_k.shape
     state = _empty_state(phi_k, k_num, streams) if state is None else state
     if keep is not None:
@@ -122,29 +153,22 @@ def _chunked(streams, phi_k, k_num, keep, chunk_size, state):
         count = state.count[..., None] + keep.cumsum(dim=-2)  # (B, 1, N, 1)
     else:
         count = state.count[..., None] + torch.arange(1, n + 1, device=phi_k.device, dtype=phi_k.dtype)[:, None]
+    kernels = None if capturing() else triton_kernels(k_num)
     c = min(chunk_size, n)
-    chunks, pad = -(-n // c), -n % c
-
-    def split(x):  # (B, H, N, X) -> (B, H, chunks, C, X), zero rows appended
-        return F.pad(x, (0, 0, 0, pad)).reshape(*x.shape[:2], chunks, c, x.shape[-1])
-
-    pk, kn = split(phi_k), split(k_num)
-    causal_mask = torch.ones(c, c, dtype=torch.bool, device=phi_k.device).tril()
     # key sums up to each token: the previous chunks' total plus the running sum inside the chunk
-    key_sum_in_chunk = pk.cumsum(dim=-2)
+    key_sum_in_chunk = _split_chunks(phi_k, c).cumsum(dim=-2)
     chunk_totals = key_sum_in_chunk[..., -1, :]
     key_sum_before = torch.cat([state.key_sum[:, :, None], chunk_totals[:, :, :-1]], dim=2).cumsum(dim=2)
     key_sum = key_sum_in_chunk + key_sum_before[..., None, :]
     outputs, final_kv = [], []
     for stream, kv0 in zip(streams, state.kv):
-        pq, qn, vv = split(stream.phi_q), split(stream.q_num), split(stream.v)
-        chunk_kv = kn.transpose(-2, -1) @ vv  # (B, H, chunks, F, dv_s)
-        kv_before = torch.cat([kv0[:, :, None], chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
-        scores = (qn @ kn.transpose(-2, -1)).masked_fill(~causal_mask, 0.0)
-        num = (qn @ kv_before + scores @ vv).reshape(b, h, chunks * c, -1)[:, :, :n]
-        den = (pq * key_sum).sum(dim=-1, keepdim=True).reshape(b, h, chunks * c, 1)[:, :, :n]
+        if kernels is not None:
+            num, kv = kernels.causal_numerator(stream.q_num, k_num, stream.v, kv0, chunk_size, half_precision_inputs)
+        else:
+            num, kv = _chunked_numerator(stream.q_num, k_num, stream.v, kv0, chunk_size)
+        den = (_split_chunks(stream.phi_q, c) * key_sum).sum(dim=-1, keepdim=True).reshape(b, h, -1, 1)[:, :, :n]
         outputs.append(num / (den + stream.eps * count.clamp_min(1.0)))
-        final_kv.append(kv_before[:, :, -1] + chunk_kv[:, :, -1])
+        final_kv.append(kv)
     return outputs, CausalState(tuple(final_kv), key_sum[:, :, -1, -1], count[:, :, -1])
 
 
@@ -195,12 +219,13 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
     dtype = _compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
     power = torch.as_tensor(power, dtype=dtype, device=q.device)
     check_power_values(power, capturing())
+    half = _half_precision(q, k, v)
     with _autocast_off(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)
         keep = _keep(key_padding_mask, k)
         if form == "chunked":
-            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
+            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state, half)
         else:
             outs, state = _recurrent(streams, phi_k, k_num, keep, state)
     return torch.cat(outs, dim=-1), state
@@ -238,6 +263,7 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
             raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
     _check_tables(sin, cos, q.shape[-2], two_d)
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
+    half = _half_precision(q, k, v)
     with _autocast_off(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if sin is not None:
@@ -245,7 +271,7 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
         streams, phi_k, k_num = _pacs_streams(q, k, v, temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps)
         keep = _keep(key_padding_mask, k)
         if form == "chunked":
-            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
+            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state, half)
         else:
             outs, state = _recurrent(streams, phi_k, k_num, keep, state)
     return torch.cat(outs, dim=-1), state
@@ -356,11 +382,12 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
         raise ValueError(f"phi_q and phi_k must be (B, H, N, F) alike and v (B, H, N, dv); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
     dtype = _compute_dtype(phi_q, phi_k, v)
+    half = _half_precision(phi_q, phi_k, v)
     with _autocast_off(phi_q.device.type):
         phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         streams = [_Stream(phi_q, phi_q, v, eps)]
         if recurrent:
             outs, state = _recurrent(streams, phi_k, phi_k, None, initial_state)
         else:
-            outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state)
+            outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state, half)
     return outs[0].to(v.dtype), state
