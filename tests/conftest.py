@@ -3,6 +3,11 @@ import os
 from pathlib import Path
 
 import pytest
+
+# Under pytest-xdist each worker takes one core: torch's threads would otherwise oversubscribe the machine.
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import torch
 
 # Without CUDA the Triton kernels' tests run in Triton's interpreter on CPU tensors; triton reads the switch

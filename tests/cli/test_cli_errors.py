@@ -268,6 +268,12 @@ def _env():
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+def _interactive():
+    # As a terminal starts a command: Ctrl-C at its default. A test runner's worker may ignore SIGINT, and a
+    # child inheriting that ignore would rightly never see the signal.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
     """A real training process: a second training into its folder is refused naming its pid; Ctrl-C
     ends it with status 130 and a one-line note of the last checkpoint it saved. The training is far longer
@@ -275,7 +281,8 @@ def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
     output = work / "interrupted"
     process = subprocess.Popen(
         [sys.executable, "-m", "polaformer", "train", *TINY, "--epochs", "100000", "--batch-size", "256",
-         "--output", str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+         "--output", str(output)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+        preexec_fn=_interactive)
     try:
         deadline = time.monotonic() + 90
         while not (output / "checkpoint.pth").exists():
@@ -299,7 +306,8 @@ def test_subprocess_ctrl_c_while_starting(tmp_path):
     """Ctrl-C one second in, while the command still imports torch: status 130 and one line, no
     traceback and no output folder."""
     process = subprocess.Popen([sys.executable, "-m", "polaformer", "train", "--output", str(tmp_path / "run")],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env())
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+                               preexec_fn=_interactive)
     try:
         time.sleep(1.0)
         process.send_signal(signal.SIGINT)
