@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.handler(args)
         except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
-                TrainingDivergedError) as e:
+                TrainingDivergedError, FloatingPointError) as e:  # the last: an op's overflow it refuses
             return usage_error(None, str(e))
         except OSError as e:  # the environment: a full disk, a file that cannot be written or read
             where = f": {e.filename}" if e.filename else ""

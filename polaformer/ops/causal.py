@@ -25,6 +25,7 @@ except that on CUDA the chunked form's numerator runs through a Triton kernel pa
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import NamedTuple
 
 import torch
@@ -95,6 +96,17 @@ def _keep(key_padding_mask, k):
         raise ValueError(f"key_padding_mask must be a bool (batch, tokens) = ({k.shape[0]}, {k.shape[-2]}) tensor, "
                          f"True at padding; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
     return (~key_padding_mask).to(device=k.device, dtype=k.dtype)[:, None, :, None]
+
+
+def _refuse_overflow(out: torch.Tensor, what: str, *inputs: torch.Tensor) -> None:
+    """One line instead of a silent NaN where finite inputs overflowed the compute dtype. The bidirectional ops
+    redo such calls in the log domain; the causal forms have no such redo (their state would have to carry the
+    shifts), so they refuse. Eager CPU calls only: elsewhere the test would wait for the device."""
+    if out.device.type != "cpu" or capturing() or bool(out.isfinite().all()):
+        return
+    if all(bool(t.isfinite().all()) for t in inputs):
+        raise FloatingPointError(f"causal {what} overflowed {str(out.dtype).removeprefix('torch.')}; the causal "
+                                 f"forms have no log-domain fallback: scale q and k down or compute in float64")
 
 
 def _half_precision(*tensors) -> bool:
@@ -228,7 +240,9 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
             outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state, half)
         else:
             outs, state = _recurrent(streams, phi_k, k_num, keep, state)
-    return torch.cat(outs, dim=-1), state
+        out = torch.cat(outs, dim=-1)
+        _refuse_overflow(out, "Pola attention (the power map's products)", q, k, v, power)
+    return out, state
 
 
 def _check_tables(sin, cos, n, two_d):
@@ -274,7 +288,10 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
             outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state, half)
         else:
             outs, state = _recurrent(streams, phi_k, k_num, keep, state)
-    return torch.cat(outs, dim=-1), state
+        out = torch.cat(outs, dim=-1)
+        _refuse_overflow(out, f"PaCS attention (its exp features need |k| and |q|·temperature below about "
+                              f"{int(math.log(torch.finfo(dtype).max))})", q, k, v, temp_same, temp_opposite)
+    return out, state
 
 
 def causal_pola_linear_attention(
@@ -390,4 +407,5 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
             outs, state = _recurrent(streams, phi_k, phi_k, None, initial_state)
         else:
             outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state, half)
+        _refuse_overflow(outs[0], "linear attention", phi_q, phi_k, v)
     return outs[0].to(v.dtype), state

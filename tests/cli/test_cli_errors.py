@@ -328,3 +328,20 @@ def test_subprocess_alias_bomb(work):
     assert (result.returncode, result.stdout) == (2, ""), result.stderr[-2000:]
     assert "YAML aliases (*name) are not allowed" in error_line(result.stderr)
     assert_unchanged(before, work)
+
+
+def test_an_overflow_the_attention_refuses_is_one_line(tmp_path, capsys, monkeypatch):
+    """The causal ops raise FloatingPointError for finite inputs they cannot compute in the dtype; a command
+    hitting it ends in that one line, status 2."""
+    import polaformer.tasks.lm
+
+    def overflowing(*args, **kwargs):
+        from polaformer.ops import causal_pacs_step
+        q = k = torch.full((1, 1, 1, 2), 100.0)
+        temps = torch.ones(1, 1, 1, 4)
+        causal_pacs_step(q, k, torch.ones(1, 1, 1, 2), temps, temps)
+
+    monkeypatch.setattr(polaformer.tasks.lm, "train_lm", overflowing)
+    code, _, err = run_main(["lm", "train", "--output", str(tmp_path / "run")], capsys)
+    assert code == 2
+    assert re.fullmatch(r"polaformer: error: causal PaCS attention .* overflowed float32; .*float64", error_line(err))

@@ -137,7 +137,7 @@ def test_no_future_token_changes_an_earlier_output(op):
 
     base = run(q, k, v)
     for x in (q, k, v):
-        x[:, :, t] += 100.0
+        x[:, :, t] += 10.0  # large, inside float32's range for the exp features
     moved = run(q, k, v)
     assert torch.equal(base[:, :, :t], moved[:, :, :t])
     assert not torch.equal(base[:, :, t], moved[:, :, t])
@@ -190,3 +190,26 @@ def test_bad_arguments_are_refused_clearly():
     for form in (causal_pola_linear_attention, lambda *qkvp: causal_pola_step(*qkvp)[0]):
         with pytest.raises(ValueError, match="power must be >= 1"):
             form(q, k, v, torch.full_like(p, 0.5))
+
+
+def test_overflow_is_refused_in_one_line_not_returned_as_nan():
+    """The causal forms have no log-domain redo: finite float32 inputs whose features overflow end in an
+    error naming the overflow; float64 takes the same inputs, and NaN inputs still pass through as NaN."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (60 * torch.randn(1, H, N, D, generator=g) for _ in range(2))
+    v = torch.randn(1, H, N, 6, generator=g)
+    temps = [torch.full((1, H, 1, 2 * D), 0.5) for _ in range(2)]
+    power = torch.full((1, H, 1, D), 3.0)
+    calls = {
+        "PaCS": (lambda *x: causal_pacs_linear_attention(*x, *temps), lambda *x: causal_pacs_step(*x, *temps)[0]),
+        "Pola": (lambda *x: causal_pola_linear_attention(*x, power), lambda *x: causal_pola_step(*x, power)[0]),
+    }
+    for name, forms in calls.items():
+        scale = 1.0 if name == "PaCS" else 1e6  # the power map overflows only at far larger magnitudes
+        for form in forms:
+            with pytest.raises(FloatingPointError, match=f"causal {name} attention .*overflowed float32.*float64"):
+                form(q * scale, k * scale, v)
+            assert form(*(t.double() for t in (q * scale, k * scale, v))).isfinite().all()
+    with_nan = q.clone()
+    with_nan[0, 0, 3, 0] = float("nan")
+    assert causal_pacs_linear_attention(with_nan, k, v, *temps).isnan().any()  # garbage in, no false alarm
