@@ -8,6 +8,8 @@
   run, unchanged, every time the traced graph runs. FX wraps a leaf function where it is a
   module-level name of the calling module, so family files import them by name. The attention
   layers (shape checks, key-table resampling) are FX leaf modules for the same reason.
+- :func:`without_timm_extras` and :func:`refuse_unknown_kwargs`: the arguments timm's factory passes to
+  every model constructor, dropped by the families that do not build through ``build_model_with_cfg``.
 - :func:`empty_batch`: an empty batch (B = 0) gives empty outputs of the right shapes.
 - :func:`checkpoint_filter_fn`: the families' ``pretrained_filter_fn``: a checkpoint made for
   another input size loads through ``timm.create_model(..., pretrained=True)`` with its position
@@ -25,7 +27,11 @@ from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttent
 from ..ops import resample_grid_table
 from ..ops.dispatch import capturing, legacy_onnx_export
 
-__all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid"]
+__all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid",
+           "refuse_unknown_kwargs", "without_timm_extras"]
+
+# what timm.create_model passes to a registered factory besides the model's own arguments
+_TIMM_EXTRAS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 
 # reason: input checks and key-table resampling decide in Python on the token grid
 for _layer in (PolaLinearAttention, SpatialReductionAttention, PacsLinearAttention, RopeSoftmaxAttention):
@@ -48,6 +54,18 @@ def factory_kwargs(init):
             self.to(dtype=dtype)
 
     return __init__
+
+
+def without_timm_extras(kwargs: dict) -> dict:
+    """``kwargs`` less the arguments timm's factory adds."""
+    return {key: value for key, value in kwargs.items() if key not in _TIMM_EXTRAS}
+
+
+def refuse_unknown_kwargs(kwargs: dict, owner: str) -> None:
+    """A ``TypeError`` naming what is left in a constructor's ``**kwargs`` once timm's extras are dropped."""
+    unknown = without_timm_extras(kwargs)
+    if unknown:
+        raise TypeError(f"{owner} got unknown arguments: {', '.join(sorted(unknown))}")
 
 
 def empty_batch(method):

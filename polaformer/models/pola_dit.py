@@ -19,6 +19,7 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers.dit_attention import PacsGridAttention
+from ._helpers import refuse_unknown_kwargs
 
 __all__ = ["ATTENTIONS", "PolaDiT", "sincos_pos_table", "timestep_frequencies"]
 
@@ -138,10 +139,7 @@ class PolaDiT(nn.Module):
                  depth: int = 28, num_heads: int = 16, mlp_ratio: float = 4.0, class_dropout_prob: float = 0.1,
                  num_classes: int = 1000, learn_sigma: bool = True, attention: str = "pacs", **kwargs):
         super().__init__()
-        for timm_key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's factory passes these
-            kwargs.pop(timm_key, None)
-        if kwargs:
-            raise TypeError(f"PolaDiT got unknown arguments: {', '.join(sorted(kwargs))}")
+        refuse_unknown_kwargs(kwargs, "PolaDiT")
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
         if patch_size < 1 or input_size % patch_size:

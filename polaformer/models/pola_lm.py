@@ -20,6 +20,7 @@ from ..layers import (
     PolaCausalSelfAttention,
     SoftmaxCausalSelfAttention,
 )
+from ._helpers import refuse_unknown_kwargs
 
 __all__ = ["ATTENTIONS", "PolaLM"]
 
@@ -65,10 +66,7 @@ class PolaLM(nn.Module):
                  num_heads: int = 4, mlp_ratio: float = 4.0, attention: str = "pola", drop_rate: float = 0.0,
                  attention_kwargs: dict | None = None, **kwargs):
         super().__init__()
-        for timm_key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's factory passes these
-            kwargs.pop(timm_key, None)
-        if kwargs:
-            raise TypeError(f"PolaLM got unknown arguments: {', '.join(sorted(kwargs))}")
+        refuse_unknown_kwargs(kwargs, "PolaLM")
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
         self.vocab_size, self.context, self.attention = vocab_size, context, attention

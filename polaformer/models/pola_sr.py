@@ -23,6 +23,7 @@ from ..layers import PacsLinearAttention, RoPE2d
 from ..layers.qkv_window_attention import QKVWindowAttention
 from ..layers.window_attention import relative_position_index
 from ..ops import tokens_to_map
+from ._helpers import without_timm_extras
 from .swin import hard_window_mask, shifted_window_mask, window_partition, window_reverse
 
 __all__ = ["PolaSR", "tiled_upscale"]
@@ -287,9 +288,7 @@ def _create(scale: int, pretrained: bool, **kwargs) -> PolaSR:
     if pretrained:
         raise ValueError(f"pola_sr_light_x{scale} has no downloadable weights; load the authors' file with "
                          "'polaformer sr eval --checkpoint PATH'")
-    for timm_key in ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir"):  # timm's factory passes these
-        kwargs.pop(timm_key, None)
-    return PolaSR(upscale=scale, **kwargs)
+    return PolaSR(upscale=scale, **without_timm_extras(kwargs))
 
 
 @register_model
