@@ -268,6 +268,11 @@ def _env():
             "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
 
 
+# Both are status 130 to a shell: exit(130), or death by SIGINT, which CPython occasionally chooses at exit
+# after a KeyboardInterrupt the command handled (seen once in CI, Ctrl-C during the imports, one line printed).
+ENDED_BY_CTRL_C = (130, -signal.SIGINT)
+
+
 def _interactive():
     # As a terminal starts a command: Ctrl-C at its default. A test runner's worker may ignore SIGINT, and a
     # child inheriting that ignore would rightly never see the signal.
@@ -295,7 +300,7 @@ def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
         _, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
-    assert process.returncode == 130, stderr
+    assert process.returncode in ENDED_BY_CTRL_C, stderr
     assert error_line(stderr, logs_allowed=True) == (
         f"polaformer: interrupted; last saved checkpoint: {output / 'checkpoint.pth'}")
     torch.load(output / "checkpoint.pth", weights_only=True)  # complete
@@ -314,7 +319,7 @@ def test_subprocess_ctrl_c_while_starting(tmp_path):
         stdout, stderr = process.communicate(timeout=60)
     finally:
         process.kill()
-    assert (process.returncode, stdout) == (130, ""), stderr[-2000:]
+    assert process.returncode in ENDED_BY_CTRL_C and stdout == "", stderr[-2000:]
     assert error_line(stderr).startswith("polaformer: interrupted")
     assert not (tmp_path / "run").exists()
 
