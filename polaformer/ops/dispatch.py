@@ -31,6 +31,7 @@ except ImportError:  # older torch: only the flag that torch.export sets as well
 __all__ = [
     "attention_backend",
     "capturing",
+    "exporting",
     "cpu_kernels",
     "legacy_onnx_export",
     "on_gpu",
@@ -66,11 +67,17 @@ def set_attention_backend(name: str | None) -> str | None:
 
 def capturing() -> bool:
     """True while a graph is being captured: torch.compile, torch.export, the ONNX exporters, TorchScript, or
-    FX symbolic tracing (where tensors are proxies). Capture gets the plain formulation: the in-place and
-    ``out=`` writes of the eager kernels break or mis-trace there, and compilers fuse plain ops on their own."""
+    FX symbolic tracing (where tensors are proxies). Capture gets no eager CPU kernel (their in-place and
+    ``out=`` writes break or mis-trace there) and no check that reads a value; under torch.compile the Triton
+    kernels stay, as registered ops (:func:`triton_kernels`)."""
+    return torch.compiler.is_compiling() or exporting()
+
+
+def exporting() -> bool:
+    """True while a graph is captured for another runtime (torch.export, ONNX, TorchScript, FX symbolic
+    tracing): these keep the plain torch formulation, which every runtime can run."""
     return (
-        torch.compiler.is_compiling()
-        or torch.compiler.is_exporting()
+        torch.compiler.is_exporting()
         or torch.onnx.is_in_onnx_export()
         or torch.jit.is_tracing()
         or torch.jit.is_scripting()
@@ -100,15 +107,16 @@ def on_gpu(x: torch.Tensor) -> bool:
 
 
 def triton_kernels(x: torch.Tensor):
-    """The Triton kernels module (:mod:`polaformer.backends.triton`) for an eager call on ``x``, or None:
-    CUDA tensors under the ``auto`` or ``triton`` backend, CPU tensors only under ``triton`` with
-    ``TRITON_INTERPRET=1``; float64 CUDA tensors take the torch formulation. Imported on first use, so
-    importing polaformer never imports triton.
+    """The Triton kernels module (:mod:`polaformer.backends.triton`) for a call on ``x``, or None: CUDA
+    tensors under the ``auto`` or ``triton`` backend, CPU tensors only under ``triton`` with
+    ``TRITON_INTERPRET=1``; float64 CUDA tensors take the torch formulation. Eager calls and torch.compile
+    both get the kernels (under compile each entry point is a ``torch.library`` op, so the graph holds it);
+    :func:`exporting` gets None. Imported on first use, so importing polaformer never imports triton.
 
     Raises RuntimeError when the ``triton`` backend was asked for explicitly and cannot run on ``x``.
     """
     backend = attention_backend()
-    if backend not in ("auto", "triton"):
+    if backend not in ("auto", "triton") or exporting():
         return None
     gpu = on_gpu(x)
     if gpu and x.dtype == torch.float64:
