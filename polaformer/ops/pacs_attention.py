@@ -13,6 +13,7 @@ import functools
 import weakref
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .causal import causal_pacs_linear_attention
 from .dispatch import capturing, triton_kernels
@@ -298,6 +299,7 @@ class _PacsAttention(torch.autograd.Function):
         return out_tok.flatten(-2).transpose(1, 2)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         if ctx.fused:
             return _pacs_backward_fused(ctx, grad_out)

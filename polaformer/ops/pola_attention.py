@@ -31,6 +31,7 @@ import contextlib
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from . import varlen
 from .causal import causal_pola_linear_attention
@@ -405,6 +406,7 @@ class _PolaPowerAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
         q, k, v, power, phi_q, phi_k, log_q, log_k, rhs, denom, out, *count = ctx.saved_tensors
         m = count[0] if count else ctx.m
@@ -491,21 +493,25 @@ def pola_linear_attention(
         regions are computed in float32, since ``|x|ᵖ`` and the products
         overflow float16 long before the output does.
 
-    Numerics: on the CPU and in the torch formulation the result is finite for
-    any finite inputs whose output fits the dtype. A call whose ``|x|ᵖ``
-    products could overflow (a bound from max |q|, |k|, |v| and p) is computed
-    in the log domain: key channels and query rows are shifted by their largest
-    exponent, cancelling between numerator and normaliser (``eps`` shifted with
-    them); see :func:`_pola_attention_graph`. The Triton kernels have no such
-    fallback: there ``|q|ᵖ`` and ``M·|k|ᵖ·|v|`` must fit float32.
+    Numerics: the result is finite for any finite inputs whose output fits the
+    dtype. A call whose ``|x|ᵖ`` products could overflow (a bound from max |q|,
+    |k|, |v| and p) is computed in the log domain: key channels and query rows
+    are shifted by their largest exponent, cancelling between numerator and
+    normaliser (``eps`` shifted with them); see :func:`_pola_attention_graph`.
+    The Triton kernels always work that way, the shifts tracked inside them.
 
     Kernels: on CUDA tensors (``attention_backend()`` ``auto`` or ``triton``)
-    the fused Triton kernels run (:mod:`polaformer.backends.triton.pola`), with
+    the fused Triton kernels run (:mod:`polaformer.backends.triton.pola`), also
+    inside ``torch.compile`` (as the op ``polaformer::pola_attention``), with
     no host synchronisation: there the exponent's ``p >= 1`` check and the
     offsets' value checks are skipped. The remaining syncs are on the CPU and
     torch paths only: the ``p >= 1`` check (CPU tensors) and the packed
-    offsets' values (``varlen.check_cu_seqlens``) before padding them.
-    Graph capture always gets the torch formulation.
+    offsets' values (``varlen.check_cu_seqlens``) before padding them. Export,
+    ONNX and FX tracing get the torch formulation.
+    The eager paths with hand-written backward passes (CPU, Triton) are
+    differentiable once: a second differentiation (a gradient penalty through
+    ``create_graph=True``) raises one error line instead of returning
+    gradients that ignore the inputs.
     """
     if causal:
         return causal_pola_linear_attention(q, k, v, power, eps, key_padding_mask=key_padding_mask,
@@ -522,10 +528,10 @@ def pola_linear_attention(
         cu_seqlens, cu_seqlens_k = _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k)
     elif key_padding_mask is not None:
         _check_key_padding_mask(key_padding_mask, k)
-    kernels = None if graph else triton_kernels(q)
+    kernels = triton_kernels(q)
     if kernels is not None:
         check_power_values(power, graph)
-        if packed and q.device.type == "cpu":  # the interpreter: checking the offsets costs no device sync
+        if packed and q.device.type == "cpu" and not graph:  # the interpreter: the check costs no device sync
             varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
             varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
         mask = None if key_padding_mask is None else key_padding_mask.to(q.device)

@@ -1,6 +1,7 @@
 """Both bidirectional ops at large magnitudes: finite, and equal to an O(N²) float64 reference computed in the
 log domain (the plain naive reference overflows float64 itself past |x| ≈ 700), forward and gradients, on the
-torch and native CPU backends, float32 and float16 inputs."""
+torch and native CPU backends and the Triton kernels (CUDA, or the interpreter on CPU tensors), float32 and
+float16 inputs."""
 import pytest
 import torch
 
@@ -70,10 +71,11 @@ def _pola_reference(q, k, v, power, eps=1e-6):
                       _weighted_sum(swap(log_q), log_k, v[..., half:], eps)], -1)
 
 
-@pytest.fixture(params=["torch", "native"])
-def cpu_backend(request):
+@pytest.fixture(params=["torch", "native", "triton"])
+def backend(request):
+    """The backend in force and the device its inputs live on (CUDA for Triton where present)."""
     previous = set_attention_backend(request.param)
-    yield request.param
+    yield "cuda" if request.param == "triton" and torch.cuda.is_available() else "cpu"
     set_attention_backend(previous)
 
 
@@ -85,17 +87,17 @@ def _inputs(magnitude, dtype, seed, d=4, dv=6, n=5, m=6):
     return q, k, v, gen
 
 
-def _check(op, reference, leaves, dtype, temperature=False):
+def _check(op, reference, leaves, dtype, device, temperature=False):
     """Forward and gradients of ``op`` against ``reference`` in float64, relative to each result's largest
     entry. PaCS's temperature gradient is ``Σ ∂out/∂x·q`` with ``x = q·t``: float32's rounding of the
     saturated weights' gradient (which cancels exactly in float64) comes out multiplied by |q|, so that one
     is compared on its natural scale |q|·|v|, to 64 float32 ulps."""
-    leaves = [t.detach().requires_grad_() for t in leaves]
+    leaves = [t.detach().to(device).requires_grad_() for t in leaves]
     out = op(*leaves)
     assert out.dtype == dtype
     grad_out = torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype)
-    grads = torch.autograd.grad(out, leaves, grad_out)
-    leaves64 = [t.detach().to(F64).requires_grad_() for t in leaves]
+    grads = torch.autograd.grad(out, leaves, grad_out.to(device))
+    leaves64 = [t.detach().to("cpu", F64).requires_grad_() for t in leaves]
     ref = reference(*leaves64)
     refs = torch.autograd.grad(ref, leaves64, grad_out.to(F64))
     tol = 2e-3 if dtype == torch.float32 else 1e-2
@@ -106,54 +108,55 @@ def _check(op, reference, leaves, dtype, temperature=False):
         atol = tol * max(1.0, b.abs().max().item())
         if name == "grad temperatures":
             atol += 64 * 2**-24 * q_scale * v_scale
-        torch.testing.assert_close(a.to(F64), b, rtol=tol, atol=atol, msg=name)
+        torch.testing.assert_close(a.to("cpu", F64), b, rtol=tol, atol=atol, msg=name)
 
 
 @pytest.mark.parametrize("dtype, magnitude", CASES)
-def test_pacs_is_finite_and_exact_at_large_magnitudes(cpu_backend, dtype, magnitude):
+def test_pacs_is_finite_and_exact_at_large_magnitudes(backend, dtype, magnitude):
     q, k, v, gen = _inputs(magnitude, dtype, seed=1)
     temps = (0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)).to(dtype)
     _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1)),
-           lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1)), (q, k, v, temps), dtype, True)
+           lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1)), (q, k, v, temps), dtype, backend, True)
 
 
 # With RoPE the numerator pairs channels that its normaliser does not, so the true output grows like e^|x|
 # (past float32 from |x| ≈ 50 on): a magnitude where the plain path overflows but the output fits.
 @pytest.mark.parametrize("magnitude", [30])
-def test_pacs_with_rope_is_finite_and_exact_at_large_magnitudes(cpu_backend, magnitude):
+def test_pacs_with_rope_is_finite_and_exact_at_large_magnitudes(backend, magnitude):
     q, k, v, gen = _inputs(magnitude, torch.float32, seed=2, n=6, m=6)
     temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
     sin, cos = rope_2d(rope_angles(16, 2, dtype=F64), 2, 3)
-    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1), sin.float(), cos.float()),
+    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1), sin.float().to(backend), cos.float().to(backend)),
            lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1), sin, cos), (q, k, v, temps), torch.float32,
-           True)
+           backend, True)
 
 
 @pytest.mark.parametrize("dtype, magnitude", CASES)
-def test_pola_is_finite_and_exact_at_large_magnitudes(cpu_backend, dtype, magnitude):
+def test_pola_is_finite_and_exact_at_large_magnitudes(backend, dtype, magnitude):
     q, k, v, gen = _inputs(magnitude, dtype, seed=3, dv=5)
     power = (1 + 2 * torch.rand(1, 2, 1, 4, generator=gen)).to(dtype)
     power[..., 0] = 3.0
-    _check(pola_linear_attention, _pola_reference, (q, k, v, power), dtype)
+    _check(pola_linear_attention, _pola_reference, (q, k, v, power), dtype, backend)
 
 
 @pytest.mark.parametrize("op", ["pola", "pacs"])
-def test_padded_keys_of_any_magnitude_do_not_shift_the_real_ones(cpu_backend, op):
+def test_padded_keys_of_any_magnitude_do_not_shift_the_real_ones(backend, op):
     """Padded keys hold 1e30 (finite, as the mask contract asks): the per-channel key shift ignores them."""
     q, k, v, gen = _inputs(1e2, torch.float32, seed=4)
     mask = torch.zeros(1, 6, dtype=torch.bool)
     mask[0, 4:] = True
     k[:, :, 4:] = 1e30
+    q, k, v, mask = (t.to(backend) for t in (q, k, v, mask))
     k.requires_grad_()
     if op == "pola":
-        power = torch.full((1, 2, 1, 4), 3.0)
+        power = torch.full((1, 2, 1, 4), 3.0, device=backend)
         out = pola_linear_attention(q, k, v, power, key_padding_mask=mask)
-        ref = _pola_reference(*(t.detach().double() for t in (q, k[:, :, :4], v[:, :, :4], power)))
+        ref = _pola_reference(*(t.detach().cpu().double() for t in (q, k[:, :, :4], v[:, :, :4], power)))
     else:
-        temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
+        temps = (0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)).to(backend)
         out = pacs_linear_attention(q, k, v, temps, temps, key_padding_mask=mask)
-        ref = _pacs_reference(*(t.detach().double() for t in (q, k[:, :, :4], v[:, :, :4], temps, temps)))
-    torch.testing.assert_close(out.detach().double(), ref, rtol=2e-3, atol=2e-3)
+        ref = _pacs_reference(*(t.detach().cpu().double() for t in (q, k[:, :, :4], v[:, :, :4], temps, temps)))
+    torch.testing.assert_close(out.detach().cpu().double(), ref, rtol=2e-3, atol=2e-3)
     (grad_k,) = torch.autograd.grad(out.sum(), k)
     assert torch.isfinite(grad_k).all()
     assert not grad_k[:, :, 4:].any()

@@ -6,8 +6,8 @@ import triton: each entry point's module is imported on first use (``_ENTRY_POIN
 """
 from __future__ import annotations
 
-import functools
 import importlib
+import importlib.util
 
 _ENTRY_POINTS = {
     "causal_numerator": "causal",
@@ -16,14 +16,14 @@ _ENTRY_POINTS = {
 }
 
 
-@functools.lru_cache(maxsize=1)
+# Whether triton is installed (it ships with CUDA builds of torch), found without importing it; a plain
+# constant, which torch.compile reads without tracing a call.
+_INSTALLED = importlib.util.find_spec("triton") is not None
+
+
 def available() -> bool:
-    """True when triton imports (it ships with CUDA builds of torch)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    """True when triton is installed."""
+    return _INSTALLED
 
 
 def __getattr__(name: str):

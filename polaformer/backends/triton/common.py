@@ -9,6 +9,7 @@ launches an upper bound of ``cdiv(T, chunk) + S`` items and the items past a seq
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -48,11 +49,75 @@ def accumulator_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 
 def dot_precision(*tensors: torch.Tensor) -> str:
-    """``tl.dot``'s input precision: exact fp32 products for fp32/fp64 inputs; TF32 where the inputs were
-    half precision already (its 10-bit mantissa is theirs), which the tensor cores run much faster."""
+    """``tl.dot``'s input precision. Half-precision inputs: TF32 (its 10-bit mantissa holds theirs, and the
+    tensor cores run it). fp32 inputs follow ``torch.get_float32_matmul_precision()``, as torch's own matmuls
+    do: ``"highest"`` (torch's default) exact fp32 products, ``"high"``/``"medium"`` TF32. fp64: exact."""
     if all(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
         return "tf32"
-    return "ieee"
+    if any(t.dtype == torch.float64 for t in tensors) or torch.get_float32_matmul_precision() == "highest":
+        return "ieee"
+    return "tf32"
+
+
+# A sequence's work goes to a single program (one launch for the whole call) while the tokens that program
+# walks stay below this; longer sequences with too few (sequence, head) pairs to fill the GPU are split over
+# several programs per sequence, at the cost of one more launch per pass and a partial-sum buffer.
+FUSED_TOKENS = 4096
+# Most programs one sequence's keys (or its queries' gradient sums) are split over: beyond it the partial
+# sums cost more to merge than the split gains.
+MAX_SPLITS = 16
+
+
+@functools.lru_cache(maxsize=None)
+def target_programs(device: torch.device) -> int:
+    """Programs that fill the device: two per multiprocessor on a GPU; an H100's count (132) elsewhere, so that
+    the interpreter plans a call as that GPU would."""
+    if device.type == "cuda":
+        return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    return 2 * 132
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call's work is spread over programs (grid ``(programs per sequence, heads, sequences)``).
+
+    ``query_spans``: forward programs per sequence, each over its share of the query blocks; ``key_splits``:
+    0 when each of them builds the whole key state itself (one launch), else the programs per sequence of a
+    separate key-state launch whose partial states the query programs merge. ``backward_spans``: 1 when one
+    program per sequence does the whole backward (one launch), else the programs of the query-side pass,
+    followed by ``backward_key_splits`` programs of a key-side pass."""
+
+    block: int
+    query_spans: int
+    key_splits: int
+    backward_spans: int
+    backward_key_splits: int
+
+
+def plan(sequences: int, heads: int, query_tokens: int, key_tokens: int, block: int, device) -> Plan:
+    """The :class:`Plan` for ``sequences`` × ``heads`` pairs of ``query_tokens`` queries and ``key_tokens`` keys
+    each (the mean per sequence for packed batches). A forward program that builds the key state itself keeps
+    at least as many queries as there are keys, so rebuilding it costs at most as much again."""
+    pairs = max(sequences * heads, 1)
+    target = target_programs(torch.device(device))
+    wanted = max(1, -(-target // pairs))
+    query_blocks = max(1, -(-query_tokens // block))
+    key_blocks = max(1, -(-key_tokens // block))
+    spans = max(1, min(wanted, query_blocks, query_tokens // max(key_tokens, 1)))
+    if pairs * spans >= target or key_tokens + -(-query_tokens // spans) <= FUSED_TOKENS:
+        forward = (spans, 0)
+    else:
+        forward = (min(wanted, query_blocks, MAX_SPLITS), min(wanted, key_blocks, MAX_SPLITS))
+    if pairs >= target or query_tokens + key_tokens <= FUSED_TOKENS:
+        backward = (1, 0)
+    else:
+        backward = (min(wanted, query_blocks, MAX_SPLITS), min(wanted, key_blocks, MAX_SPLITS))
+    return Plan(block, *forward, *backward)
+
+
+def warps(dp: int, dvp: int) -> int:
+    """Warps per program: more for wide states, which would otherwise spill registers."""
+    return 8 if dp * dvp >= 64 * 64 else 4
 
 
 def triton_dtype(dtype: torch.dtype):

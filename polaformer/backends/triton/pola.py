@@ -1,7 +1,7 @@
 """Fused Triton kernels of :func:`polaformer.ops.pola_linear_attention` (the power map ``|x|ᵖ``).
 
 Per (sequence, head), with ``a = x⁺ᵖ`` and ``b = x⁻ᵖ`` the two halves of a token's features and ``m`` the
-number of valid keys, the forward pass keeps one routed state in fp32 (never rounded to the inputs' dtype)::
+number of valid keys, the forward pass builds one routed state in fp32 (never rounded to the inputs' dtype)::
 
     top[:, j]    = Σ_keys (a if j < half else b)ᵀ v[:, j] / m      (d × dv)
     bottom[:, j] = Σ_keys (b if j < half else a)ᵀ v[:, j] / m      (d × dv)
@@ -12,61 +12,164 @@ columns instead of being written), and the normalisers are ``a·key_pos + b·key
 ``a·key_neg + b·key_pos`` (opposite sign). Features are recomputed in registers wherever they are needed and
 never written to memory.
 
-Kernels (grid ``(work items, heads)``, items from :mod:`.common`):
+Log domain. Features are formed as ``2^(p·log2|x| − shift)``: each key channel is shifted by its largest
+exponent over the sequence (kept as a running maximum while the keys are summed, the state rescaled when it
+grows, as flash attention keeps its row maxima), each query row by its largest exponent plus that key shift,
+and ``eps`` with it. The shifts cancel between numerator and normaliser, no feature exceeds 1, and the result
+is finite wherever the exact one is, with no host synchronisation; the same formulation as the op's torch
+path (``_pola_attention_graph``).
 
-- ``_state_kernel``: per chunk of keys, partial sums of the state; :func:`.common.sum_item_partials` adds
-  the chunks of each sequence in order (deterministic, no atomics).
-- ``_output_kernel``: per block of queries, the output.
-- ``_query_grad_kernel``: per chunk of queries, ``grad_q`` and partial sums of the state's gradient and of
-  the exponent's gradient (reduced like the state).
-- ``_key_grad_kernel``: per chunk of keys, ``grad_k``, ``grad_v`` and partial sums of the exponent's gradient.
+Launches (:func:`.common.plan`): at the models' shapes one program per (query span, head, sequence) builds
+the key state itself and writes its queries' output, one launch; the backward is one program per (head,
+sequence) for the query side then the key side, one launch (plus one torch sum for the exponent's gradient
+over the sequences). Long sequences with few (sequence, head) pairs split the keys over a state launch and the
+backward over a query-side and a key-side launch; partial sums are added in a fixed order, no atomics.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
-from .common import (
-    Items,
-    accumulator_dtype,
-    dot_precision,
-    items_for,
-    locate_item,
-    padded_width,
-    power_map,
-    reduction_chunk,
-    row_power_of_two_scale,
-    sum_item_partials,
-    token_block,
-)
+from .common import accumulator_dtype, dot_precision, padded_width, plan, warps
 
 __all__ = ["PolaAttention", "pola_attention", "pola_backward", "pola_forward"]
 
+# Below every exponent a float32 feature can have: the shift of a channel no valid key reaches. Finite, so
+# that shift differences stay finite (an infinite one would give inf − inf).
+_NO_KEY = tl.constexpr(-1.0e30)
+
 
 @triton.jit
-def _load_state(state_ptr, seq, head, HEADS, DP: tl.constexpr, DVP: tl.constexpr):
-    """(top, bottom, key_pos, key_neg) of one (sequence, head), divided by its number of valid keys (at least
-    1, so a sequence without keys has a zero state)."""
-    width: tl.constexpr = 2 * DP * DVP + 2 * DP + 1
-    base = state_ptr + (seq.to(tl.int64) * HEADS + head) * width
+def _sequence(seq, cu_ptr, length, PACKED: tl.constexpr):
+    """(batch index, first token, end token) of sequence ``seq``: a packed sequence's rows come from the
+    offsets, a dense one is a batch entry."""
+    if PACKED:
+        return seq * 0, tl.load(cu_ptr + seq).to(tl.int64), tl.load(cu_ptr + seq + 1).to(tl.int64)
+    else:
+        return seq, tl.zeros((), tl.int64), tl.zeros((), tl.int64) + length
+
+
+@triton.jit
+def _share(first, end, part, parts, BLOCK: tl.constexpr):
+    """Token range of ``part`` of ``parts``: whole blocks of ``[first, end)``, the same count each."""
+    per = tl.cdiv(tl.cdiv(end - first, BLOCK), parts) * BLOCK
+    lo = first + part * per
+    return lo, tl.minimum(lo + per, end)
+
+
+@triton.jit
+def _log_magnitude(x, p):
+    """``(p·log2|x|, x ≠ 0)``; the exponent is ``_NO_KEY`` where x is 0 (masked and padded entries too)."""
+    used = x != 0
+    return tl.where(used, p * tl.log2(tl.where(used, tl.abs(x), 1.0)), _NO_KEY), used
+
+
+@triton.jit
+def _halves(x, magnitude, used):
+    """``(x⁺ᵖ, x⁻ᵖ)`` from the (shifted) magnitude."""
+    magnitude = tl.where(used, magnitude, 0.0)
+    return tl.where(x > 0, magnitude, 0.0), tl.where(x < 0, magnitude, 0.0)
+
+
+@triton.jit
+def _key_state(k_base, v_base, mask_base, p, lo, hi,
+               stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, D, DV, HALF,
+               BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, HAS_MASK: tl.constexpr,
+               PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """The routed state of keys ``[lo, hi)`` (sums, not yet divided by m), its per-channel shift and the number
+    of valid keys. The shift is a running maximum; the sums are rescaled whenever it grows."""
+    c = tl.arange(0, DP)
+    j = tl.arange(0, DVP)
+    same = (j < HALF)[None, :]
+    top = tl.zeros([DP, DVP], dtype=ACC)
+    bottom = tl.zeros([DP, DVP], dtype=ACC)
+    key_pos = tl.zeros([DP], dtype=ACC)
+    key_neg = tl.zeros([DP], dtype=ACC)
+    shift = tl.full([DP], _NO_KEY, dtype=ACC)
+    count = tl.zeros([BLOCK], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        keep = t < hi
+        if HAS_MASK:
+            keep = keep & (tl.load(mask_base + t * stride_mt, mask=keep, other=1) == 0)
+        x = tl.load(k_base + t[:, None] * stride_kt + c[None, :] * stride_kc,
+                    mask=keep[:, None] & (c < D)[None, :], other=0.0).to(ACC)
+        values = tl.load(v_base + t[:, None] * stride_vt + j[None, :] * stride_vc,
+                         mask=keep[:, None] & (j < DV)[None, :], other=0.0).to(ACC)
+        exponent, used = _log_magnitude(x, p[None, :])
+        grown = tl.maximum(shift, tl.max(exponent, 0))
+        rescale = tl.exp2(shift - grown)
+        shift = grown
+        pos, neg = _halves(x, tl.exp2(exponent - shift[None, :]), used)
+        sum_pos = tl.dot(tl.trans(pos), values, input_precision=PRECISION, out_dtype=ACC)
+        sum_neg = tl.dot(tl.trans(neg), values, input_precision=PRECISION, out_dtype=ACC)
+        top = top * rescale[:, None] + tl.where(same, sum_pos, sum_neg)
+        bottom = bottom * rescale[:, None] + tl.where(same, sum_neg, sum_pos)
+        key_pos = key_pos * rescale + tl.sum(pos, 0)
+        key_neg = key_neg * rescale + tl.sum(neg, 0)
+        count += keep.to(ACC)
+    return top, bottom, key_pos, key_neg, shift, tl.sum(count, 0)
+
+
+@triton.jit
+def _merge_partials(part_base, SPLITS: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, ACC: tl.constexpr):
+    """The state of a sequence from its ``SPLITS`` partial states, rescaled to their largest shift and added in
+    split order."""
     c = tl.arange(0, DP)
     cell = c[:, None] * DVP + tl.arange(0, DVP)[None, :]
-    inv_m = 1.0 / tl.maximum(tl.load(base + 2 * DP * DVP + 2 * DP), 1.0)
-    top = tl.load(base + cell) * inv_m
-    bottom = tl.load(base + DP * DVP + cell) * inv_m
-    key_pos = tl.load(base + 2 * DP * DVP + c) * inv_m
-    key_neg = tl.load(base + 2 * DP * DVP + DP + c) * inv_m
-    return top, bottom, key_pos, key_neg, inv_m
+    width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
+    shift = tl.full([DP], _NO_KEY, dtype=ACC)
+    for split in range(SPLITS):
+        shift = tl.maximum(shift, tl.load(part_base + split * width + 2 * DP * DVP + 2 * DP + c))
+    top = tl.zeros([DP, DVP], dtype=ACC)
+    bottom = tl.zeros([DP, DVP], dtype=ACC)
+    key_pos = tl.zeros([DP], dtype=ACC)
+    key_neg = tl.zeros([DP], dtype=ACC)
+    count = tl.zeros((), dtype=ACC)
+    for split in range(SPLITS):
+        base = part_base + split * width
+        rescale = tl.exp2(tl.load(base + 2 * DP * DVP + 2 * DP + c) - shift)
+        top += tl.load(base + cell) * rescale[:, None]
+        bottom += tl.load(base + DP * DVP + cell) * rescale[:, None]
+        key_pos += tl.load(base + 2 * DP * DVP + c) * rescale
+        key_neg += tl.load(base + 2 * DP * DVP + DP + c) * rescale
+        count += tl.load(base + 2 * DP * DVP + 3 * DP)
+    return top, bottom, key_pos, key_neg, shift, count
 
 
 @triton.jit
-def _scaled_query_features(x, p):
-    """Query features divided by their row's power-of-two scale (see ``row_power_of_two_scale``), and the
-    reciprocal scale (``eps`` is multiplied by it, so the output is unchanged)."""
-    pos, neg = power_map(x, p)
-    inv_scale = 1.0 / row_power_of_two_scale(tl.max(pos + neg, 1))
-    return pos * inv_scale[:, None], neg * inv_scale[:, None], inv_scale
+def _store_state(base, top, bottom, key_pos, key_neg, shift, count, DP: tl.constexpr, DVP: tl.constexpr):
+    c = tl.arange(0, DP)
+    cell = c[:, None] * DVP + tl.arange(0, DVP)[None, :]
+    tl.store(base + cell, top)
+    tl.store(base + DP * DVP + cell, bottom)
+    tl.store(base + 2 * DP * DVP + c, key_pos)
+    tl.store(base + 2 * DP * DVP + DP + c, key_neg)
+    tl.store(base + 2 * DP * DVP + 2 * DP + c, shift)
+    tl.store(base + 2 * DP * DVP + 3 * DP, count)
+
+
+@triton.jit
+def _load_state(base, DP: tl.constexpr, DVP: tl.constexpr):
+    """A saved state (already divided by its count): (top, bottom, key_pos, key_neg, shift, 1/m)."""
+    c = tl.arange(0, DP)
+    cell = c[:, None] * DVP + tl.arange(0, DVP)[None, :]
+    inv_m = 1.0 / tl.maximum(tl.load(base + 2 * DP * DVP + 3 * DP), 1.0)
+    return (tl.load(base + cell), tl.load(base + DP * DVP + cell), tl.load(base + 2 * DP * DVP + c),
+            tl.load(base + 2 * DP * DVP + DP + c), tl.load(base + 2 * DP * DVP + 2 * DP + c), inv_m)
+
+
+@triton.jit
+def _query_features(x, p, shift):
+    """Query features shifted by their key channel's shift and by the row's largest shifted exponent
+    (entries of x = 0 count as 0, as in the torch formulation), and that row shift."""
+    exponent, used = _log_magnitude(x, p)
+    exponent = exponent + shift[None, :]
+    row_shift = tl.max(tl.where(used, exponent, 0.0), 1)
+    pos, neg = _halves(x, tl.exp2(exponent - row_shift[:, None]), used)
+    return pos, neg, row_shift
 
 
 @triton.jit
@@ -80,8 +183,8 @@ def _normalisers(pos, neg, key_pos, key_neg, eps_row, same_stream):
 
 @triton.jit
 def _power_map_backward(x, p, grad_s_times_s):
-    """(grad_x, grad_p) through ``s = sign(x)|x|ᵖ`` given ``dL/ds · s``: ``p/x`` and ``log|x|`` times it,
-    zero at ``x = 0`` (where both derivatives vanish for ``p > 1``)."""
+    """(grad_x, grad_p) through ``s = sign(x)|x|ᵖ`` (times any constant) given ``dL/ds · s``: ``p/x`` and
+    ``ln|x|`` times it, zero at ``x = 0`` (where both derivatives vanish for ``p > 1``)."""
     nonzero = x != 0
     grad_x = tl.where(nonzero, grad_s_times_s * p / tl.where(nonzero, x, 1.0), 0.0)
     grad_p = tl.where(nonzero, grad_s_times_s * tl.log(tl.where(nonzero, tl.abs(x), 1.0)), 0.0)
@@ -89,388 +192,464 @@ def _power_map_backward(x, p, grad_s_times_s):
 
 
 @triton.jit
+def _load_power(p_base, stride_pc, D, DP: tl.constexpr, ACC: tl.constexpr):
+    c = tl.arange(0, DP)
+    return tl.load(p_base + c * stride_pc, mask=c < D, other=1.0).to(ACC)
+
+
+@triton.jit
 def _state_kernel(
-    k_ptr, v_ptr, p_ptr, mask_ptr, cu_ptr, item_seq_ptr, item_first_ptr, part_ptr,
-    stride_kb, stride_kh, stride_kt, stride_kc,
-    stride_vb, stride_vh, stride_vt, stride_vc,
-    stride_pb, stride_mb, stride_mt,
-    HEADS, LENGTH, D, DV, HALF,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
-    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    k_ptr, v_ptr, p_ptr, mask_ptr, cu_k_ptr, part_ptr,
+    stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc,
+    stride_pb, stride_ph, stride_pc, stride_mb, stride_mt,
+    K_LEN, D, DV, HALF,
+    SPLITS: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, PACKED: tl.constexpr,
+    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """Partial routed state (top, bottom, key sums, valid-key count) of one chunk of keys of one head.
-    Grid: (key items, heads)."""
-    item = tl.program_id(0)
-    head = tl.program_id(1)
-    seq, batch, start, length, chunk_start = locate_item(item, item_seq_ptr, item_first_ptr, cu_ptr, LENGTH,
-                                                         CHUNK, PACKED)
-    if chunk_start < length:
-        acc_t = part_ptr.dtype.element_ty
-        c = tl.arange(0, DP)
-        j = tl.arange(0, DVP)
-        p = tl.load(p_ptr + batch * stride_pb + head * DP + c)
-        k_base = k_ptr + batch.to(tl.int64) * stride_kb + head * stride_kh
-        v_base = v_ptr + batch.to(tl.int64) * stride_vb + head * stride_vh
-        state_pos = tl.zeros([DP, DVP], dtype=acc_t)
-        state_neg = tl.zeros([DP, DVP], dtype=acc_t)
-        sum_pos = tl.zeros([DP], dtype=acc_t)
-        sum_neg = tl.zeros([DP], dtype=acc_t)
-        count = tl.zeros([BLOCK], dtype=acc_t)
-        for t0 in range(chunk_start, tl.minimum(chunk_start + CHUNK, length), BLOCK):
-            t = t0 + tl.arange(0, BLOCK)
-            keep = t < length
-            if HAS_MASK:
-                keep = keep & (tl.load(mask_ptr + batch * stride_mb + t * stride_mt, mask=keep, other=1) == 0)
-            rows = (start + t).to(tl.int64)
-            x = tl.load(k_base + rows[:, None] * stride_kt + c[None, :] * stride_kc,
-                        mask=keep[:, None] & (c < D)[None, :], other=0.0).to(acc_t)
-            values = tl.load(v_base + rows[:, None] * stride_vt + j[None, :] * stride_vc,
-                             mask=keep[:, None] & (j < DV)[None, :], other=0.0).to(acc_t)
-            pos, neg = power_map(x, p[None, :])
-            state_pos += tl.dot(tl.trans(pos), values, input_precision=PRECISION, out_dtype=acc_t)
-            state_neg += tl.dot(tl.trans(neg), values, input_precision=PRECISION, out_dtype=acc_t)
-            sum_pos += tl.sum(pos, 0)
-            sum_neg += tl.sum(neg, 0)
-            count += keep.to(acc_t)
-        same_stream = (j < HALF)[None, :]
-        width: tl.constexpr = 2 * DP * DVP + 2 * DP + 1
-        out = part_ptr + (item.to(tl.int64) * HEADS + head) * width
-        cell = c[:, None] * DVP + j[None, :]
-        tl.store(out + cell, tl.where(same_stream, state_pos, state_neg))
-        tl.store(out + DP * DVP + cell, tl.where(same_stream, state_neg, state_pos))
-        tl.store(out + 2 * DP * DVP + c, sum_pos)
-        tl.store(out + 2 * DP * DVP + DP + c, sum_neg)
-        tl.store(out + 2 * DP * DVP + 2 * DP, tl.sum(count, 0))
+    """Partial state of one split of one sequence's keys. Grid: (splits, heads, sequences)."""
+    split = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
+    state = _key_state(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+                       mask_ptr + batch * stride_mb, p, lo, hi, stride_kt, stride_kc, stride_vt, stride_vc,
+                       stride_mt, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK, PRECISION, ACC)
+    width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
+    _store_state(part_ptr + ((seq * heads + head) * SPLITS + split) * width, *state, DP, DVP)
 
 
 @triton.jit
-def _output_kernel(
-    q_ptr, p_ptr, state_ptr, out_ptr, cu_ptr, item_seq_ptr, item_first_ptr,
-    stride_qb, stride_qh, stride_qt, stride_qc,
+def _forward_kernel(
+    q_ptr, k_ptr, v_ptr, p_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, part_ptr, state_ptr, out_ptr,
+    stride_qb, stride_qh, stride_qt, stride_qc, stride_kb, stride_kh, stride_kt, stride_kc,
+    stride_vb, stride_vh, stride_vt, stride_vc, stride_pb, stride_ph, stride_pc, stride_mb, stride_mt,
     stride_ob, stride_oh, stride_ot, stride_oc,
-    stride_pb, HEADS, LENGTH, D, DV, HALF, eps,
-    BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    Q_LEN, K_LEN, D, DV, HALF, eps,
+    SPANS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
+    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_STATE: tl.constexpr, PRECISION: tl.constexpr,
+    ACC: tl.constexpr,
 ):
-    """The output of one block of queries of one head from the reduced state. Grid: (query blocks, heads)."""
-    item = tl.program_id(0)
-    head = tl.program_id(1)
-    seq, batch, start, length, t0 = locate_item(item, item_seq_ptr, item_first_ptr, cu_ptr, LENGTH, BLOCK, PACKED)
-    if t0 < length:
-        acc_t = state_ptr.dtype.element_ty
-        c = tl.arange(0, DP)
-        j = tl.arange(0, DVP)
-        top, bottom, key_pos, key_neg, inv_m = _load_state(state_ptr, seq, head, HEADS, DP, DVP)
-        p = tl.load(p_ptr + batch * stride_pb + head * DP + c)
+    """The output of one span of one sequence's queries: the key state built here (``SPLITS == 0``) or merged
+    from the state launch's partials; the first span saves it for the backward. Grid: (spans, heads, sequences)."""
+    span = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
+    width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
+    if SPLITS == 0:
+        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        top, bottom, key_pos, key_neg, shift, count = _key_state(
+            k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+            mask_ptr + batch * stride_mb, p, k_first, k_end, stride_kt, stride_kc, stride_vt, stride_vc,
+            stride_mt, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK, PRECISION, ACC)
+    else:
+        top, bottom, key_pos, key_neg, shift, count = _merge_partials(
+            part_ptr + (seq * heads + head) * SPLITS * width, SPLITS, DP, DVP, ACC)
+    inv_m = 1.0 / tl.maximum(count, 1.0)
+    top, bottom, key_pos, key_neg = top * inv_m, bottom * inv_m, key_pos * inv_m, key_neg * inv_m
+    if SAVE_STATE:
+        if span == 0:
+            _store_state(state_ptr + (seq * heads + head) * width, top, bottom, key_pos, key_neg, shift, count,
+                         DP, DVP)
+    c = tl.arange(0, DP)
+    j = tl.arange(0, DVP)
+    q_base = q_ptr + batch * stride_qb + head * stride_qh
+    o_base = out_ptr + batch * stride_ob + head * stride_oh
+    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    for t0 in range(lo, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
-        valid = t < length
-        rows = (start + t).to(tl.int64)
-        x = tl.load(q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh + rows[:, None] * stride_qt
-                    + c[None, :] * stride_qc, mask=valid[:, None] & (c < D)[None, :], other=0.0).to(acc_t)
-        pos, neg, inv_scale = _scaled_query_features(x, p[None, :])
-        numerator = tl.dot(pos, top, input_precision=PRECISION, out_dtype=acc_t)
-        numerator += tl.dot(neg, bottom, input_precision=PRECISION, out_dtype=acc_t)
-        denominator = _normalisers(pos, neg, key_pos, key_neg, eps * inv_scale, j < HALF)
-        out = numerator / denominator
-        tl.store(out_ptr + batch.to(tl.int64) * stride_ob + head * stride_oh + rows[:, None] * stride_ot
-                 + j[None, :] * stride_oc, out.to(out_ptr.dtype.element_ty),
-                 mask=valid[:, None] & (j < DV)[None, :])
+        valid = t < hi
+        x = tl.load(q_base + t[:, None] * stride_qt + c[None, :] * stride_qc,
+                    mask=valid[:, None] & (c < D)[None, :], other=0.0).to(ACC)
+        pos, neg, row_shift = _query_features(x, p[None, :], shift)
+        numerator = tl.dot(pos, top, input_precision=PRECISION, out_dtype=ACC)
+        numerator += tl.dot(neg, bottom, input_precision=PRECISION, out_dtype=ACC)
+        denominator = _normalisers(pos, neg, key_pos, key_neg, eps * tl.exp2(-row_shift), j < HALF)
+        tl.store(o_base + t[:, None] * stride_ot + j[None, :] * stride_oc,
+                 (numerator / denominator).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
 
 
 @triton.jit
-def _query_grad_kernel(
-    q_ptr, p_ptr, state_ptr, grad_out_ptr, grad_q_ptr, part_ptr, cu_ptr, item_seq_ptr, item_first_ptr,
-    stride_qb, stride_qh, stride_qt, stride_qc,
+def _query_grads(q_base, g_base, dq_base, p, lo, hi, top, bottom, key_pos, key_neg, shift,
+                 stride_qt, stride_qc, stride_gt, stride_gc, stride_dqt, stride_dqc, D, DV, HALF, eps,
+                 BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, PRECISION: tl.constexpr,
+                 ACC: tl.constexpr):
+    """``grad_q`` of queries ``[lo, hi)`` (written), and their sums of the gradients of the state (top, bottom,
+    key_pos, key_neg, as divided by m) and of the exponent. The output is recomputed from the state."""
+    c = tl.arange(0, DP)
+    j = tl.arange(0, DVP)
+    same_stream = j < HALF
+    grad_top = tl.zeros([DP, DVP], dtype=ACC)
+    grad_bottom = tl.zeros([DP, DVP], dtype=ACC)
+    grad_key_pos = tl.zeros([DP], dtype=ACC)
+    grad_key_neg = tl.zeros([DP], dtype=ACC)
+    grad_power = tl.zeros([DP], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        valid = t < hi
+        channels = valid[:, None] & (c < D)[None, :]
+        x = tl.load(q_base + t[:, None] * stride_qt + c[None, :] * stride_qc, mask=channels, other=0.0).to(ACC)
+        pos, neg, row_shift = _query_features(x, p[None, :], shift)
+        numerator = tl.dot(pos, top, input_precision=PRECISION, out_dtype=ACC)
+        numerator += tl.dot(neg, bottom, input_precision=PRECISION, out_dtype=ACC)
+        denominator = _normalisers(pos, neg, key_pos, key_neg, eps * tl.exp2(-row_shift), same_stream)
+        grad_out = tl.load(g_base + t[:, None] * stride_gt + j[None, :] * stride_gc,
+                           mask=valid[:, None] & (j < DV)[None, :], other=0.0).to(ACC)
+        # d(numerator) = dO / z; d(z) = -Σ dO·O / z over each stream's channels. The shifts are constants:
+        # the output does not depend on them.
+        grad_num = grad_out / denominator
+        grad_den = grad_num * (numerator / denominator)
+        grad_same = -tl.sum(tl.where(same_stream[None, :], grad_den, 0.0), 1)
+        grad_opposite = -tl.sum(tl.where(same_stream[None, :], 0.0, grad_den), 1)
+        grad_pos = tl.dot(grad_num, tl.trans(top), input_precision=PRECISION, out_dtype=ACC)
+        grad_pos += grad_same[:, None] * key_pos[None, :] + grad_opposite[:, None] * key_neg[None, :]
+        grad_neg = tl.dot(grad_num, tl.trans(bottom), input_precision=PRECISION, out_dtype=ACC)
+        grad_neg += grad_same[:, None] * key_neg[None, :] + grad_opposite[:, None] * key_pos[None, :]
+        grad_x, grad_p = _power_map_backward(x, p[None, :], grad_pos * pos + grad_neg * neg)
+        tl.store(dq_base + t[:, None] * stride_dqt + c[None, :] * stride_dqc,
+                 grad_x.to(dq_base.dtype.element_ty), mask=channels)
+        grad_power += tl.sum(grad_p, 0)
+        grad_top += tl.dot(tl.trans(pos), grad_num, input_precision=PRECISION, out_dtype=ACC)
+        grad_bottom += tl.dot(tl.trans(neg), grad_num, input_precision=PRECISION, out_dtype=ACC)
+        grad_key_pos += tl.sum(pos * grad_same[:, None] + neg * grad_opposite[:, None], 0)
+        grad_key_neg += tl.sum(neg * grad_same[:, None] + pos * grad_opposite[:, None], 0)
+    return grad_top, grad_bottom, grad_key_pos, grad_key_neg, grad_power
+
+
+@triton.jit
+def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, p, lo, hi, shift, inv_m,
+               grad_top, grad_bottom, grad_key_pos, grad_key_neg,
+               stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc,
+               D, DV, HALF, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, HAS_MASK: tl.constexpr,
+               PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """``grad_k`` and ``grad_v`` of keys ``[lo, hi)`` (written; zero at padded keys) from the state's gradient,
+    and their sum of the exponent's gradient. Features are recomputed with the state's shift."""
+    c = tl.arange(0, DP)
+    j = tl.arange(0, DVP)
+    same_stream = (j < HALF)[None, :]
+    # Route the gradient back to the unrouted sums Σ aᵀv and Σ bᵀv, through the division by m.
+    grad_state_pos = tl.where(same_stream, grad_top, grad_bottom) * inv_m
+    grad_state_neg = tl.where(same_stream, grad_bottom, grad_top) * inv_m
+    grad_key_pos = grad_key_pos * inv_m
+    grad_key_neg = grad_key_neg * inv_m
+    grad_power = tl.zeros([DP], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK):
+        t = t0 + tl.arange(0, BLOCK)
+        valid = t < hi
+        keep = valid
+        if HAS_MASK:
+            keep = keep & (tl.load(mask_base + t * stride_mt, mask=valid, other=1) == 0)
+        x = tl.load(k_base + t[:, None] * stride_kt + c[None, :] * stride_kc,
+                    mask=keep[:, None] & (c < D)[None, :], other=0.0).to(ACC)
+        values = tl.load(v_base + t[:, None] * stride_vt + j[None, :] * stride_vc,
+                         mask=keep[:, None] & (j < DV)[None, :], other=0.0).to(ACC)
+        exponent, used = _log_magnitude(x, p[None, :])
+        pos, neg = _halves(x, tl.exp2(exponent - shift[None, :]), used)
+        grad_values = tl.dot(pos, grad_state_pos, input_precision=PRECISION, out_dtype=ACC)
+        grad_values += tl.dot(neg, grad_state_neg, input_precision=PRECISION, out_dtype=ACC)
+        tl.store(dv_base + t[:, None] * stride_dvt + j[None, :] * stride_dvc,
+                 grad_values.to(dv_base.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
+        grad_pos = tl.dot(values, tl.trans(grad_state_pos), input_precision=PRECISION, out_dtype=ACC)
+        grad_pos += grad_key_pos[None, :]
+        grad_neg = tl.dot(values, tl.trans(grad_state_neg), input_precision=PRECISION, out_dtype=ACC)
+        grad_neg += grad_key_neg[None, :]
+        grad_x, grad_p = _power_map_backward(x, p[None, :], grad_pos * pos + grad_neg * neg)
+        tl.store(dk_base + t[:, None] * stride_dkt + c[None, :] * stride_dkc,
+                 grad_x.to(dk_base.dtype.element_ty), mask=valid[:, None] & (c < D)[None, :])
+        grad_power += tl.sum(grad_p, 0)
+    return grad_power
+
+
+@triton.jit
+def _backward_kernel(
+    q_ptr, k_ptr, v_ptr, p_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, state_ptr, grad_out_ptr,
+    grad_q_ptr, grad_k_ptr, grad_v_ptr, grad_part_ptr, grad_power_ptr,
+    stride_qb, stride_qh, stride_qt, stride_qc, stride_kb, stride_kh, stride_kt, stride_kc,
+    stride_vb, stride_vh, stride_vt, stride_vc, stride_pb, stride_ph, stride_pc, stride_mb, stride_mt,
     stride_gb, stride_gh, stride_gt, stride_gc,
-    stride_dqb, stride_dqh, stride_dqt, stride_dqc,
-    stride_pb, HEADS, LENGTH, D, DV, HALF, eps,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
-    PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqc, stride_dkb, stride_dkh, stride_dkt, stride_dkc,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvc,
+    Q_LEN, K_LEN, D, DV, HALF, eps,
+    SPANS: tl.constexpr, POWER_PARTS: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
+    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """``grad_q`` of one chunk of queries of one head, and that chunk's partial sums of the gradients of the
-    state (top, bottom, key_pos, key_neg, as divided by m) and of the exponent. The output and normalisers
-    are recomputed from the state. Grid: (query items, heads)."""
-    item = tl.program_id(0)
-    head = tl.program_id(1)
-    seq, batch, start, length, chunk_start = locate_item(item, item_seq_ptr, item_first_ptr, cu_ptr, LENGTH,
-                                                         CHUNK, PACKED)
-    if chunk_start < length:
-        acc_t = state_ptr.dtype.element_ty
-        c = tl.arange(0, DP)
-        j = tl.arange(0, DVP)
-        same_stream = j < HALF
-        top, bottom, key_pos, key_neg, inv_m = _load_state(state_ptr, seq, head, HEADS, DP, DVP)
-        p = tl.load(p_ptr + batch * stride_pb + head * DP + c)
-        q_base = q_ptr + batch.to(tl.int64) * stride_qb + head * stride_qh
-        g_base = grad_out_ptr + batch.to(tl.int64) * stride_gb + head * stride_gh
-        dq_base = grad_q_ptr + batch.to(tl.int64) * stride_dqb + head * stride_dqh
-        grad_top = tl.zeros([DP, DVP], dtype=acc_t)
-        grad_bottom = tl.zeros([DP, DVP], dtype=acc_t)
-        grad_key_pos = tl.zeros([DP], dtype=acc_t)
-        grad_key_neg = tl.zeros([DP], dtype=acc_t)
-        grad_power = tl.zeros([DP], dtype=acc_t)
-        for t0 in range(chunk_start, tl.minimum(chunk_start + CHUNK, length), BLOCK):
-            t = t0 + tl.arange(0, BLOCK)
-            valid = t < length
-            rows = (start + t).to(tl.int64)
-            channels = valid[:, None] & (c < D)[None, :]
-            x = tl.load(q_base + rows[:, None] * stride_qt + c[None, :] * stride_qc, mask=channels,
-                        other=0.0).to(acc_t)
-            pos, neg, inv_scale = _scaled_query_features(x, p[None, :])
-            numerator = tl.dot(pos, top, input_precision=PRECISION, out_dtype=acc_t)
-            numerator += tl.dot(neg, bottom, input_precision=PRECISION, out_dtype=acc_t)
-            denominator = _normalisers(pos, neg, key_pos, key_neg, eps * inv_scale, same_stream)
-            grad_out = tl.load(g_base + rows[:, None] * stride_gt + j[None, :] * stride_gc,
-                               mask=valid[:, None] & (j < DV)[None, :], other=0.0).to(acc_t)
-            # d(numerator) = dO / z; d(z) = -Σ dO·O / z over each stream's channels.
-            grad_num = grad_out / denominator
-            grad_den = grad_num * (numerator / denominator)
-            grad_same = -tl.sum(tl.where(same_stream[None, :], grad_den, 0.0), 1)
-            grad_opposite = -tl.sum(tl.where(same_stream[None, :], 0.0, grad_den), 1)
-            grad_pos = tl.dot(grad_num, tl.trans(top), input_precision=PRECISION, out_dtype=acc_t)
-            grad_pos += grad_same[:, None] * key_pos[None, :] + grad_opposite[:, None] * key_neg[None, :]
-            grad_neg = tl.dot(grad_num, tl.trans(bottom), input_precision=PRECISION, out_dtype=acc_t)
-            grad_neg += grad_same[:, None] * key_neg[None, :] + grad_opposite[:, None] * key_pos[None, :]
-            # The row scale cancels: (grad · feature) is the same in scaled and unscaled terms.
-            grad_x, grad_p = _power_map_backward(x, p[None, :], grad_pos * pos + grad_neg * neg)
-            tl.store(dq_base + rows[:, None] * stride_dqt + c[None, :] * stride_dqc,
-                     grad_x.to(grad_q_ptr.dtype.element_ty), mask=channels)
-            grad_power += tl.sum(grad_p, 0)
-            grad_top += tl.dot(tl.trans(pos), grad_num, input_precision=PRECISION, out_dtype=acc_t)
-            grad_bottom += tl.dot(tl.trans(neg), grad_num, input_precision=PRECISION, out_dtype=acc_t)
-            grad_key_pos += tl.sum(pos * grad_same[:, None] + neg * grad_opposite[:, None], 0)
-            grad_key_neg += tl.sum(neg * grad_same[:, None] + pos * grad_opposite[:, None], 0)
-        width: tl.constexpr = 2 * DP * DVP + 3 * DP
-        out = part_ptr + (item.to(tl.int64) * HEADS + head) * width
-        cell = c[:, None] * DVP + j[None, :]
-        tl.store(out + cell, grad_top)
-        tl.store(out + DP * DVP + cell, grad_bottom)
-        tl.store(out + 2 * DP * DVP + c, grad_key_pos)
-        tl.store(out + 2 * DP * DVP + DP + c, grad_key_neg)
-        tl.store(out + 2 * DP * DVP + 2 * DP + c, grad_power)
+    """The query side of the backward for one span of one sequence's queries; with one span (``SPANS == 1``)
+    the key side too, from the state's gradient held in registers. Otherwise the span's partial gradient of
+    the state is stored for :func:`_key_grad_kernel`. Grid: (spans, heads, sequences)."""
+    span = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
+    width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
+    top, bottom, key_pos, key_neg, shift, inv_m = _load_state(state_ptr + (seq * heads + head) * width, DP, DVP)
+    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    grad_top, grad_bottom, grad_key_pos, grad_key_neg, grad_power = _query_grads(
+        q_ptr + batch * stride_qb + head * stride_qh, grad_out_ptr + batch * stride_gb + head * stride_gh,
+        grad_q_ptr + batch * stride_dqb + head * stride_dqh, p, lo, hi, top, bottom, key_pos, key_neg, shift,
+        stride_qt, stride_qc, stride_gt, stride_gc, stride_dqt, stride_dqc, D, DV, HALF, eps,
+        BLOCK, DP, DVP, PRECISION, ACC)
+    c = tl.arange(0, DP)
+    if SPANS == 1:
+        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        grad_power += _key_grads(
+            k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+            mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
+            grad_v_ptr + batch * stride_dvb + head * stride_dvh, p, k_first, k_end, shift, inv_m,
+            grad_top, grad_bottom, grad_key_pos, grad_key_neg, stride_kt, stride_kc, stride_vt, stride_vc,
+            stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK,
+            PRECISION, ACC)
+    else:
+        grad_width: tl.constexpr = 2 * DP * DVP + 2 * DP
+        base = grad_part_ptr + ((seq * heads + head) * SPANS + span) * grad_width
+        cell = c[:, None] * DVP + tl.arange(0, DVP)[None, :]
+        tl.store(base + cell, grad_top)
+        tl.store(base + DP * DVP + cell, grad_bottom)
+        tl.store(base + 2 * DP * DVP + c, grad_key_pos)
+        tl.store(base + 2 * DP * DVP + DP + c, grad_key_neg)
+    tl.store(grad_power_ptr + ((seq * heads + head) * POWER_PARTS + span) * DP + c, grad_power)
 
 
 @triton.jit
 def _key_grad_kernel(
-    k_ptr, v_ptr, p_ptr, mask_ptr, state_ptr, grad_state_ptr, grad_k_ptr, grad_v_ptr, part_ptr,
-    cu_ptr, item_seq_ptr, item_first_ptr,
-    stride_kb, stride_kh, stride_kt, stride_kc,
-    stride_vb, stride_vh, stride_vt, stride_vc,
-    stride_dkb, stride_dkh, stride_dkt, stride_dkc,
-    stride_dvb, stride_dvh, stride_dvt, stride_dvc,
-    stride_pb, stride_mb, stride_mt,
-    HEADS, LENGTH, D, DV, HALF,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
-    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr,
+    k_ptr, v_ptr, p_ptr, mask_ptr, cu_k_ptr, state_ptr, grad_part_ptr, grad_k_ptr, grad_v_ptr, grad_power_ptr,
+    stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc,
+    stride_pb, stride_ph, stride_pc, stride_mb, stride_mt,
+    stride_dkb, stride_dkh, stride_dkt, stride_dkc, stride_dvb, stride_dvh, stride_dvt, stride_dvc,
+    K_LEN, D, DV, HALF,
+    SPANS: tl.constexpr, SPLITS: tl.constexpr, POWER_PARTS: tl.constexpr, BLOCK: tl.constexpr,
+    DP: tl.constexpr, DVP: tl.constexpr, PACKED: tl.constexpr, HAS_MASK: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
-    """``grad_k`` and ``grad_v`` of one chunk of keys of one head from the reduced gradient of the state, and
-    the chunk's partial sum of the exponent's gradient. Padded keys get zero gradients. Grid: (key items, heads)."""
-    item = tl.program_id(0)
-    head = tl.program_id(1)
-    seq, batch, start, length, chunk_start = locate_item(item, item_seq_ptr, item_first_ptr, cu_ptr, LENGTH,
-                                                         CHUNK, PACKED)
-    if chunk_start < length:
-        acc_t = state_ptr.dtype.element_ty
-        c = tl.arange(0, DP)
-        j = tl.arange(0, DVP)
-        same_stream = (j < HALF)[None, :]
-        inv_m = _load_state(state_ptr, seq, head, HEADS, DP, DVP)[4]
-        grad_width: tl.constexpr = 2 * DP * DVP + 3 * DP
-        g = grad_state_ptr + (seq.to(tl.int64) * HEADS + head) * grad_width
-        cell = c[:, None] * DVP + j[None, :]
-        grad_top = tl.load(g + cell)
-        grad_bottom = tl.load(g + DP * DVP + cell)
-        # Route the gradient back to the unrouted sums Σ aᵀv and Σ bᵀv, through the division by m.
-        grad_state_pos = tl.where(same_stream, grad_top, grad_bottom) * inv_m
-        grad_state_neg = tl.where(same_stream, grad_bottom, grad_top) * inv_m
-        grad_key_pos = tl.load(g + 2 * DP * DVP + c) * inv_m
-        grad_key_neg = tl.load(g + 2 * DP * DVP + DP + c) * inv_m
-        p = tl.load(p_ptr + batch * stride_pb + head * DP + c)
-        k_base = k_ptr + batch.to(tl.int64) * stride_kb + head * stride_kh
-        v_base = v_ptr + batch.to(tl.int64) * stride_vb + head * stride_vh
-        dk_base = grad_k_ptr + batch.to(tl.int64) * stride_dkb + head * stride_dkh
-        dv_base = grad_v_ptr + batch.to(tl.int64) * stride_dvb + head * stride_dvh
-        grad_power = tl.zeros([DP], dtype=acc_t)
-        for t0 in range(chunk_start, tl.minimum(chunk_start + CHUNK, length), BLOCK):
-            t = t0 + tl.arange(0, BLOCK)
-            valid = t < length
-            keep = valid
-            if HAS_MASK:
-                keep = keep & (tl.load(mask_ptr + batch * stride_mb + t * stride_mt, mask=valid, other=1) == 0)
-            rows = (start + t).to(tl.int64)
-            x = tl.load(k_base + rows[:, None] * stride_kt + c[None, :] * stride_kc,
-                        mask=keep[:, None] & (c < D)[None, :], other=0.0).to(acc_t)
-            values = tl.load(v_base + rows[:, None] * stride_vt + j[None, :] * stride_vc,
-                             mask=keep[:, None] & (j < DV)[None, :], other=0.0).to(acc_t)
-            pos, neg = power_map(x, p[None, :])
-            grad_values = tl.dot(pos, grad_state_pos, input_precision=PRECISION, out_dtype=acc_t)
-            grad_values += tl.dot(neg, grad_state_neg, input_precision=PRECISION, out_dtype=acc_t)
-            tl.store(dv_base + rows[:, None] * stride_dvt + j[None, :] * stride_dvc,
-                     grad_values.to(grad_v_ptr.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
-            grad_pos = tl.dot(values, tl.trans(grad_state_pos), input_precision=PRECISION, out_dtype=acc_t)
-            grad_pos += grad_key_pos[None, :]
-            grad_neg = tl.dot(values, tl.trans(grad_state_neg), input_precision=PRECISION, out_dtype=acc_t)
-            grad_neg += grad_key_neg[None, :]
-            grad_x, grad_p = _power_map_backward(x, p[None, :], grad_pos * pos + grad_neg * neg)
-            tl.store(dk_base + rows[:, None] * stride_dkt + c[None, :] * stride_dkc,
-                     grad_x.to(grad_k_ptr.dtype.element_ty), mask=valid[:, None] & (c < D)[None, :])
-            grad_power += tl.sum(grad_p, 0)
-        tl.store(part_ptr + (item.to(tl.int64) * HEADS + head) * DP + c, grad_power)
+    """The key side of the backward for one split of one sequence's keys, from the query spans' partial
+    gradients of the state (added in span order). Grid: (splits, heads, sequences)."""
+    split = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+    p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
+    width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
+    _, _, _, _, shift, inv_m = _load_state(state_ptr + (seq * heads + head) * width, DP, DVP)
+    c = tl.arange(0, DP)
+    cell = c[:, None] * DVP + tl.arange(0, DVP)[None, :]
+    grad_width: tl.constexpr = 2 * DP * DVP + 2 * DP
+    grad_top = tl.zeros([DP, DVP], dtype=ACC)
+    grad_bottom = tl.zeros([DP, DVP], dtype=ACC)
+    grad_key_pos = tl.zeros([DP], dtype=ACC)
+    grad_key_neg = tl.zeros([DP], dtype=ACC)
+    for span in range(SPANS):
+        base = grad_part_ptr + ((seq * heads + head) * SPANS + span) * grad_width
+        grad_top += tl.load(base + cell)
+        grad_bottom += tl.load(base + DP * DVP + cell)
+        grad_key_pos += tl.load(base + 2 * DP * DVP + c)
+        grad_key_neg += tl.load(base + 2 * DP * DVP + DP + c)
+    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    grad_power = _key_grads(
+        k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+        mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
+        grad_v_ptr + batch * stride_dvb + head * stride_dvh, p, lo, hi, shift, inv_m,
+        grad_top, grad_bottom, grad_key_pos, grad_key_neg, stride_kt, stride_kc, stride_vt, stride_vc,
+        stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK,
+        PRECISION, ACC)
+    tl.store(grad_power_ptr + ((seq * heads + head) * POWER_PARTS + SPANS + split) * DP + c, grad_power)
 
 
-class _Launch:
-    """Everything about one call that the kernels share: sizes, paddings, work items, the exponent laid out
-    per (batch, head) and padded with ones, and the key mask as bytes."""
+def _strides(t: torch.Tensor | None, dims: int = 4) -> tuple[int, ...]:
+    return (0,) * dims if t is None else tuple(t.stride())
+
+
+class _Call:
+    """Sizes, compile-time switches and the launch plan of one call, shared by its forward and backward."""
 
     def __init__(self, q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k):
         self.packed = cu_seqlens is not None
         batch, self.heads, self.q_len, self.d = q.shape
         self.k_len, self.dv = k.shape[-2], v.shape[-1]
         self.half = (self.dv + 1) // 2
-        self.sequences = cu_seqlens.numel() - 1 if self.packed else batch
-        self.cu_q = cu_seqlens if self.packed else None
-        self.cu_k = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k) if self.packed else None
+        self.sequences = cu_seqlens.shape[0] - 1 if self.packed else batch
         self.dp, self.dvp = padded_width(self.d), padded_width(self.dv)
+        self.width = 2 * self.dp * self.dvp + 3 * self.dp + 1
         self.acc = accumulator_dtype(q, k, v, power)
+        self.tl_acc = tl.float64 if self.acc == torch.float64 else tl.float32
         self.precision = dot_precision(q, k, v)
-        self.block = token_block(q)
-        device = q.device
-        exponent = power.detach().to(self.acc).expand(batch, self.heads, 1, self.d)[:, :, 0]
-        self.power = torch.ones(batch, self.heads, self.dp, device=device, dtype=self.acc)
-        self.power[..., :self.d] = exponent
-        self.power_shape, self.power_dtype = power.shape, power.dtype
+        block = 64 if q.is_cuda else 16  # the interpreter's small shapes then cover several blocks
+        per_sequence = max(self.sequences, 1)
+        self.plan = plan(self.sequences, self.heads, -(-self.q_len // per_sequence) if self.packed else self.q_len,
+                         -(-self.k_len // per_sequence) if self.packed else self.k_len, block, q.device)
+        # the exponent as a (B, H, d) view with its own strides: no copy per call
+        self.power = power.expand(batch, self.heads, 1, self.d)[:, :, 0]
         self.mask = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
-        self.mask_strides = (0, 0) if self.mask is None else self.mask.stride()
-        self.dummy = torch.zeros(1, device=device, dtype=torch.int32)
-        state_chunk = reduction_chunk(self.sequences, self.heads, self.k_len, self.block)
-        query_chunk = reduction_chunk(self.sequences, self.heads, self.q_len, self.block)
-        self.key_items = items_for(self.sequences, self.k_len, state_chunk, device, self.cu_k)
-        self.query_blocks = items_for(self.sequences, self.q_len, self.block, device, self.cu_q)
-        self.query_items = items_for(self.sequences, self.q_len, query_chunk, device, self.cu_q)
+        self.cu_q = cu_seqlens
+        self.cu_k = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k) if self.packed else None
+        self.warps = warps(self.dp, self.dvp)
 
-    def _common(self, items: Items, cu):
-        return dict(cu_ptr=self.dummy if cu is None else cu, item_seq_ptr=items.item_seq,
-                    item_first_ptr=items.item_first)
+    def grid(self, programs: int):
+        return programs, self.heads, self.sequences
 
-    def state(self, k, v) -> torch.Tensor:
-        width = 2 * self.dp * self.dvp + 2 * self.dp + 1
-        items = self.key_items
-        partials = torch.empty(items.count, self.heads, width, device=k.device, dtype=self.acc)
-        _state_kernel[(items.count, self.heads)](
-            k, v, self.power, self.dummy if self.mask is None else self.mask, part_ptr=partials,
-            **self._common(items, self.cu_k),
-            stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kt=k.stride(2), stride_kc=k.stride(3),
-            stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vt=v.stride(2), stride_vc=v.stride(3),
-            stride_pb=self.power.stride(0), stride_mb=self.mask_strides[0], stride_mt=self.mask_strides[1],
-            HEADS=self.heads, LENGTH=self.k_len, D=self.d, DV=self.dv, HALF=self.half,
-            CHUNK=items.chunk, BLOCK=self.block, DP=self.dp, DVP=self.dvp,
-            PACKED=self.packed, HAS_MASK=self.mask is not None, PRECISION=self.precision,
-        )
-        return sum_item_partials(partials, items)
+    def constants(self):
+        return dict(BLOCK=self.plan.block, DP=self.dp, DVP=self.dvp, PACKED=self.packed, PRECISION=self.precision,
+                    ACC=self.tl_acc, num_warps=self.warps)
 
-    def output(self, q, state, eps, out) -> None:
-        items = self.query_blocks
-        _output_kernel[(items.count, self.heads)](
-            q, self.power, state, out, **self._common(items, self.cu_q),
-            stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qt=q.stride(2), stride_qc=q.stride(3),
-            stride_ob=out.stride(0), stride_oh=out.stride(1), stride_ot=out.stride(2), stride_oc=out.stride(3),
-            stride_pb=self.power.stride(0), HEADS=self.heads, LENGTH=self.q_len, D=self.d, DV=self.dv,
-            HALF=self.half, eps=eps, BLOCK=self.block, DP=self.dp, DVP=self.dvp, PACKED=self.packed,
-            PRECISION=self.precision,
-        )
-
-    def query_grads(self, q, state, eps, grad_out, grad_q) -> torch.Tensor:
-        width = 2 * self.dp * self.dvp + 3 * self.dp
-        items = self.query_items
-        partials = torch.empty(items.count, self.heads, width, device=q.device, dtype=self.acc)
-        _query_grad_kernel[(items.count, self.heads)](
-            q, self.power, state, grad_out, grad_q, partials, **self._common(items, self.cu_q),
-            stride_qb=q.stride(0), stride_qh=q.stride(1), stride_qt=q.stride(2), stride_qc=q.stride(3),
-            stride_gb=grad_out.stride(0), stride_gh=grad_out.stride(1), stride_gt=grad_out.stride(2),
-            stride_gc=grad_out.stride(3),
-            stride_dqb=grad_q.stride(0), stride_dqh=grad_q.stride(1), stride_dqt=grad_q.stride(2),
-            stride_dqc=grad_q.stride(3),
-            stride_pb=self.power.stride(0), HEADS=self.heads, LENGTH=self.q_len, D=self.d, DV=self.dv,
-            HALF=self.half, eps=eps, CHUNK=items.chunk, BLOCK=self.block, DP=self.dp, DVP=self.dvp,
-            PACKED=self.packed, PRECISION=self.precision,
-        )
-        return sum_item_partials(partials, items)
-
-    def key_grads(self, k, v, state, grad_state, grad_k, grad_v) -> torch.Tensor:
-        items = self.key_items
-        partials = torch.empty(items.count, self.heads, self.dp, device=k.device, dtype=self.acc)
-        _key_grad_kernel[(items.count, self.heads)](
-            k, v, self.power, self.dummy if self.mask is None else self.mask, state, grad_state, grad_k, grad_v,
-            partials, **self._common(items, self.cu_k),
-            stride_kb=k.stride(0), stride_kh=k.stride(1), stride_kt=k.stride(2), stride_kc=k.stride(3),
-            stride_vb=v.stride(0), stride_vh=v.stride(1), stride_vt=v.stride(2), stride_vc=v.stride(3),
-            stride_dkb=grad_k.stride(0), stride_dkh=grad_k.stride(1), stride_dkt=grad_k.stride(2),
-            stride_dkc=grad_k.stride(3),
-            stride_dvb=grad_v.stride(0), stride_dvh=grad_v.stride(1), stride_dvt=grad_v.stride(2),
-            stride_dvc=grad_v.stride(3),
-            stride_pb=self.power.stride(0), stride_mb=self.mask_strides[0], stride_mt=self.mask_strides[1],
-            HEADS=self.heads, LENGTH=self.k_len, D=self.d, DV=self.dv, HALF=self.half,
-            CHUNK=items.chunk, BLOCK=self.block, DP=self.dp, DVP=self.dvp,
-            PACKED=self.packed, HAS_MASK=self.mask is not None, PRECISION=self.precision,
-        )
-        return sum_item_partials(partials, items)
-
-    def power_grad(self, per_sequence: torch.Tensor) -> torch.Tensor:
-        """(S, H, DP) per-sequence exponent gradients → ``power``'s shape (summed over what it broadcasts)."""
-        grad = per_sequence[..., :self.d]
-        if self.packed:
-            grad = grad.sum(dim=0, keepdim=True)
-        return grad.unsqueeze(2).sum_to_size(self.power_shape)
-
-    def new_output(self, v: torch.Tensor) -> torch.Tensor:
-        """(B, H, N, dv) over (B, N, H, dv) memory, as the torch formulation returns it."""
-        return v.new_empty(v.shape[0], self.q_len, self.heads, self.dv).transpose(1, 2)
+    def pointers(self, like):
+        """Stand-ins for the absent mask and offsets: never read, one dummy pointer each."""
+        return (like if self.mask is None else self.mask, like if self.cu_q is None else self.cu_q,
+                like if self.cu_k is None else self.cu_k)
 
 
-def pola_forward(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu_seqlens_k=None, out=None):
-    """Run the forward kernels; returns ``(out, state, launch)``. ``out`` (B, H, N, dv), any strides, is
-    written in place when given. Arguments are assumed checked by the op."""
-    launch = _Launch(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k)
-    if out is None:
-        out = launch.new_output(v)
-    state = launch.state(k, v)
-    launch.output(q, state, eps, out)
-    return out, state, launch
+def pola_forward(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu_seqlens_k=None, out=None,
+                 save_state=True):
+    """Run the forward kernel(s); returns ``(out, state, call)``, ``state`` (sequences, heads, width) holding
+    each sequence's state for the backward when ``save_state``. ``out`` (B, H, N, dv), any strides, is written
+    in place when given. Arguments are assumed checked by the op."""
+    call = _Call(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    if out is None:  # (B, H, N, dv) over (B, N, H, dv) memory, as the torch formulation returns it
+        out = v.new_empty(v.shape[0], call.q_len, call.heads, call.dv).transpose(1, 2)
+    state = q.new_empty((call.sequences, call.heads, call.width) if save_state else (0,), dtype=call.acc)
+    mask, cu_q, cu_k = call.pointers(q)
+    splits = call.plan.key_splits
+    partials = q.new_empty(0, dtype=call.acc)
+    if splits:
+        partials = q.new_empty(call.sequences, call.heads, splits, call.width, dtype=call.acc)
+        _state_kernel[call.grid(splits)](
+            k, v, call.power, mask, cu_k, partials, *k.stride(), *v.stride(), *call.power.stride(),
+            *_strides(call.mask, 2), call.k_len, call.d, call.dv, call.half, SPLITS=splits,
+            HAS_MASK=call.mask is not None, **call.constants())
+    _forward_kernel[call.grid(call.plan.query_spans)](
+        q, k, v, call.power, mask, cu_q, cu_k, partials, state, out, *q.stride(), *k.stride(), *v.stride(),
+        *call.power.stride(), *_strides(call.mask, 2), *out.stride(), call.q_len, call.k_len, call.d, call.dv,
+        call.half, eps, SPANS=call.plan.query_spans, SPLITS=splits, HAS_MASK=call.mask is not None,
+        SAVE_STATE=save_state, **call.constants())
+    return out, state, call
 
 
-def pola_backward(launch, q, k, v, state, eps, grad_out, grad_q=None, grad_k=None, grad_v=None):
-    """Run the backward kernels; returns ``(grad_q, grad_k, grad_v, grad_power)``, writing into the given
-    gradient buffers (any strides) where passed."""
+def pola_backward(call, q, k, v, power, state, eps, grad_out, grad_q=None, grad_k=None, grad_v=None):
+    """Run the backward kernel(s); returns ``(grad_q, grad_k, grad_v, grad_power)``, writing into the given
+    gradient buffers (any strides) where passed; ``grad_power`` has ``power``'s shape, in fp32 (fp64)."""
     grad_q = torch.empty_like(q) if grad_q is None else grad_q
     grad_k = torch.empty_like(k) if grad_k is None else grad_k
     grad_v = torch.empty_like(v) if grad_v is None else grad_v
-    grad_state = launch.query_grads(q, state, eps, grad_out, grad_q)
-    power_from_keys = launch.key_grads(k, v, state, grad_state, grad_k, grad_v)
-    power_from_queries = grad_state[..., 2 * launch.dp * launch.dvp + 2 * launch.dp:]
-    return grad_q, grad_k, grad_v, launch.power_grad(power_from_queries + power_from_keys)
+    spans, splits = call.plan.backward_spans, call.plan.backward_key_splits
+    parts = spans + splits
+    grad_power = q.new_empty(call.sequences, call.heads, parts, call.dp, dtype=call.acc)
+    mask, cu_q, cu_k = call.pointers(q)
+    grad_partials = q.new_empty(0, dtype=call.acc)
+    if spans > 1:
+        grad_partials = q.new_empty(call.sequences, call.heads, spans, 2 * call.dp * call.dvp + 2 * call.dp,
+                                    dtype=call.acc)
+    _backward_kernel[call.grid(spans)](
+        q, k, v, call.power, mask, cu_q, cu_k, state, grad_out, grad_q, grad_k, grad_v, grad_partials, grad_power,
+        *q.stride(), *k.stride(), *v.stride(), *call.power.stride(), *_strides(call.mask, 2), *grad_out.stride(),
+        *grad_q.stride(), *grad_k.stride(), *grad_v.stride(), call.q_len, call.k_len, call.d, call.dv, call.half,
+        eps, SPANS=spans, POWER_PARTS=parts, HAS_MASK=call.mask is not None, **call.constants())
+    if spans > 1:
+        _key_grad_kernel[call.grid(splits)](
+            k, v, call.power, mask, cu_k, state, grad_partials, grad_k, grad_v, grad_power,
+            *k.stride(), *v.stride(), *call.power.stride(), *_strides(call.mask, 2), *grad_k.stride(),
+            *grad_v.stride(), call.k_len, call.d, call.dv, call.half, SPANS=spans, SPLITS=splits,
+            POWER_PARTS=parts, HAS_MASK=call.mask is not None, **call.constants())
+    return grad_q, grad_k, grad_v, _power_grad(grad_power, call, power.shape)
+
+
+def _power_grad(parts: torch.Tensor, call: _Call, shape: torch.Size) -> torch.Tensor:
+    """(sequences, heads, parts, DP) partial exponent gradients → ``shape``, summed over the axes it broadcasts
+    and over the parts in one reduction (none when the exponent is per batch entry and the work was whole)."""
+    grad = parts[..., :call.d]
+    target = (1,) * (4 - len(shape)) + tuple(shape)
+    dims = [axis for axis in range(4) if target[axis] == 1 and grad.shape[axis] > 1]
+    if dims:
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.reshape(shape)
 
 
 class PolaAttention(torch.autograd.Function):
-    """The fused op with the backward kernels; inputs already checked by :func:`pola_linear_attention`."""
+    """The fused op with the backward kernels, for eager calls; inputs already checked by
+    :func:`polaformer.ops.pola_linear_attention`. Differentiable once: a second differentiation (a gradient
+    penalty through ``create_graph=True``) raises instead of returning gradients that ignore the inputs."""
 
     @staticmethod
     def forward(ctx, q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k):
-        out, state, launch = pola_forward(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
-        ctx.save_for_backward(q, k, v, state)
-        ctx.launch, ctx.eps = launch, eps
+        out, state, call = pola_forward(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, power, state)
+        ctx.call, ctx.eps = call, eps
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, state = ctx.saved_tensors
-        grad_q, grad_k, grad_v, grad_power = pola_backward(ctx.launch, q, k, v, state, ctx.eps, grad_out)
+        q, k, v, power, state = ctx.saved_tensors
+        grad_q, grad_k, grad_v, grad_power = pola_backward(ctx.call, q, k, v, power, state, ctx.eps, grad_out)
         needs = ctx.needs_input_grad
         return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
-                grad_power.to(ctx.launch.power_dtype) if needs[3] else None, None, None, None, None)
+                grad_power.to(power.dtype) if needs[3] else None, None, None, None, None)
+
+
+# The op as torch.compile sees it: a registered operator with shapes from fake tensors and its backward as a
+# second operator, so the compiled graph calls these kernels. Eager calls skip the operator's dispatch, which
+# costs several times a small launch.
+@torch.library.custom_op("polaformer::pola_attention", mutates_args=())
+def _pola_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor, eps: float,
+             key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
+             cu_seqlens_k: torch.Tensor | None, save_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, state, _ = pola_forward(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k,
+                                 save_state=save_state)
+    return out, state
+
+
+@_pola_op.register_fake
+def _pola_op_shapes(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k, save_state):
+    sequences = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+    width = 2 * padded_width(q.shape[-1]) * padded_width(v.shape[-1]) + 3 * padded_width(q.shape[-1]) + 1
+    out = v.new_empty(v.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
+    state = q.new_empty((sequences, q.shape[1], width) if save_state else (0,), dtype=accumulator_dtype(q, k, v, power))
+    return out, state
+
+
+@torch.library.custom_op("polaformer::pola_attention_backward", mutates_args=())
+def _pola_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor,
+                      state: torch.Tensor, eps: float, key_padding_mask: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = _Call(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    grad_q, grad_k, grad_v, grad_power = pola_backward(call, q, k, v, power, state, eps, grad_out)
+    grad_power = grad_power.to(power.dtype)
+    # an operator's outputs own their memory
+    return grad_q, grad_k, grad_v, grad_power if grad_power._base is None else grad_power.clone()
+
+
+@_pola_backward_op.register_fake
+def _pola_backward_shapes(grad_out, q, k, v, power, state, eps, key_padding_mask, cu_seqlens, cu_seqlens_k):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), torch.empty_like(power)
+
+
+def _pola_op_setup(ctx, inputs, output):
+    q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k, _ = inputs
+    ctx.save_for_backward(q, k, v, power, output[1], key_padding_mask, cu_seqlens, cu_seqlens_k)
+    ctx.eps = eps
+
+
+def _pola_op_backward(ctx, grad_out, _grad_state):
+    q, k, v, power, state, key_padding_mask, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
+    grads = _pola_backward_op(grad_out, q, k, v, power, state, ctx.eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
+            None, None, None, None, None)
+
+
+_pola_op.register_autograd(_pola_op_backward, setup_context=_pola_op_setup)
 
 
 def pola_attention(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu_seqlens_k=None):
     """The Triton path of :func:`polaformer.ops.pola_linear_attention` (arguments checked there): output in
     ``v``'s dtype, gradients for q, k, v and ``power`` when they require them."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power)):
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
+    if torch.compiler.is_compiling():
+        return _pola_op(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k, needs_grad)[0]
+    if needs_grad:
         return PolaAttention.apply(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
-    return pola_forward(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)[0]
+    return pola_forward(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k, save_state=False)[0]

@@ -175,7 +175,7 @@ def test_kernels_write_inside_their_buffers_and_deterministically(device, packed
     else:
         kwargs["key_padding_mask"] = torch.tensor([[False] * 20 + [True], [True] * 21], device=device)
     out, out_buffer = _guarded(q.shape[:3] + (5,), torch.float32, device, transpose_tokens=True)
-    _, state, launch = pola_forward(q, k, v, power, 1e-6, out=out, **kwargs)
+    _, state, call = pola_forward(q, k, v, power, 1e-6, out=out, **kwargs)
     if packed:
         expected = _per_sequence_reference(q, k, v, power, torch.zeros_like(out), [0, 16, 37], [0, 1, 21])[0]
     else:
@@ -185,9 +185,9 @@ def test_kernels_write_inside_their_buffers_and_deterministically(device, packed
 
     grad_out = torch.randn_like(out)
     guarded = [_guarded(t.shape, torch.float32, device, transpose_tokens=i == 1) for i, t in enumerate((q, k, v))]
-    grads = pola_backward(launch, q, k, v, state, 1e-6, grad_out, *(view for view, _ in guarded))
+    grads = pola_backward(call, q, k, v, power, state, 1e-6, grad_out, *(view for view, _ in guarded))
     assert all(_margins_intact(view, buffer) for view, buffer in guarded)
-    again = pola_backward(launch, q, k, v, state, 1e-6, grad_out)
+    again = pola_backward(call, q, k, v, power, state, 1e-6, grad_out)
     assert all(torch.equal(first, second) for first, second in zip(grads, again))
 
 
