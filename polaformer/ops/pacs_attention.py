@@ -443,7 +443,7 @@ def _check_packed(q, k, cu_seqlens, cu_seqlens_k, rope: bool) -> None:
                                  ("cu_seqlens_k", cu_seqlens_k, k.shape[-2])):
         if offsets is None:
             offsets = cu_seqlens
-        if isinstance(offsets, torch.Tensor) and offsets.device.type != "cpu":
+        if isinstance(offsets, torch.Tensor) and (offsets.device.type != "cpu" or capturing()):
             if offsets.dim() != 1 or offsets.dtype not in (torch.int32, torch.int64) or offsets.numel() < 2:
                 raise ValueError(f"{name} must be a 1-D int32/int64 tensor of at least two sequence offsets")
         else:
@@ -511,12 +511,15 @@ def pacs_linear_attention(
     shifted with them); see :func:`_pacs_attention_graph`. With RoPE the
     numerator pairs channels that the denominator does not, so the output
     itself grows like ``e^|x|``; it is finite where it fits the dtype. The
-    Triton kernels (CUDA) have no log-domain fallback: there |k| and
-    |q|·temperature must stay below about 88. The causal form is not shifted.
+    Triton kernels (CUDA) always work in the log domain, the shifts tracked
+    inside them. The causal form is not shifted.
 
     Host synchronisations: none on the Triton path (CUDA) with offsets on the
     device, whose values are then trusted; offsets on the CPU are checked. The
-    torch formulation of a packed batch reads the offsets (one sync).
+    torch formulation of a packed batch reads the offsets (one sync). Under
+    ``torch.compile`` the kernels run as the op ``polaformer::pacs_attention``.
+    The eager kernel paths are differentiable once (a second differentiation
+    raises), as :func:`pola_linear_attention`'s.
     """
     if causal:
         if cu_seqlens_k is not None:
@@ -546,11 +549,11 @@ def pacs_linear_attention(
         _check_key_padding_mask(key_padding_mask, k)
     # The kernels' RoPE works on channel pairs inside each half; tables for an odd head_dim take the plain path.
     pairs = sin is None or q.shape[-1] % 2 == 0
-    if pairs and not capturing():
-        kernels = triton_kernels(q)
-        if kernels is not None:
-            return kernels.pacs_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask,
-                                          cu_seqlens, cu_seqlens_k)
+    kernels = triton_kernels(q) if pairs else None
+    if kernels is not None:
+        on_device = lambda t: None if t is None else t.to(q.device)  # noqa: E731
+        return kernels.pacs_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps, on_device(key_padding_mask),
+                                      on_device(cu_seqlens), on_device(cu_seqlens_k))
     if cu_seqlens is not None:
         return _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, cu_seqlens_k)
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)

@@ -8,704 +8,857 @@ The math per (sequence, head), for the same-sign stream ``s`` (value half 0) and
     kv  = R(φk)ᵀ v / M                     k̄ = Σ φk / M          (the state, M = number of valid keys)
     out = R(φ)·kv[:, half] / (φ·k̄ + eps)   per stream
 
-``R`` is RoPE on the numerator (identity without tables). The opposite stream is formed by routing ``b``
-and ``a`` to the halves in registers; no feature or swapped copy is written to memory.
+``R`` is RoPE on the numerator (identity without tables). The opposite stream is formed by routing ``b`` and
+``a`` to the halves in registers; no feature or swapped copy is written to memory.
 
-Layout. A 2d-wide feature vector is held as four blocks of ``P = ⌈d/2⌉`` channels, block ``(h, e)`` holding
-channel ``h·d + 2c + e`` (h: positive|negative half, e: even|odd channel). RoPE pairs are (2c, 2c+1), so the
-rotation is elementwise between the even and odd blocks. Blocks are padded to powers of two (at least 16, the
-smallest ``tl.dot`` operand) with masks. The state (``kv``: value half × block × P × dv/2, ``k̄``: block × P)
-lives in padded fp32 buffers (fp64 for fp64 inputs), never rounded to the input dtype.
+Layout. RoPE rotates channel pairs (2i, 2i+1) of each half of the 2d features, so a token's features are held
+as two (tokens, 2P) blocks, ``P = ⌈d/2⌉`` padded to a power of two: the even channels ``[x⁺₀ x⁺₂ … | x⁻₀ x⁻₂ …]``
+and the odd ones ``[x⁺₁ x⁺₃ … | x⁻₁ x⁻₃ …]``; the rotation is then elementwise between the two blocks. The
+state (``kv`` per stream and block, ``k̄``) lives in fp32 (fp64 for fp64 inputs), never rounded to the inputs'
+dtype.
 
-Numerics. Each query row of each stream is divided by ``2^⌊log2 max(1, max φ)⌋`` (``eps`` with it): exact in
-floating point, as in the op's torch formulation, and it bounds the products by ``2·2d·max|kv|``. Features are
-computed in the accumulation dtype with an ``exp(x) − 1`` that keeps its relative accuracy near 0.
+Numerics, in the log domain as the op's torch formulation (``_pacs_attention_graph``): each key channel is
+shifted by its largest pre-activation over the sequence (a running maximum, the state rescaled when it grows;
+the two channels of a RoPE pair share theirs), each query row of each stream by its largest pre-activation plus
+that shift, ``eps`` with it. A feature is formed as ``e^(x+s−c)·(1 − e^-x)``, exact near 0 too; every exponent
+is ≤ 0, so the result is finite wherever the exact one is, with no host synchronisation.
 
-Determinism. The reductions over tokens (the state and the gradients of the state and the temperatures) run
-in a fixed number of programs per sequence over a fixed share of its tiles, and the partial results are
-summed by torch in a fixed order: no atomics.
+Launches and determinism as in :mod:`.pola` (:func:`.common.plan`): one forward launch and one backward launch
+at the models' shapes; long sequences with few (sequence, head) pairs split the keys over a state launch and
+the backward over a query-side and a key-side launch, partial sums added in a fixed order, no atomics.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+from torch.autograd.function import once_differentiable
 
-from .common import padded_width
+from .common import accumulator_dtype, dot_precision, padded_width, plan, warps
 
-__all__ = ["pacs_attention"]
-
-# Tokens per tile of every kernel; the most programs that share one sequence's reduction, and the number of
-# programs past which more splits only add partial results to store and sum.
-_BLOCK_TOKENS = 32
-_MAX_SPLITS = 16
-_ENOUGH_PROGRAMS = 1024
+__all__ = ["pacs_attention", "pacs_backward", "pacs_forward"]
 
 
 @triton.jit
-def _find_sequence(cu_seqlens, num_seqs, token):
-    """The sequence that holds packed token ``token``: the last ``s`` with ``cu_seqlens[s] <= token``."""
-    lo = token * 0
-    hi = lo + num_seqs
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        right = tl.load(cu_seqlens + mid) <= token
-        lo = tl.where(right, mid, lo)
-        hi = tl.where(right, hi, mid)
-    return lo
-
-
-@triton.jit
-def _sequence_span(cu_seqlens, s, length, VARLEN: tl.constexpr):
-    """Token range ``[lo, hi)`` of sequence ``s`` and the batch index its tensors are addressed with."""
-    if VARLEN:
-        return tl.load(cu_seqlens + s), tl.load(cu_seqlens + s + 1), s * 0
+def _sequence(seq, cu_ptr, length, PACKED: tl.constexpr):
+    """(batch index, first token, end token) of sequence ``seq``."""
+    if PACKED:
+        return seq * 0, tl.load(cu_ptr + seq).to(tl.int64), tl.load(cu_ptr + seq + 1).to(tl.int64)
     else:
-        return 0, length, s
+        return seq, tl.zeros((), tl.int64), tl.zeros((), tl.int64) + length
 
 
 @triton.jit
-def _load_pairs(base, rows, row_ok, row_stride, c, d, ACC: tl.constexpr):
-    """Channels 2c and 2c+1 of the given rows (zeros outside), in the accumulation dtype."""
-    ptr = base + rows[:, None].to(tl.int64) * row_stride + 2 * c[None, :]
-    even = tl.load(ptr, mask=row_ok[:, None] & (2 * c < d)[None, :], other=0.0)
-    odd = tl.load(ptr + 1, mask=row_ok[:, None] & (2 * c + 1 < d)[None, :], other=0.0)
-    return even.to(ACC), odd.to(ACC)
+def _share(first, end, part, parts, BLOCK: tl.constexpr):
+    """Token range of ``part`` of ``parts``: whole blocks of ``[first, end)``, the same count each."""
+    per = tl.cdiv(tl.cdiv(end - first, BLOCK), parts) * BLOCK
+    lo = first + part * per
+    return lo, tl.minimum(lo + per, end)
 
 
 @triton.jit
-def _store_pairs(base, rows, row_ok, row_stride, c, d, even, odd):
-    ptr = base + rows[:, None].to(tl.int64) * row_stride + 2 * c[None, :]
-    tl.store(ptr, even, mask=row_ok[:, None] & (2 * c < d)[None, :])
-    tl.store(ptr + 1, odd, mask=row_ok[:, None] & (2 * c + 1 < d)[None, :])
+def _columns(d, P: tl.constexpr):
+    """For the 2P feature columns of a block: which are the positive half, the input channel of the even block
+    (the odd block's is one more), whether each exists, and the column's channel in the 2d feature vector."""
+    i = tl.arange(0, 2 * P)
+    positive = i < P
+    channel = 2 * (i % P)
+    feature = tl.where(positive, 0, d) + channel
+    return positive, channel, channel < d, channel + 1 < d, feature
 
 
 @triton.jit
-def _load_blocks(base, rows, row_ok, row_stride, c, d, ACC: tl.constexpr):
-    """The four blocks (h, e) of a 2d-wide row vector: (pos even, pos odd, neg even, neg odd)."""
-    pe, po = _load_pairs(base, rows, row_ok, row_stride, c, d, ACC)
-    ne, no = _load_pairs(base + d, rows, row_ok, row_stride, c, d, ACC)
-    return pe, po, ne, no
+def _load_blocks(base, rows, row_ok, stride_t, stride_c, channel, even_ok, odd_ok, ACC: tl.constexpr):
+    """The (rows, 2P) even and odd blocks of a (tokens, channels) tensor read at ``channel`` and ``channel + 1``
+    (each input channel twice, once per half); zeros outside."""
+    ptr = base + rows[:, None] * stride_t + channel[None, :] * stride_c
+    even = tl.load(ptr, mask=row_ok[:, None] & even_ok[None, :], other=0.0).to(ACC)
+    odd = tl.load(ptr + stride_c, mask=row_ok[:, None] & odd_ok[None, :], other=0.0).to(ACC)
+    return even, odd
 
 
 @triton.jit
-def _load_temperatures(base, c, d, ACC: tl.constexpr):
-    """The four blocks of one (2d,) temperature vector, as (1, P) rows."""
-    ch = 2 * c
-    pe = tl.load(base + ch, mask=ch < d, other=0.0).to(ACC)
-    po = tl.load(base + ch + 1, mask=ch + 1 < d, other=0.0).to(ACC)
-    ne = tl.load(base + d + ch, mask=ch < d, other=0.0).to(ACC)
-    no = tl.load(base + d + ch + 1, mask=ch + 1 < d, other=0.0).to(ACC)
-    return pe[None, :], po[None, :], ne[None, :], no[None, :]
-
-
-@triton.jit
-def _rotate(x_even, x_odd, cos_even, cos_odd, sin_even, sin_odd):
-    """RoPE on one half: pairs (E, O) -> (E·cos − O·sin, O·cos + E·sin)."""
-    return x_even * cos_even - x_odd * sin_even, x_odd * cos_odd + x_even * sin_odd
-
-
-@triton.jit
-def _rotate_transposed(y_even, y_odd, cos_even, cos_odd, sin_even, sin_odd):
-    """The transpose of :func:`_rotate` (the gradient's way back)."""
-    return y_even * cos_even + y_odd * sin_odd, y_odd * cos_odd - y_even * sin_even
+def _halves(x, positive):
+    """``[relu(x) | relu(-x)]`` in the block layout."""
+    return tl.where(positive[None, :], tl.maximum(x, 0.0), tl.maximum(-x, 0.0))
 
 
 @triton.jit
 def _expm1(x):
-    """``exp(x) − 1`` without the cancellation near 0 (Kahan's ``(u − 1)·x / log u``, with ``u = exp(x)``)."""
+    """``exp(x) − 1`` without the cancellation near 0: Kahan's ``(u − 1)·x / log u`` (``u = exp(x)``) for
+    |x| < 1/2, plainly elsewhere (where nothing cancels, and ``u`` may be 0 or infinite)."""
     u = tl.exp(x)
-    log_u = tl.log(tl.where(u == 1.0, 2.0, u))
-    return tl.where(u == 1.0, x, tl.where(u == float("inf"), u, (u - 1.0) * (x / log_u)))
+    near = (tl.abs(x) < 0.5) & (u != 1.0)
+    log_u = tl.log(tl.where(near, u, 2.0))
+    return tl.where(near, (u - 1.0) * (x / log_u), tl.where(u == 1.0, x, u - 1.0))
 
 
 @triton.jit
-def _exp_features(x_pe, x_po, x_ne, x_no, t_pe, t_po, t_ne, t_no):
-    """``exp(x ⊙ T) − 1`` on four blocks."""
-    return (_expm1(x_pe * t_pe), _expm1(x_po * t_po),
-            _expm1(x_ne * t_ne), _expm1(x_no * t_no))
+def _shifted_feature(x, shift, row):
+    """``e^(x + shift − row)·(1 − e^-x) = (e^x − 1)·e^(shift − row)``, zero where x is 0. ``x + shift`` is rounded
+    as the ``row`` maximum was, so the exponent is ≤ 0 exactly wherever ``row`` bounds it."""
+    used = x != 0
+    return tl.where(used, tl.exp(tl.where(used, (x + shift) - row, 0.0)) * -_expm1(-x), 0.0)
 
 
 @triton.jit
-def _row_scale(f_pe, f_po, f_ne, f_no):
-    """Per row ``2^-⌊log2 max(1, max φ)⌋``: a power of two, so scaling by it is exact."""
-    top = tl.maximum(tl.maximum(tl.max(f_pe, 1), tl.max(f_po, 1)), tl.maximum(tl.max(f_ne, 1), tl.max(f_no, 1)))
-    return tl.exp2(-tl.floor(tl.log2(tl.maximum(top, 1.0))))
+def _rotate(even, odd, cos_even, cos_odd, sin_even, sin_odd):
+    """RoPE on the pairs: (E, O) -> (E·cos − O·sin, O·cos + E·sin)."""
+    return even * cos_even - odd * sin_even, odd * cos_odd + even * sin_odd
 
 
 @triton.jit
-def _load_state_tile(base, block, c, j, P_PAD: tl.constexpr, DVH_PAD: tl.constexpr):
-    return tl.load(base + (block * P_PAD + c[:, None]) * DVH_PAD + j[None, :])
+def _rotate_transposed(even, odd, cos_even, cos_odd, sin_even, sin_odd):
+    """The transpose of :func:`_rotate` (the gradient's way back)."""
+    return even * cos_even + odd * sin_odd, odd * cos_odd - even * sin_even
 
 
 @triton.jit
-def _store_state_tile(base, block, c, j, value, P_PAD: tl.constexpr, DVH_PAD: tl.constexpr):
-    tl.store(base + (block * P_PAD + c[:, None]) * DVH_PAD + j[None, :], value)
+def _key_state(k_base, v_base, mask_base, cos_ptr, sin_ptr, lo, hi,
+               stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_rt, stride_rc, d, dvh,
+               P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
+               ACC: tl.constexpr, DOT: tl.constexpr):
+    """Sums over keys ``[lo, hi)`` (not yet divided by M): ``R(φk)ᵀv`` per stream and block (same even, same odd,
+    opposite even, opposite odd), ``Σφk`` per block, the per-channel shifts and the valid-key count."""
+    positive, channel, even_ok, odd_ok, feature = _columns(d, P)
+    j = tl.arange(0, DVH)
+    same_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    same_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    opp_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    opp_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    mean_even = tl.zeros([2 * P], dtype=ACC)
+    mean_odd = tl.zeros([2 * P], dtype=ACC)
+    # pre-activations are ≥ 0, so a shift starting at 0 is the largest one, as in the torch formulation
+    shift_even = tl.zeros([2 * P], dtype=ACC)
+    shift_odd = tl.zeros([2 * P], dtype=ACC)
+    count = tl.zeros([BLOCK], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK):
+        rows = t0 + tl.arange(0, BLOCK)
+        ok = rows < hi
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_base + rows * stride_mt, mask=ok, other=1) == 0)
+        k_even, k_odd = _load_blocks(k_base, rows, ok, stride_kt, stride_kc, channel, even_ok, odd_ok, ACC)
+        y_even, y_odd = _halves(k_even, positive), _halves(k_odd, positive)
+        grown_even = tl.maximum(shift_even, tl.max(y_even, 0))
+        grown_odd = tl.maximum(shift_odd, tl.max(y_odd, 0))
+        if ROPE:  # a rotated pair mixes its two channels: they share one shift
+            grown_even = tl.maximum(grown_even, grown_odd)
+            grown_odd = grown_even
+        rescale_even = tl.exp(shift_even - grown_even)
+        rescale_odd = tl.exp(shift_odd - grown_odd)
+        shift_even, shift_odd = grown_even, grown_odd
+        f_even = _shifted_feature(y_even, 0.0, shift_even[None, :])
+        f_odd = _shifted_feature(y_odd, 0.0, shift_odd[None, :])
+        mean_even = mean_even * rescale_even + tl.sum(f_even, 0)
+        mean_odd = mean_odd * rescale_odd + tl.sum(f_odd, 0)
+        if ROPE:
+            cos_even, cos_odd = _load_blocks(cos_ptr, rows, ok, stride_rt, stride_rc, feature, even_ok, odd_ok, ACC)
+            sin_even, sin_odd = _load_blocks(sin_ptr, rows, ok, stride_rt, stride_rc, feature, even_ok, odd_ok, ACC)
+            f_even, f_odd = _rotate(f_even, f_odd, cos_even, cos_odd, sin_even, sin_odd)
+        v_ptr = v_base + rows[:, None] * stride_vt + j[None, :] * stride_vc
+        v_ok = ok[:, None] & (j < dvh)[None, :]
+        v_same = tl.load(v_ptr, mask=v_ok, other=0.0).to(ACC)
+        v_opp = tl.load(v_ptr + dvh * stride_vc, mask=v_ok, other=0.0).to(ACC)
+        same_even = same_even * rescale_even[:, None] + tl.dot(tl.trans(f_even), v_same, input_precision=DOT,
+                                                               out_dtype=ACC)
+        same_odd = same_odd * rescale_odd[:, None] + tl.dot(tl.trans(f_odd), v_same, input_precision=DOT,
+                                                            out_dtype=ACC)
+        opp_even = opp_even * rescale_even[:, None] + tl.dot(tl.trans(f_even), v_opp, input_precision=DOT,
+                                                             out_dtype=ACC)
+        opp_odd = opp_odd * rescale_odd[:, None] + tl.dot(tl.trans(f_odd), v_opp, input_precision=DOT,
+                                                          out_dtype=ACC)
+        count += ok.to(ACC)
+    return (same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd,
+            tl.sum(count, 0))
+
+
+@triton.jit
+def _state_offsets(P: tl.constexpr, DVH: tl.constexpr):
+    """Cell indices of a (2P, DVH) tile and the offsets of the state's parts: the four tiles, then the means,
+    the shifts (two blocks each) and the count."""
+    cell = tl.arange(0, 2 * P)[:, None] * DVH + tl.arange(0, DVH)[None, :]
+    tile: tl.constexpr = 2 * P * DVH
+    return cell, tile, 4 * tile
+
+
+@triton.jit
+def _store_state(base, same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd, count,
+                 P: tl.constexpr, DVH: tl.constexpr):
+    cell, tile, vectors = _state_offsets(P, DVH)
+    i = tl.arange(0, 2 * P)
+    tl.store(base + cell, same_even)
+    tl.store(base + tile + cell, same_odd)
+    tl.store(base + 2 * tile + cell, opp_even)
+    tl.store(base + 3 * tile + cell, opp_odd)
+    tl.store(base + vectors + i, mean_even)
+    tl.store(base + vectors + 2 * P + i, mean_odd)
+    tl.store(base + vectors + 4 * P + i, shift_even)
+    tl.store(base + vectors + 6 * P + i, shift_odd)
+    tl.store(base + vectors + 8 * P, count)
+
+
+@triton.jit
+def _load_state(base, P: tl.constexpr, DVH: tl.constexpr):
+    cell, tile, vectors = _state_offsets(P, DVH)
+    i = tl.arange(0, 2 * P)
+    return (tl.load(base + cell), tl.load(base + tile + cell), tl.load(base + 2 * tile + cell),
+            tl.load(base + 3 * tile + cell), tl.load(base + vectors + i), tl.load(base + vectors + 2 * P + i),
+            tl.load(base + vectors + 4 * P + i), tl.load(base + vectors + 6 * P + i),
+            tl.load(base + vectors + 8 * P))
+
+
+@triton.jit
+def _merge_partials(part_base, SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, ACC: tl.constexpr):
+    """A sequence's state from its ``SPLITS`` partial states, rescaled to their largest shifts, added in order."""
+    cell, tile, vectors = _state_offsets(P, DVH)
+    width: tl.constexpr = 4 * tile + 8 * P + 1
+    i = tl.arange(0, 2 * P)
+    shift_even = tl.zeros([2 * P], dtype=ACC)
+    shift_odd = tl.zeros([2 * P], dtype=ACC)
+    for split in range(SPLITS):
+        shift_even = tl.maximum(shift_even, tl.load(part_base + split * width + vectors + 4 * P + i))
+        shift_odd = tl.maximum(shift_odd, tl.load(part_base + split * width + vectors + 6 * P + i))
+    same_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    same_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    opp_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    opp_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    mean_even = tl.zeros([2 * P], dtype=ACC)
+    mean_odd = tl.zeros([2 * P], dtype=ACC)
+    count = tl.zeros((), dtype=ACC)
+    for split in range(SPLITS):
+        base = part_base + split * width
+        rescale_even = tl.exp(tl.load(base + vectors + 4 * P + i) - shift_even)
+        rescale_odd = tl.exp(tl.load(base + vectors + 6 * P + i) - shift_odd)
+        same_even += tl.load(base + cell) * rescale_even[:, None]
+        same_odd += tl.load(base + tile + cell) * rescale_odd[:, None]
+        opp_even += tl.load(base + 2 * tile + cell) * rescale_even[:, None]
+        opp_odd += tl.load(base + 3 * tile + cell) * rescale_odd[:, None]
+        mean_even += tl.load(base + vectors + i) * rescale_even
+        mean_odd += tl.load(base + vectors + 2 * P + i) * rescale_odd
+        count += tl.load(base + vectors + 8 * P)
+    return same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd, count
+
+
+@triton.jit
+def _load_temperatures(base, stride_c, feature, even_ok, odd_ok, ACC: tl.constexpr):
+    """A (2d,) temperature vector in the block layout: even and odd (1, 2P) rows."""
+    even = tl.load(base + feature * stride_c, mask=even_ok, other=0.0).to(ACC)
+    odd = tl.load(base + (feature + 1) * stride_c, mask=odd_ok, other=0.0).to(ACC)
+    return even[None, :], odd[None, :]
+
+
+@triton.jit
+def _stream_features(x_even, x_odd, shift_even, shift_odd):
+    """One stream's query features from its pre-activations, shifted by the key channel's shift and the row's
+    largest ``max(x, 0) + shift`` (channels with x = 0 count as 0), and that row shift."""
+    row = tl.maximum(tl.max(tl.where(x_even != 0, tl.maximum(x_even, 0.0) + shift_even[None, :], 0.0), 1),
+                     tl.max(tl.where(x_odd != 0, tl.maximum(x_odd, 0.0) + shift_odd[None, :], 0.0), 1))
+    f_even = _shifted_feature(x_even, shift_even[None, :], row[:, None])
+    f_odd = _shifted_feature(x_odd, shift_odd[None, :], row[:, None])
+    return f_even, f_odd, row
+
+
+@triton.jit
+def _stream_output(f_even, f_odd, n_even, n_odd, row, kv_even, kv_odd, mean_even, mean_odd, eps,
+                   ACC: tl.constexpr, DOT: tl.constexpr):
+    """One stream's ``(R(φ)·kv, φ·k̄ + eps)`` for a block of queries (the shifted ``eps``)."""
+    num = tl.dot(n_even, kv_even, input_precision=DOT, out_dtype=ACC)
+    num += tl.dot(n_odd, kv_odd, input_precision=DOT, out_dtype=ACC)
+    den = tl.sum(f_even * mean_even[None, :], 1) + tl.sum(f_odd * mean_odd[None, :], 1) + eps * tl.exp(-row)
+    return num, den
+
+
+@triton.jit
+def _queries(q_base, t_same, t_opp, rows, ok, stride_qt, stride_qc, stride_tc, cos_ptr, sin_ptr, stride_rt,
+             stride_rc, shift_even, shift_odd, d, P: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr):
+    """A block of queries: both streams' features (plain and rotated), row shifts, pre-activation bases
+    (``[a | b]`` and ``[b | a]``), the temperatures, the raw queries and the RoPE tables."""
+    positive, channel, even_ok, odd_ok, feature = _columns(d, P)
+    q_even, q_odd = _load_blocks(q_base, rows, ok, stride_qt, stride_qc, channel, even_ok, odd_ok, ACC)
+    ts_even, ts_odd = _load_temperatures(t_same, stride_tc, feature, even_ok, odd_ok, ACC)
+    to_even, to_odd = _load_temperatures(t_opp, stride_tc, feature, even_ok, odd_ok, ACC)
+    base_s_even, base_s_odd = _halves(q_even, positive), _halves(q_odd, positive)
+    base_o_even, base_o_odd = _halves(-q_even, positive), _halves(-q_odd, positive)
+    fs_even, fs_odd, row_s = _stream_features(base_s_even * ts_even, base_s_odd * ts_odd, shift_even, shift_odd)
+    fo_even, fo_odd, row_o = _stream_features(base_o_even * to_even, base_o_odd * to_odd, shift_even, shift_odd)
+    ns_even, ns_odd, no_even, no_odd = fs_even, fs_odd, fo_even, fo_odd
+    cos_even, cos_odd, sin_even, sin_odd = fs_even, fs_odd, fs_even, fs_odd  # stand-ins without tables
+    if ROPE:
+        cos_even, cos_odd = _load_blocks(cos_ptr, rows, ok, stride_rt, stride_rc, feature, even_ok, odd_ok, ACC)
+        sin_even, sin_odd = _load_blocks(sin_ptr, rows, ok, stride_rt, stride_rc, feature, even_ok, odd_ok, ACC)
+        ns_even, ns_odd = _rotate(fs_even, fs_odd, cos_even, cos_odd, sin_even, sin_odd)
+        no_even, no_odd = _rotate(fo_even, fo_odd, cos_even, cos_odd, sin_even, sin_odd)
+    return (fs_even, fs_odd, ns_even, ns_odd, row_s, fo_even, fo_odd, no_even, no_odd, row_o,
+            base_s_even, base_s_odd, base_o_even, base_o_odd, ts_even, ts_odd, to_even, to_odd,
+            q_even, q_odd, cos_even, cos_odd, sin_even, sin_odd)
 
 
 @triton.jit
 def _state_kernel(
-    k, v, key_mask, cu_k, cos, sin, kv_part, km_part,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_table,
-    heads, keys, d, dvh, splits,
-    HAS_MASK: tl.constexpr, VARLEN: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-    P_PAD: tl.constexpr, DVH_PAD: tl.constexpr, BLOCK: tl.constexpr,
+    k_ptr, v_ptr, mask_ptr, cu_k_ptr, cos_ptr, sin_ptr, part_ptr,
+    stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc, stride_mb, stride_mt,
+    stride_rt, stride_rc, K_LEN, d, dvh,
+    SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, PACKED: tl.constexpr,
+    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
 ):
-    """Partial ``R(φk)ᵀv`` (8 tiles: value half × block) and ``Σφk`` (4 blocks) of one sequence and head over
-    the key tiles ``split, split + splits, …``. Grid: (splits, heads, sequences)."""
-    split, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lo, hi, batch = _sequence_span(cu_k, s, keys, VARLEN)
-    k_base = k + batch.to(tl.int64) * stride_kb + h * stride_kh
-    v_base = v + batch.to(tl.int64) * stride_vb + h * stride_vh
-    c = tl.arange(0, P_PAD)
-    j = tl.arange(0, DVH_PAD)
-    t = tl.arange(0, BLOCK)
-    zero_tile = tl.zeros((P_PAD, DVH_PAD), ACC)
-    s_pe, s_po, s_ne, s_no = zero_tile, zero_tile, zero_tile, zero_tile
-    o_pe, o_po, o_ne, o_no = zero_tile, zero_tile, zero_tile, zero_tile
-    zero_vec = tl.zeros((P_PAD,), ACC)
-    m_pe, m_po, m_ne, m_no = zero_vec, zero_vec, zero_vec, zero_vec
-    for start in range(lo + split * BLOCK, hi, splits * BLOCK):
-        rows = start + t
-        ok = rows < hi
-        if HAS_MASK:
-            ok = ok & (tl.load(key_mask + batch * stride_mb + rows, mask=ok, other=1) == 0)
-        k_even, k_odd = _load_pairs(k_base, rows, ok, stride_kn, c, d, ACC)
-        f_pe = _expm1(tl.maximum(k_even, 0.0))
-        f_po = _expm1(tl.maximum(k_odd, 0.0))
-        f_ne = _expm1(tl.maximum(-k_even, 0.0))
-        f_no = _expm1(tl.maximum(-k_odd, 0.0))
-        m_pe += tl.sum(f_pe, 0)
-        m_po += tl.sum(f_po, 0)
-        m_ne += tl.sum(f_ne, 0)
-        m_no += tl.sum(f_no, 0)
-        if ROPE:
-            c_pe, c_po, c_ne, c_no = _load_blocks(cos, rows, ok, stride_table, c, d, ACC)
-            n_pe, n_po, n_ne, n_no = _load_blocks(sin, rows, ok, stride_table, c, d, ACC)
-            f_pe, f_po = _rotate(f_pe, f_po, c_pe, c_po, n_pe, n_po)
-            f_ne, f_no = _rotate(f_ne, f_no, c_ne, c_no, n_ne, n_no)
-        v_ptr = v_base + rows[:, None].to(tl.int64) * stride_vn + j[None, :]
-        v_ok = ok[:, None] & (j < dvh)[None, :]
-        v_same = tl.load(v_ptr, mask=v_ok, other=0.0).to(ACC)
-        v_opp = tl.load(v_ptr + dvh, mask=v_ok, other=0.0).to(ACC)
-        s_pe += tl.dot(tl.trans(f_pe), v_same, input_precision=DOT, out_dtype=ACC)
-        s_po += tl.dot(tl.trans(f_po), v_same, input_precision=DOT, out_dtype=ACC)
-        s_ne += tl.dot(tl.trans(f_ne), v_same, input_precision=DOT, out_dtype=ACC)
-        s_no += tl.dot(tl.trans(f_no), v_same, input_precision=DOT, out_dtype=ACC)
-        o_pe += tl.dot(tl.trans(f_pe), v_opp, input_precision=DOT, out_dtype=ACC)
-        o_po += tl.dot(tl.trans(f_po), v_opp, input_precision=DOT, out_dtype=ACC)
-        o_ne += tl.dot(tl.trans(f_ne), v_opp, input_precision=DOT, out_dtype=ACC)
-        o_no += tl.dot(tl.trans(f_no), v_opp, input_precision=DOT, out_dtype=ACC)
-    part = (s * heads + h) * splits + split
-    kv_base = kv_part + part.to(tl.int64) * (8 * P_PAD * DVH_PAD)
-    _store_state_tile(kv_base, 0, c, j, s_pe, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 1, c, j, s_po, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 2, c, j, s_ne, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 3, c, j, s_no, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 4, c, j, o_pe, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 5, c, j, o_po, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 6, c, j, o_ne, P_PAD, DVH_PAD)
-    _store_state_tile(kv_base, 7, c, j, o_no, P_PAD, DVH_PAD)
-    km_base = km_part + part.to(tl.int64) * (4 * P_PAD)
-    tl.store(km_base + c, m_pe)
-    tl.store(km_base + P_PAD + c, m_po)
-    tl.store(km_base + 2 * P_PAD + c, m_ne)
-    tl.store(km_base + 3 * P_PAD + c, m_no)
+    """Partial state of one split of one sequence's keys. Grid: (splits, heads, sequences)."""
+    split = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    state = _key_state(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+                       mask_ptr + batch * stride_mb, cos_ptr, sin_ptr, lo, hi, stride_kt, stride_kc, stride_vt,
+                       stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
+    width: tl.constexpr = 8 * P * DVH + 8 * P + 1
+    _store_state(part_ptr + ((seq * heads + head) * SPLITS + split) * width, *state, P, DVH)
 
 
 @triton.jit
-def _query_features(q_even, q_odd, ts_pe, ts_po, ts_ne, ts_no, to_pe, to_po, to_ne, to_no):
-    """Both streams' row-scaled query features of a tile: per stream the four blocks of φ and the row scale."""
-    a_even, a_odd = tl.maximum(q_even, 0.0), tl.maximum(q_odd, 0.0)
-    b_even, b_odd = tl.maximum(-q_even, 0.0), tl.maximum(-q_odd, 0.0)
-    s_pe, s_po, s_ne, s_no = _exp_features(a_even, a_odd, b_even, b_odd, ts_pe, ts_po, ts_ne, ts_no)
-    o_pe, o_po, o_ne, o_no = _exp_features(b_even, b_odd, a_even, a_odd, to_pe, to_po, to_ne, to_no)
-    s_scale = _row_scale(s_pe, s_po, s_ne, s_no)
-    o_scale = _row_scale(o_pe, o_po, o_ne, o_no)
-    s_pe, s_po = s_pe * s_scale[:, None], s_po * s_scale[:, None]
-    s_ne, s_no = s_ne * s_scale[:, None], s_no * s_scale[:, None]
-    o_pe, o_po = o_pe * o_scale[:, None], o_po * o_scale[:, None]
-    o_ne, o_no = o_ne * o_scale[:, None], o_no * o_scale[:, None]
-    return s_pe, s_po, s_ne, s_no, s_scale, o_pe, o_po, o_ne, o_no, o_scale
-
-
-@triton.jit
-def _stream_output(f_pe, f_po, f_ne, f_no, r_pe, r_po, r_ne, r_no, scale, kv_base, km_base, c, j, eps,
-                   ACC: tl.constexpr, DOT: tl.constexpr, P_PAD: tl.constexpr, DVH_PAD: tl.constexpr):
-    """One stream's ``(R(φ)·kv, φ·k̄ + eps)`` for a tile: numerator (BLOCK, DVH_PAD) and normaliser (BLOCK,)."""
-    num = tl.dot(r_pe, _load_state_tile(kv_base, 0, c, j, P_PAD, DVH_PAD), input_precision=DOT, out_dtype=ACC)
-    num += tl.dot(r_po, _load_state_tile(kv_base, 1, c, j, P_PAD, DVH_PAD), input_precision=DOT, out_dtype=ACC)
-    num += tl.dot(r_ne, _load_state_tile(kv_base, 2, c, j, P_PAD, DVH_PAD), input_precision=DOT, out_dtype=ACC)
-    num += tl.dot(r_no, _load_state_tile(kv_base, 3, c, j, P_PAD, DVH_PAD), input_precision=DOT, out_dtype=ACC)
-    den = tl.sum(f_pe * tl.load(km_base + c)[None, :], 1) + tl.sum(f_po * tl.load(km_base + P_PAD + c)[None, :], 1)
-    den += tl.sum(f_ne * tl.load(km_base + 2 * P_PAD + c)[None, :], 1)
-    den += tl.sum(f_no * tl.load(km_base + 3 * P_PAD + c)[None, :], 1)
-    return num, den + eps * scale
-
-
-@triton.jit
-def _output_kernel(
-    q, temps, cu_q, cos, sin, kv, km, out,
-    stride_qb, stride_qh, stride_qn, stride_tb, stride_th, stride_table,
-    stride_ob, stride_oh, stride_on,
-    heads, length, num_seqs, d, dvh, eps,
-    VARLEN: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-    P_PAD: tl.constexpr, DVH_PAD: tl.constexpr, BLOCK: tl.constexpr,
+def _forward_kernel(
+    q_ptr, k_ptr, v_ptr, ts_ptr, to_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, cos_ptr, sin_ptr, part_ptr, state_ptr,
+    out_ptr,
+    stride_qb, stride_qh, stride_qt, stride_qc, stride_kb, stride_kh, stride_kt, stride_kc,
+    stride_vb, stride_vh, stride_vt, stride_vc, stride_tsb, stride_tsh, stride_tsc, stride_tob, stride_toh,
+    stride_toc, stride_mb, stride_mt, stride_rt, stride_rc, stride_ob, stride_oh, stride_ot, stride_oc,
+    Q_LEN, K_LEN, d, dvh, eps,
+    SPANS: tl.constexpr, SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr,
+    PACKED: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_STATE: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr,
 ):
-    """``out = [R(φ_s)·kv_s / (φ_s·k̄ + eps) ; R(φ_o)·kv_o / (φ_o·k̄ + eps)]`` for one tile of query rows.
-    Grid: (query tiles, heads, batch) — packed batches: (tiles of the packed axis, heads, 1), a tile
-    running once per sequence it overlaps."""
-    tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    first = tile * BLOCK
-    rows = first + tl.arange(0, BLOCK)
-    ok = rows < length
-    if VARLEN:
-        s_first = _find_sequence(cu_q, num_seqs, first)
-        s_last = _find_sequence(cu_q, num_seqs, tl.minimum(first + BLOCK, length) - 1)
-        batch = b * 0
+    """Both streams' output for one span of one sequence's queries, the key state built here (``SPLITS == 0``) or
+    merged from the state launch's partials; the first span saves it. Grid: (spans, heads, sequences)."""
+    span = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    width: tl.constexpr = 8 * P * DVH + 8 * P + 1
+    if SPLITS == 0:
+        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        state = _key_state(
+            k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+            mask_ptr + batch * stride_mb, cos_ptr, sin_ptr, k_first, k_end, stride_kt, stride_kc, stride_vt,
+            stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
     else:
-        s_first, s_last, batch = b, b, b
-    c = tl.arange(0, P_PAD)
-    j = tl.arange(0, DVH_PAD)
-    t_same = temps + batch * stride_tb + h * stride_th
-    ts_pe, ts_po, ts_ne, ts_no = _load_temperatures(t_same, c, d, ACC)
-    to_pe, to_po, to_ne, to_no = _load_temperatures(t_same + 2 * d, c, d, ACC)
-    q_even, q_odd = _load_pairs(q + batch.to(tl.int64) * stride_qb + h * stride_qh, rows, ok, stride_qn, c, d, ACC)
-    s_pe, s_po, s_ne, s_no, s_scale, o_pe, o_po, o_ne, o_no, o_scale = _query_features(
-        q_even, q_odd, ts_pe, ts_po, ts_ne, ts_no, to_pe, to_po, to_ne, to_no)
-    rs_pe, rs_po, rs_ne, rs_no = s_pe, s_po, s_ne, s_no
-    ro_pe, ro_po, ro_ne, ro_no = o_pe, o_po, o_ne, o_no
-    if ROPE:
-        c_pe, c_po, c_ne, c_no = _load_blocks(cos, rows, ok, stride_table, c, d, ACC)
-        n_pe, n_po, n_ne, n_no = _load_blocks(sin, rows, ok, stride_table, c, d, ACC)
-        rs_pe, rs_po = _rotate(s_pe, s_po, c_pe, c_po, n_pe, n_po)
-        rs_ne, rs_no = _rotate(s_ne, s_no, c_ne, c_no, n_ne, n_no)
-        ro_pe, ro_po = _rotate(o_pe, o_po, c_pe, c_po, n_pe, n_po)
-        ro_ne, ro_no = _rotate(o_ne, o_no, c_ne, c_no, n_ne, n_no)
-    out_same = tl.zeros((BLOCK, DVH_PAD), ACC)
-    out_opp = tl.zeros((BLOCK, DVH_PAD), ACC)
-    for s in range(s_first, s_last + 1):
-        lo, hi, _ = _sequence_span(cu_q, s, length, VARLEN)
-        inside = (rows >= lo) & (rows < hi)
-        group = (s * heads + h).to(tl.int64)
-        kv_base = kv + group * (8 * P_PAD * DVH_PAD)
-        km_base = km + group * (4 * P_PAD)
-        num, den = _stream_output(s_pe, s_po, s_ne, s_no, rs_pe, rs_po, rs_ne, rs_no, s_scale, kv_base,
-                                  km_base, c, j, eps, ACC, DOT, P_PAD, DVH_PAD)
-        out_same = tl.where(inside[:, None], num / den[:, None], out_same)
-        num, den = _stream_output(o_pe, o_po, o_ne, o_no, ro_pe, ro_po, ro_ne, ro_no, o_scale,
-                                  kv_base + 4 * P_PAD * DVH_PAD, km_base, c, j, eps, ACC, DOT, P_PAD, DVH_PAD)
-        out_opp = tl.where(inside[:, None], num / den[:, None], out_opp)
-    o_ptr = out + batch.to(tl.int64) * stride_ob + h * stride_oh + rows[:, None].to(tl.int64) * stride_on + j[None, :]
-    o_ok = ok[:, None] & (j < dvh)[None, :]
-    tl.store(o_ptr, out_same, mask=o_ok)
-    tl.store(o_ptr + dvh, out_opp, mask=o_ok)
+        state = _merge_partials(part_ptr + (seq * heads + head) * SPLITS * width, SPLITS, P, DVH, ACC)
+    same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd, count = state
+    inv_m = 1.0 / tl.maximum(count, 1.0)
+    same_even, same_odd, opp_even, opp_odd = same_even * inv_m, same_odd * inv_m, opp_even * inv_m, opp_odd * inv_m
+    mean_even, mean_odd = mean_even * inv_m, mean_odd * inv_m
+    if SAVE_STATE:
+        if span == 0:
+            _store_state(state_ptr + (seq * heads + head) * width, same_even, same_odd, opp_even, opp_odd,
+                         mean_even, mean_odd, shift_even, shift_odd, count, P, DVH)
+    j = tl.arange(0, DVH)
+    q_base = q_ptr + batch * stride_qb + head * stride_qh
+    o_base = out_ptr + batch * stride_ob + head * stride_oh
+    t_same = ts_ptr + batch * stride_tsb + head * stride_tsh
+    t_opp = to_ptr + batch * stride_tob + head * stride_toh
+    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    for t0 in range(lo, hi, BLOCK):
+        rows = t0 + tl.arange(0, BLOCK)
+        ok = rows < hi
+        block = _queries(q_base, t_same, t_opp, rows, ok, stride_qt, stride_qc, stride_tsc, cos_ptr, sin_ptr,
+                         stride_rt, stride_rc, shift_even, shift_odd, d, P, ROPE, ACC)
+        fs_even, fs_odd, ns_even, ns_odd, row_s, fo_even, fo_odd, no_even, no_odd, row_o = block[:10]
+        num, den = _stream_output(fs_even, fs_odd, ns_even, ns_odd, row_s, same_even, same_odd, mean_even,
+                                  mean_odd, eps, ACC, DOT)
+        o_ptr = o_base + rows[:, None] * stride_ot + j[None, :] * stride_oc
+        o_ok = ok[:, None] & (j < dvh)[None, :]
+        tl.store(o_ptr, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=o_ok)
+        num, den = _stream_output(fo_even, fo_odd, no_even, no_odd, row_o, opp_even, opp_odd, mean_even,
+                                  mean_odd, eps, ACC, DOT)
+        tl.store(o_ptr + dvh * stride_oc, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit
-def _stream_backward(f_pe, f_po, f_ne, f_no, r_pe, r_po, r_ne, r_no, scale, grad, kv_base, km_base,
-                     c_pe, c_po, c_ne, c_no, n_pe, n_po, n_ne, n_no, c, j, eps,
-                     ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, P_PAD: tl.constexpr,
-                     DVH_PAD: tl.constexpr):
-    """One stream's backward through ``out = R(φ)·kv / (φ·k̄ + eps)`` for a tile of (row-scaled) features:
-    the gradients of the exponents (four blocks), of the numerator ``g/den`` and of the normaliser."""
-    num, den = _stream_output(f_pe, f_po, f_ne, f_no, r_pe, r_po, r_ne, r_no, scale, kv_base, km_base, c, j,
-                              eps, ACC, DOT, P_PAD, DVH_PAD)
+def _stream_backward(f_even, f_odd, n_even, n_odd, row, grad, kv_even, kv_odd, mean_even, mean_odd,
+                     shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps,
+                     ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+    """One stream's backward through ``out = R(φ)·kv / (φ·k̄ + eps)`` for a block of queries: the gradients of
+    its pre-activations (even, odd), of the numerator ``g/den`` and of the normaliser."""
+    num, den = _stream_output(f_even, f_odd, n_even, n_odd, row, kv_even, kv_odd, mean_even, mean_odd, eps, ACC,
+                              DOT)
     g_num = grad / den[:, None]
     g_den = -tl.sum(g_num * (num / den[:, None]), 1)
-    kv_pe = _load_state_tile(kv_base, 0, c, j, P_PAD, DVH_PAD)
-    kv_po = _load_state_tile(kv_base, 1, c, j, P_PAD, DVH_PAD)
-    kv_ne = _load_state_tile(kv_base, 2, c, j, P_PAD, DVH_PAD)
-    kv_no = _load_state_tile(kv_base, 3, c, j, P_PAD, DVH_PAD)
-    d_pe = tl.dot(g_num, tl.trans(kv_pe), input_precision=DOT, out_dtype=ACC)
-    d_po = tl.dot(g_num, tl.trans(kv_po), input_precision=DOT, out_dtype=ACC)
-    d_ne = tl.dot(g_num, tl.trans(kv_ne), input_precision=DOT, out_dtype=ACC)
-    d_no = tl.dot(g_num, tl.trans(kv_no), input_precision=DOT, out_dtype=ACC)
+    d_even = tl.dot(g_num, tl.trans(kv_even), input_precision=DOT, out_dtype=ACC)
+    d_odd = tl.dot(g_num, tl.trans(kv_odd), input_precision=DOT, out_dtype=ACC)
     if ROPE:
-        d_pe, d_po = _rotate_transposed(d_pe, d_po, c_pe, c_po, n_pe, n_po)
-        d_ne, d_no = _rotate_transposed(d_ne, d_no, c_ne, c_no, n_ne, n_no)
-    d_pe += g_den[:, None] * tl.load(km_base + c)[None, :]
-    d_po += g_den[:, None] * tl.load(km_base + P_PAD + c)[None, :]
-    d_ne += g_den[:, None] * tl.load(km_base + 2 * P_PAD + c)[None, :]
-    d_no += g_den[:, None] * tl.load(km_base + 3 * P_PAD + c)[None, :]
-    # φ' = σ·(exp(x) − 1) with the row scale σ: dL/dx = dL/dφ'·(φ' + σ)
-    d_pe *= f_pe + scale[:, None]
-    d_po *= f_po + scale[:, None]
-    d_ne *= f_ne + scale[:, None]
-    d_no *= f_no + scale[:, None]
-    return d_pe, d_po, d_ne, d_no, g_num, g_den
+        d_even, d_odd = _rotate_transposed(d_even, d_odd, cos_even, cos_odd, sin_even, sin_odd)
+    d_even += g_den[:, None] * mean_even[None, :]
+    d_odd += g_den[:, None] * mean_odd[None, :]
+    # φ = (e^x − 1)·σ with σ = e^(shift − row): dφ/dx = φ + σ (σ ≤ 1 wherever x ≠ 0; capped elsewhere)
+    d_even *= f_even + tl.exp(tl.minimum(shift_even[None, :] - row[:, None], 0.0))
+    d_odd *= f_odd + tl.exp(tl.minimum(shift_odd[None, :] - row[:, None], 0.0))
+    return d_even, d_odd, g_num, g_den
 
 
 @triton.jit
-def _query_backward_kernel(
-    q, temps, cu_q, cos, sin, kv, km, grad_out, grad_q, gkv_part, gkm_part, gt_part,
-    stride_qb, stride_qh, stride_qn, stride_tb, stride_th, stride_table,
-    stride_gb, stride_gh, stride_gn, stride_dqb, stride_dqh, stride_dqn,
-    heads, length, d, dvh, splits, eps,
-    VARLEN: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-    P_PAD: tl.constexpr, DVH_PAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """``dq`` of the query tiles ``split, split + splits, …`` of one sequence and head, and over those tiles the
-    partial gradients of the state (``R(φ)ᵀ·g/den``: 8 tiles; ``Σ g_den·φ``: 4 blocks) and of the two
-    temperature vectors (8 blocks). Features are recomputed from ``q``. Grid: (splits, heads, sequences)."""
-    split, h, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    lo, hi, batch = _sequence_span(cu_q, s, length, VARLEN)
-    c = tl.arange(0, P_PAD)
-    j = tl.arange(0, DVH_PAD)
-    t = tl.arange(0, BLOCK)
-    t_same = temps + batch * stride_tb + h * stride_th
-    ts_pe, ts_po, ts_ne, ts_no = _load_temperatures(t_same, c, d, ACC)
-    to_pe, to_po, to_ne, to_no = _load_temperatures(t_same + 2 * d, c, d, ACC)
-    group = (s * heads + h).to(tl.int64)
-    kv_base = kv + group * (8 * P_PAD * DVH_PAD)
-    km_base = km + group * (4 * P_PAD)
-    q_base = q + batch.to(tl.int64) * stride_qb + h * stride_qh
-    g_base = grad_out + batch.to(tl.int64) * stride_gb + h * stride_gh
-    dq_base = grad_q + batch.to(tl.int64) * stride_dqb + h * stride_dqh
-    zero_tile = tl.zeros((P_PAD, DVH_PAD), ACC)
-    ks_pe, ks_po, ks_ne, ks_no = zero_tile, zero_tile, zero_tile, zero_tile
-    ko_pe, ko_po, ko_ne, ko_no = zero_tile, zero_tile, zero_tile, zero_tile
-    zero_vec = tl.zeros((P_PAD,), ACC)
-    m_pe, m_po, m_ne, m_no = zero_vec, zero_vec, zero_vec, zero_vec
-    ws_pe, ws_po, ws_ne, ws_no = zero_vec, zero_vec, zero_vec, zero_vec
-    wo_pe, wo_po, wo_ne, wo_no = zero_vec, zero_vec, zero_vec, zero_vec
-    for start in range(lo + split * BLOCK, hi, splits * BLOCK):
-        rows = start + t
+def _fold_halves(x, BLOCK: tl.constexpr, P: tl.constexpr):
+    """(BLOCK, 2P) → (BLOCK, P): the two halves' entries of each input channel added."""
+    return tl.sum(tl.reshape(x, (BLOCK, 2, P)), 1)
+
+
+@triton.jit
+def _input_grad(x, d_pos_or_neg, positive, BLOCK: tl.constexpr, P: tl.constexpr):
+    """Gradient of x through ``[relu(x) | relu(-x)]`` given the gradients of both halves (block layout)."""
+    part = tl.where(positive[None, :], tl.where(x > 0, d_pos_or_neg, 0.0), tl.where(x < 0, -d_pos_or_neg, 0.0))
+    return _fold_halves(part, BLOCK, P)
+
+
+@triton.jit
+def _query_grads(q_base, g_base, dq_base, t_same, t_opp, lo, hi, cos_ptr, sin_ptr,
+                 stride_qt, stride_qc, stride_gt, stride_gc, stride_dqt, stride_dqc, stride_tc, stride_rt, stride_rc,
+                 same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd, d, dvh, eps,
+                 P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr,
+                 DOT: tl.constexpr):
+    """``grad_q`` of queries ``[lo, hi)`` (written) and their sums of the gradients of the state (as divided by
+    M) and of the temperatures (same even, same odd, opposite even, opposite odd)."""
+    positive, channel, even_ok, odd_ok, feature = _columns(d, P)
+    pair = tl.arange(0, P)
+    j = tl.arange(0, DVH)
+    g_same_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_same_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_opp_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_opp_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_mean_even = tl.zeros([2 * P], dtype=ACC)
+    g_mean_odd = tl.zeros([2 * P], dtype=ACC)
+    g_ts_even = tl.zeros([2 * P], dtype=ACC)
+    g_ts_odd = tl.zeros([2 * P], dtype=ACC)
+    g_to_even = tl.zeros([2 * P], dtype=ACC)
+    g_to_odd = tl.zeros([2 * P], dtype=ACC)
+    for t0 in range(lo, hi, BLOCK):
+        rows = t0 + tl.arange(0, BLOCK)
         ok = rows < hi
-        q_even, q_odd = _load_pairs(q_base, rows, ok, stride_qn, c, d, ACC)
-        s_pe, s_po, s_ne, s_no, s_scale, o_pe, o_po, o_ne, o_no, o_scale = _query_features(
-            q_even, q_odd, ts_pe, ts_po, ts_ne, ts_no, to_pe, to_po, to_ne, to_no)
-        rs_pe, rs_po, rs_ne, rs_no = s_pe, s_po, s_ne, s_no
-        ro_pe, ro_po, ro_ne, ro_no = o_pe, o_po, o_ne, o_no
-        c_pe, c_po, c_ne, c_no = s_pe, s_po, s_ne, s_no  # stand-ins, unused without tables
-        n_pe, n_po, n_ne, n_no = s_pe, s_po, s_ne, s_no
-        if ROPE:
-            c_pe, c_po, c_ne, c_no = _load_blocks(cos, rows, ok, stride_table, c, d, ACC)
-            n_pe, n_po, n_ne, n_no = _load_blocks(sin, rows, ok, stride_table, c, d, ACC)
-            rs_pe, rs_po = _rotate(s_pe, s_po, c_pe, c_po, n_pe, n_po)
-            rs_ne, rs_no = _rotate(s_ne, s_no, c_ne, c_no, n_ne, n_no)
-            ro_pe, ro_po = _rotate(o_pe, o_po, c_pe, c_po, n_pe, n_po)
-            ro_ne, ro_no = _rotate(o_ne, o_no, c_ne, c_no, n_ne, n_no)
-        g_ptr = g_base + rows[:, None].to(tl.int64) * stride_gn + j[None, :]
+        (fs_even, fs_odd, ns_even, ns_odd, row_s, fo_even, fo_odd, no_even, no_odd, row_o,
+         base_s_even, base_s_odd, base_o_even, base_o_odd, ts_even, ts_odd, to_even, to_odd,
+         q_even, q_odd, cos_even, cos_odd, sin_even, sin_odd) = _queries(
+            q_base, t_same, t_opp, rows, ok, stride_qt, stride_qc, stride_tc, cos_ptr, sin_ptr, stride_rt, stride_rc,
+            shift_even, shift_odd, d, P, ROPE, ACC)
+        g_ptr = g_base + rows[:, None] * stride_gt + j[None, :] * stride_gc
         g_ok = ok[:, None] & (j < dvh)[None, :]
-        g_same = tl.load(g_ptr, mask=g_ok, other=0.0).to(ACC)
-        g_opp = tl.load(g_ptr + dvh, mask=g_ok, other=0.0).to(ACC)
-        ds_pe, ds_po, ds_ne, ds_no, gs_num, gs_den = _stream_backward(
-            s_pe, s_po, s_ne, s_no, rs_pe, rs_po, rs_ne, rs_no, s_scale, g_same, kv_base, km_base,
-            c_pe, c_po, c_ne, c_no, n_pe, n_po, n_ne, n_no, c, j, eps, ROPE, ACC, DOT, P_PAD, DVH_PAD)
-        do_pe, do_po, do_ne, do_no, go_num, go_den = _stream_backward(
-            o_pe, o_po, o_ne, o_no, ro_pe, ro_po, ro_ne, ro_no, o_scale, g_opp, kv_base + 4 * P_PAD * DVH_PAD,
-            km_base, c_pe, c_po, c_ne, c_no, n_pe, n_po, n_ne, n_no, c, j, eps, ROPE, ACC, DOT, P_PAD, DVH_PAD)
-        # Exponents: same stream [a ; b] ⊙ T_same, opposite stream [b ; a] ⊙ T_opp, a = relu(q), b = relu(-q).
-        a_even, a_odd = tl.maximum(q_even, 0.0), tl.maximum(q_odd, 0.0)
-        b_even, b_odd = tl.maximum(-q_even, 0.0), tl.maximum(-q_odd, 0.0)
-        ws_pe += tl.sum(ds_pe * a_even, 0)
-        ws_po += tl.sum(ds_po * a_odd, 0)
-        ws_ne += tl.sum(ds_ne * b_even, 0)
-        ws_no += tl.sum(ds_no * b_odd, 0)
-        wo_pe += tl.sum(do_pe * b_even, 0)
-        wo_po += tl.sum(do_po * b_odd, 0)
-        wo_ne += tl.sum(do_ne * a_even, 0)
-        wo_no += tl.sum(do_no * a_odd, 0)
-        grad_a_even = ds_pe * ts_pe + do_ne * to_ne
-        grad_a_odd = ds_po * ts_po + do_no * to_no
-        grad_b_even = ds_ne * ts_ne + do_pe * to_pe
-        grad_b_odd = ds_no * ts_no + do_po * to_po
-        dq_even = tl.where(q_even > 0, grad_a_even, tl.where(q_even < 0, -grad_b_even, 0.0))
-        dq_odd = tl.where(q_odd > 0, grad_a_odd, tl.where(q_odd < 0, -grad_b_odd, 0.0))
-        _store_pairs(dq_base, rows, ok, stride_dqn, c, d, dq_even, dq_odd)
-        ks_pe += tl.dot(tl.trans(rs_pe), gs_num, input_precision=DOT, out_dtype=ACC)
-        ks_po += tl.dot(tl.trans(rs_po), gs_num, input_precision=DOT, out_dtype=ACC)
-        ks_ne += tl.dot(tl.trans(rs_ne), gs_num, input_precision=DOT, out_dtype=ACC)
-        ks_no += tl.dot(tl.trans(rs_no), gs_num, input_precision=DOT, out_dtype=ACC)
-        ko_pe += tl.dot(tl.trans(ro_pe), go_num, input_precision=DOT, out_dtype=ACC)
-        ko_po += tl.dot(tl.trans(ro_po), go_num, input_precision=DOT, out_dtype=ACC)
-        ko_ne += tl.dot(tl.trans(ro_ne), go_num, input_precision=DOT, out_dtype=ACC)
-        ko_no += tl.dot(tl.trans(ro_no), go_num, input_precision=DOT, out_dtype=ACC)
-        m_pe += tl.sum(gs_den[:, None] * s_pe + go_den[:, None] * o_pe, 0)
-        m_po += tl.sum(gs_den[:, None] * s_po + go_den[:, None] * o_po, 0)
-        m_ne += tl.sum(gs_den[:, None] * s_ne + go_den[:, None] * o_ne, 0)
-        m_no += tl.sum(gs_den[:, None] * s_no + go_den[:, None] * o_no, 0)
-    part = (group * splits + split).to(tl.int64)
-    base = gkv_part + part * (8 * P_PAD * DVH_PAD)
-    _store_state_tile(base, 0, c, j, ks_pe, P_PAD, DVH_PAD)
-    _store_state_tile(base, 1, c, j, ks_po, P_PAD, DVH_PAD)
-    _store_state_tile(base, 2, c, j, ks_ne, P_PAD, DVH_PAD)
-    _store_state_tile(base, 3, c, j, ks_no, P_PAD, DVH_PAD)
-    _store_state_tile(base, 4, c, j, ko_pe, P_PAD, DVH_PAD)
-    _store_state_tile(base, 5, c, j, ko_po, P_PAD, DVH_PAD)
-    _store_state_tile(base, 6, c, j, ko_ne, P_PAD, DVH_PAD)
-    _store_state_tile(base, 7, c, j, ko_no, P_PAD, DVH_PAD)
-    base = gkm_part + part * (4 * P_PAD)
-    tl.store(base + c, m_pe)
-    tl.store(base + P_PAD + c, m_po)
-    tl.store(base + 2 * P_PAD + c, m_ne)
-    tl.store(base + 3 * P_PAD + c, m_no)
-    base = gt_part + part * (8 * P_PAD)
-    tl.store(base + c, ws_pe)
-    tl.store(base + P_PAD + c, ws_po)
-    tl.store(base + 2 * P_PAD + c, ws_ne)
-    tl.store(base + 3 * P_PAD + c, ws_no)
-    tl.store(base + 4 * P_PAD + c, wo_pe)
-    tl.store(base + 5 * P_PAD + c, wo_po)
-    tl.store(base + 6 * P_PAD + c, wo_ne)
-    tl.store(base + 7 * P_PAD + c, wo_no)
+        grad_same = tl.load(g_ptr, mask=g_ok, other=0.0).to(ACC)
+        grad_opp = tl.load(g_ptr + dvh * stride_gc, mask=g_ok, other=0.0).to(ACC)
+        ds_even, ds_odd, gs_num, gs_den = _stream_backward(
+            fs_even, fs_odd, ns_even, ns_odd, row_s, grad_same, same_even, same_odd, mean_even, mean_odd,
+            shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps, ROPE, ACC, DOT)
+        do_even, do_odd, go_num, go_den = _stream_backward(
+            fo_even, fo_odd, no_even, no_odd, row_o, grad_opp, opp_even, opp_odd, mean_even, mean_odd,
+            shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps, ROPE, ACC, DOT)
+        # pre-activations: same stream [a | b]·T_same, opposite stream [b | a]·T_opp
+        g_ts_even += tl.sum(ds_even * base_s_even, 0)
+        g_ts_odd += tl.sum(ds_odd * base_s_odd, 0)
+        g_to_even += tl.sum(do_even * base_o_even, 0)
+        g_to_odd += tl.sum(do_odd * base_o_odd, 0)
+        # through x = ±q into the halves: the opposite stream's halves hold the other sign
+        dq_even = _input_grad(q_even, ds_even * ts_even, positive, BLOCK, P)
+        dq_even += _input_grad(-q_even, do_even * to_even, positive, BLOCK, P) * -1.0
+        dq_odd = _input_grad(q_odd, ds_odd * ts_odd, positive, BLOCK, P)
+        dq_odd += _input_grad(-q_odd, do_odd * to_odd, positive, BLOCK, P) * -1.0
+        dq_ptr = dq_base + rows[:, None] * stride_dqt + (2 * pair)[None, :] * stride_dqc
+        tl.store(dq_ptr, dq_even.to(dq_base.dtype.element_ty), mask=ok[:, None] & (2 * pair < d)[None, :])
+        tl.store(dq_ptr + stride_dqc, dq_odd.to(dq_base.dtype.element_ty),
+                 mask=ok[:, None] & (2 * pair + 1 < d)[None, :])
+        g_same_even += tl.dot(tl.trans(ns_even), gs_num, input_precision=DOT, out_dtype=ACC)
+        g_same_odd += tl.dot(tl.trans(ns_odd), gs_num, input_precision=DOT, out_dtype=ACC)
+        g_opp_even += tl.dot(tl.trans(no_even), go_num, input_precision=DOT, out_dtype=ACC)
+        g_opp_odd += tl.dot(tl.trans(no_odd), go_num, input_precision=DOT, out_dtype=ACC)
+        g_mean_even += tl.sum(gs_den[:, None] * fs_even + go_den[:, None] * fo_even, 0)
+        g_mean_odd += tl.sum(gs_den[:, None] * fs_odd + go_den[:, None] * fo_odd, 0)
+    return (g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd,
+            g_ts_even, g_ts_odd, g_to_even, g_to_odd)
 
 
 @triton.jit
-def _key_backward_kernel(
-    k, v, key_mask, cu_k, cos, sin, gkv, gkm, grad_k, grad_v,
-    stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn, stride_mb, stride_table,
-    stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
-    heads, length, num_seqs, d, dvh,
-    HAS_MASK: tl.constexpr, VARLEN: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
-    P_PAD: tl.constexpr, DVH_PAD: tl.constexpr, BLOCK: tl.constexpr,
-):
-    """``dk`` and ``dv`` of one tile of key rows from the state's gradients (already divided by the key count):
-    ``dv = R(φk)·G``, ``dφk = Rᵀ(G·v) + G_k̄``; padded keys get zeros. Features are recomputed from ``k``.
-    Grid as :func:`_output_kernel`."""
-    tile, h, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    first = tile * BLOCK
-    rows = first + tl.arange(0, BLOCK)
-    ok = rows < length
-    if VARLEN:
-        s_first = _find_sequence(cu_k, num_seqs, first)
-        s_last = _find_sequence(cu_k, num_seqs, tl.minimum(first + BLOCK, length) - 1)
-        batch = b * 0
-    else:
-        s_first, s_last, batch = b, b, b
-    keep = ok
-    if HAS_MASK:
-        keep = keep & (tl.load(key_mask + batch * stride_mb + rows, mask=ok, other=1) == 0)
-    c = tl.arange(0, P_PAD)
-    j = tl.arange(0, DVH_PAD)
-    k_even, k_odd = _load_pairs(k + batch.to(tl.int64) * stride_kb + h * stride_kh, rows, keep, stride_kn, c, d, ACC)
-    f_pe = _expm1(tl.maximum(k_even, 0.0))
-    f_po = _expm1(tl.maximum(k_odd, 0.0))
-    f_ne = _expm1(tl.maximum(-k_even, 0.0))
-    f_no = _expm1(tl.maximum(-k_odd, 0.0))
-    r_pe, r_po, r_ne, r_no = f_pe, f_po, f_ne, f_no
-    if ROPE:
-        c_pe, c_po, c_ne, c_no = _load_blocks(cos, rows, keep, stride_table, c, d, ACC)
-        n_pe, n_po, n_ne, n_no = _load_blocks(sin, rows, keep, stride_table, c, d, ACC)
-        r_pe, r_po = _rotate(f_pe, f_po, c_pe, c_po, n_pe, n_po)
-        r_ne, r_no = _rotate(f_ne, f_no, c_ne, c_no, n_ne, n_no)
-    v_ptr = v + batch.to(tl.int64) * stride_vb + h * stride_vh + rows[:, None].to(tl.int64) * stride_vn + j[None, :]
-    v_ok = keep[:, None] & (j < dvh)[None, :]
-    v_same = tl.load(v_ptr, mask=v_ok, other=0.0).to(ACC)
-    v_opp = tl.load(v_ptr + dvh, mask=v_ok, other=0.0).to(ACC)
-    dk_even = tl.zeros((BLOCK, P_PAD), ACC)
-    dk_odd = tl.zeros((BLOCK, P_PAD), ACC)
-    dv_same = tl.zeros((BLOCK, DVH_PAD), ACC)
-    dv_opp = tl.zeros((BLOCK, DVH_PAD), ACC)
-    for s in range(s_first, s_last + 1):
-        lo, hi, _ = _sequence_span(cu_k, s, length, VARLEN)
-        inside = ((rows >= lo) & (rows < hi))[:, None]
-        group = (s * heads + h).to(tl.int64)
-        g_base = gkv + group * (8 * P_PAD * DVH_PAD)
-        gs_pe = _load_state_tile(g_base, 0, c, j, P_PAD, DVH_PAD)
-        gs_po = _load_state_tile(g_base, 1, c, j, P_PAD, DVH_PAD)
-        gs_ne = _load_state_tile(g_base, 2, c, j, P_PAD, DVH_PAD)
-        gs_no = _load_state_tile(g_base, 3, c, j, P_PAD, DVH_PAD)
-        go_pe = _load_state_tile(g_base, 4, c, j, P_PAD, DVH_PAD)
-        go_po = _load_state_tile(g_base, 5, c, j, P_PAD, DVH_PAD)
-        go_ne = _load_state_tile(g_base, 6, c, j, P_PAD, DVH_PAD)
-        go_no = _load_state_tile(g_base, 7, c, j, P_PAD, DVH_PAD)
-        part = tl.dot(r_pe, gs_pe, input_precision=DOT, out_dtype=ACC)
-        part += tl.dot(r_po, gs_po, input_precision=DOT, out_dtype=ACC)
-        part += tl.dot(r_ne, gs_ne, input_precision=DOT, out_dtype=ACC)
-        part += tl.dot(r_no, gs_no, input_precision=DOT, out_dtype=ACC)
-        dv_same = tl.where(inside, part, dv_same)
-        part = tl.dot(r_pe, go_pe, input_precision=DOT, out_dtype=ACC)
-        part += tl.dot(r_po, go_po, input_precision=DOT, out_dtype=ACC)
-        part += tl.dot(r_ne, go_ne, input_precision=DOT, out_dtype=ACC)
-        part += tl.dot(r_no, go_no, input_precision=DOT, out_dtype=ACC)
-        dv_opp = tl.where(inside, part, dv_opp)
-        d_pe = tl.dot(v_same, tl.trans(gs_pe), input_precision=DOT, out_dtype=ACC)
-        d_pe += tl.dot(v_opp, tl.trans(go_pe), input_precision=DOT, out_dtype=ACC)
-        d_po = tl.dot(v_same, tl.trans(gs_po), input_precision=DOT, out_dtype=ACC)
-        d_po += tl.dot(v_opp, tl.trans(go_po), input_precision=DOT, out_dtype=ACC)
-        d_ne = tl.dot(v_same, tl.trans(gs_ne), input_precision=DOT, out_dtype=ACC)
-        d_ne += tl.dot(v_opp, tl.trans(go_ne), input_precision=DOT, out_dtype=ACC)
-        d_no = tl.dot(v_same, tl.trans(gs_no), input_precision=DOT, out_dtype=ACC)
-        d_no += tl.dot(v_opp, tl.trans(go_no), input_precision=DOT, out_dtype=ACC)
+def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, cos_ptr, sin_ptr, lo, hi,
+               stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc,
+               stride_rt, stride_rc, g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd,
+               shift_even, shift_odd, inv_m, d, dvh,
+               P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
+               ACC: tl.constexpr, DOT: tl.constexpr):
+    """``grad_k`` and ``grad_v`` of keys ``[lo, hi)`` (written; zero at padded keys) from the state's gradient:
+    ``dv = R(φk)·G``, ``dφk = Rᵀ(G·v) + G_k̄``. Features are recomputed with the state's shifts."""
+    positive, channel, even_ok, odd_ok, feature = _columns(d, P)
+    pair = tl.arange(0, P)
+    j = tl.arange(0, DVH)
+    g_same_even, g_same_odd = g_same_even * inv_m, g_same_odd * inv_m
+    g_opp_even, g_opp_odd = g_opp_even * inv_m, g_opp_odd * inv_m
+    g_mean_even, g_mean_odd = g_mean_even * inv_m, g_mean_odd * inv_m
+    floor_even, floor_odd = tl.exp(-shift_even), tl.exp(-shift_odd)
+    for t0 in range(lo, hi, BLOCK):
+        rows = t0 + tl.arange(0, BLOCK)
+        valid = rows < hi
+        ok = valid
+        if HAS_MASK:
+            ok = ok & (tl.load(mask_base + rows * stride_mt, mask=valid, other=1) == 0)
+        k_even, k_odd = _load_blocks(k_base, rows, ok, stride_kt, stride_kc, channel, even_ok, odd_ok, ACC)
+        f_even = _shifted_feature(_halves(k_even, positive), 0.0, shift_even[None, :])
+        f_odd = _shifted_feature(_halves(k_odd, positive), 0.0, shift_odd[None, :])
+        n_even, n_odd = f_even, f_odd
+        cos_even, cos_odd, sin_even, sin_odd = f_even, f_odd, f_even, f_odd  # stand-ins without tables
         if ROPE:
-            d_pe, d_po = _rotate_transposed(d_pe, d_po, c_pe, c_po, n_pe, n_po)
-            d_ne, d_no = _rotate_transposed(d_ne, d_no, c_ne, c_no, n_ne, n_no)
-        m_base = gkm + group * (4 * P_PAD)
-        # φk = exp(|k|) − 1 on k's half: dL/dk = ±dL/dφk·(φk + 1)
-        d_pe = (d_pe + tl.load(m_base + c)[None, :]) * (f_pe + 1.0)
-        d_po = (d_po + tl.load(m_base + P_PAD + c)[None, :]) * (f_po + 1.0)
-        d_ne = (d_ne + tl.load(m_base + 2 * P_PAD + c)[None, :]) * (f_ne + 1.0)
-        d_no = (d_no + tl.load(m_base + 3 * P_PAD + c)[None, :]) * (f_no + 1.0)
-        part = tl.where(k_even > 0, d_pe, tl.where(k_even < 0, -d_ne, 0.0))
-        dk_even = tl.where(inside, part, dk_even)
-        part = tl.where(k_odd > 0, d_po, tl.where(k_odd < 0, -d_no, 0.0))
-        dk_odd = tl.where(inside, part, dk_odd)
-    padded = (keep == 0)[:, None]
-    dk_even = tl.where(padded, 0.0, dk_even)
-    dk_odd = tl.where(padded, 0.0, dk_odd)
-    _store_pairs(grad_k + batch.to(tl.int64) * stride_dkb + h * stride_dkh, rows, ok, stride_dkn, c, d, dk_even, dk_odd)
-    dv_ptr = (grad_v + batch.to(tl.int64) * stride_dvb + h * stride_dvh + rows[:, None].to(tl.int64) * stride_dvn
-              + j[None, :])
-    dv_ok = ok[:, None] & (j < dvh)[None, :]
-    tl.store(dv_ptr, tl.where(padded, 0.0, dv_same), mask=dv_ok)
-    tl.store(dv_ptr + dvh, tl.where(padded, 0.0, dv_opp), mask=dv_ok)
+            cos_even, cos_odd = _load_blocks(cos_ptr, rows, ok, stride_rt, stride_rc, feature, even_ok, odd_ok, ACC)
+            sin_even, sin_odd = _load_blocks(sin_ptr, rows, ok, stride_rt, stride_rc, feature, even_ok, odd_ok, ACC)
+            n_even, n_odd = _rotate(f_even, f_odd, cos_even, cos_odd, sin_even, sin_odd)
+        v_ptr = v_base + rows[:, None] * stride_vt + j[None, :] * stride_vc
+        v_ok = ok[:, None] & (j < dvh)[None, :]
+        v_same = tl.load(v_ptr, mask=v_ok, other=0.0).to(ACC)
+        v_opp = tl.load(v_ptr + dvh * stride_vc, mask=v_ok, other=0.0).to(ACC)
+        dv_same = tl.dot(n_even, g_same_even, input_precision=DOT, out_dtype=ACC)
+        dv_same += tl.dot(n_odd, g_same_odd, input_precision=DOT, out_dtype=ACC)
+        dv_opp = tl.dot(n_even, g_opp_even, input_precision=DOT, out_dtype=ACC)
+        dv_opp += tl.dot(n_odd, g_opp_odd, input_precision=DOT, out_dtype=ACC)
+        dv_ptr = dv_base + rows[:, None] * stride_dvt + j[None, :] * stride_dvc
+        dv_ok = valid[:, None] & (j < dvh)[None, :]
+        tl.store(dv_ptr, dv_same.to(dv_base.dtype.element_ty), mask=dv_ok)
+        tl.store(dv_ptr + dvh * stride_dvc, dv_opp.to(dv_base.dtype.element_ty), mask=dv_ok)
+        d_even = tl.dot(v_same, tl.trans(g_same_even), input_precision=DOT, out_dtype=ACC)
+        d_even += tl.dot(v_opp, tl.trans(g_opp_even), input_precision=DOT, out_dtype=ACC)
+        d_odd = tl.dot(v_same, tl.trans(g_same_odd), input_precision=DOT, out_dtype=ACC)
+        d_odd += tl.dot(v_opp, tl.trans(g_opp_odd), input_precision=DOT, out_dtype=ACC)
+        if ROPE:
+            d_even, d_odd = _rotate_transposed(d_even, d_odd, cos_even, cos_odd, sin_even, sin_odd)
+        # φk = (e^y − 1)·e^-shift: dφk/dy = φk + e^-shift
+        d_even = (d_even + g_mean_even[None, :]) * (f_even + floor_even[None, :])
+        d_odd = (d_odd + g_mean_odd[None, :]) * (f_odd + floor_odd[None, :])
+        dk_ptr = dk_base + rows[:, None] * stride_dkt + (2 * pair)[None, :] * stride_dkc
+        tl.store(dk_ptr, _input_grad(k_even, d_even, positive, BLOCK, P).to(dk_base.dtype.element_ty),
+                 mask=valid[:, None] & (2 * pair < d)[None, :])
+        tl.store(dk_ptr + stride_dkc, _input_grad(k_odd, d_odd, positive, BLOCK, P).to(dk_base.dtype.element_ty),
+                 mask=valid[:, None] & (2 * pair + 1 < d)[None, :])
 
 
-def _row_major(x: torch.Tensor | None) -> torch.Tensor | None:
-    """The kernels address channels with unit stride."""
-    return x if x is None or x.stride(-1) == 1 else x.contiguous()
+@triton.jit
+def _store_temperature_grads(base, g_ts_even, g_ts_odd, g_to_even, g_to_odd, d, P: tl.constexpr):
+    """The temperatures' gradient of one part, as (2 streams, 2d) in the inputs' channel order."""
+    positive, channel, even_ok, odd_ok, feature = _columns(d, P)
+    tl.store(base + feature, g_ts_even, mask=even_ok)
+    tl.store(base + feature + 1, g_ts_odd, mask=odd_ok)
+    tl.store(base + 2 * d + feature, g_to_even, mask=even_ok)
+    tl.store(base + 2 * d + feature + 1, g_to_odd, mask=odd_ok)
 
 
-class _Problem:
-    """Sizes and compile-time switches of one call, shared by its forward and backward launches."""
+@triton.jit
+def _backward_kernel(
+    q_ptr, k_ptr, v_ptr, ts_ptr, to_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, cos_ptr, sin_ptr, state_ptr, grad_out_ptr,
+    grad_q_ptr, grad_k_ptr, grad_v_ptr, grad_part_ptr, grad_temp_ptr,
+    stride_qb, stride_qh, stride_qt, stride_qc, stride_kb, stride_kh, stride_kt, stride_kc,
+    stride_vb, stride_vh, stride_vt, stride_vc, stride_tsb, stride_tsh, stride_tsc, stride_tob, stride_toh,
+    stride_toc, stride_mb, stride_mt, stride_rt, stride_rc, stride_gb, stride_gh, stride_gt, stride_gc,
+    stride_dqb, stride_dqh, stride_dqt, stride_dqc, stride_dkb, stride_dkh, stride_dkt, stride_dkc,
+    stride_dvb, stride_dvh, stride_dvt, stride_dvc,
+    Q_LEN, K_LEN, d, dvh, eps,
+    SPANS: tl.constexpr, TEMP_PARTS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr,
+    PACKED: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+):
+    """The query side of the backward for one span of one sequence's queries; with one span the key side too,
+    from the state's gradient in registers, else the span's partial gradient of the state is stored for
+    :func:`_key_grad_kernel`. Grid: (spans, heads, sequences)."""
+    span = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    width: tl.constexpr = 8 * P * DVH + 8 * P + 1
+    # the saved state is already divided by its count
+    (same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd,
+     count) = _load_state(state_ptr + (seq * heads + head) * width, P, DVH)
+    inv_m = 1.0 / tl.maximum(count, 1.0)
+    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    grads = _query_grads(
+        q_ptr + batch * stride_qb + head * stride_qh, grad_out_ptr + batch * stride_gb + head * stride_gh,
+        grad_q_ptr + batch * stride_dqb + head * stride_dqh, ts_ptr + batch * stride_tsb + head * stride_tsh,
+        to_ptr + batch * stride_tob + head * stride_toh, lo, hi, cos_ptr, sin_ptr, stride_qt, stride_qc, stride_gt,
+        stride_gc, stride_dqt, stride_dqc, stride_tsc, stride_rt, stride_rc, same_even, same_odd, opp_even,
+        opp_odd, mean_even, mean_odd, shift_even, shift_odd, d, dvh, eps,
+        P, DVH, BLOCK, ROPE, ACC, DOT)
+    g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd = grads[:6]
+    _store_temperature_grads(grad_temp_ptr + ((seq * heads + head) * TEMP_PARTS + span) * 4 * d, *grads[6:], d, P)
+    if SPANS == 1:
+        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        _key_grads(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+                   mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
+                   grad_v_ptr + batch * stride_dvb + head * stride_dvh, cos_ptr, sin_ptr, k_first, k_end,
+                   stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt,
+                   stride_dvc, stride_rt, stride_rc, g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even,
+                   g_mean_odd, shift_even, shift_odd, inv_m, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
+    else:
+        grad_width: tl.constexpr = 8 * P * DVH + 4 * P
+        _, tile, vectors = _state_offsets(P, DVH)
+        cell = tl.arange(0, 2 * P)[:, None] * DVH + tl.arange(0, DVH)[None, :]
+        i = tl.arange(0, 2 * P)
+        base = grad_part_ptr + ((seq * heads + head) * SPANS + span) * grad_width
+        tl.store(base + cell, g_same_even)
+        tl.store(base + tile + cell, g_same_odd)
+        tl.store(base + 2 * tile + cell, g_opp_even)
+        tl.store(base + 3 * tile + cell, g_opp_odd)
+        tl.store(base + vectors + i, g_mean_even)
+        tl.store(base + vectors + 2 * P + i, g_mean_odd)
 
-    def __init__(self, q, k, v, sin, key_padding_mask, cu_q, cu_k):
-        self.varlen = cu_q is not None
-        self.heads, self.d, self.dvh = q.shape[1], q.shape[-1], v.shape[-1] // 2
-        self.q_len, self.k_len = q.shape[2], k.shape[2]
-        self.batch = q.shape[0]
-        self.seqs = cu_q.numel() - 1 if self.varlen else q.shape[0]
-        self.groups = self.seqs * self.heads
-        self.rope, self.has_mask = sin is not None, key_padding_mask is not None
-        self.p_pad, self.dvh_pad = padded_width((self.d + 1) // 2), padded_width(self.dvh)
-        wide = any(t.dtype == torch.float64 for t in (q, k, v))
-        self.acc = torch.float64 if wide else torch.float32
-        self.tl_acc = tl.float64 if wide else tl.float32
-        # tf32 products only where the inputs are half precision anyway
-        self.dot = "ieee" if wide or torch.float32 in (q.dtype, k.dtype, v.dtype) else "tf32"
-        self.block = _BLOCK_TOKENS
 
-    def splits(self, tokens: int) -> int:
-        """Programs per sequence for a reduction over ``tokens`` packed tokens (a fixed count: deterministic)."""
-        per_seq = triton.cdiv(tokens, max(self.seqs, 1)) if self.varlen else tokens
-        by_length = triton.cdiv(per_seq, 2 * self.block)
-        return max(1, min(_MAX_SPLITS, by_length, triton.cdiv(_ENOUGH_PROGRAMS, max(self.groups, 1))))
+@triton.jit
+def _key_grad_kernel(
+    k_ptr, v_ptr, mask_ptr, cu_k_ptr, cos_ptr, sin_ptr, state_ptr, grad_part_ptr, grad_k_ptr, grad_v_ptr,
+    stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc, stride_mb, stride_mt,
+    stride_rt, stride_rc, stride_dkb, stride_dkh, stride_dkt, stride_dkc, stride_dvb, stride_dvh, stride_dvt,
+    stride_dvc, K_LEN, d, dvh,
+    SPANS: tl.constexpr, SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr,
+    PACKED: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+):
+    """The key side of the backward for one split of one sequence's keys, from the query spans' partial gradients
+    of the state (added in span order). Grid: (splits, heads, sequences)."""
+    split = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    seq = tl.program_id(2).to(tl.int64)
+    heads = tl.num_programs(1)
+    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+    width: tl.constexpr = 8 * P * DVH + 8 * P + 1
+    state = _load_state(state_ptr + (seq * heads + head) * width, P, DVH)
+    shift_even, shift_odd, count = state[6], state[7], state[8]
+    cell, tile, vectors = _state_offsets(P, DVH)
+    i = tl.arange(0, 2 * P)
+    grad_width: tl.constexpr = 8 * P * DVH + 4 * P
+    g_same_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_same_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_opp_even = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_opp_odd = tl.zeros([2 * P, DVH], dtype=ACC)
+    g_mean_even = tl.zeros([2 * P], dtype=ACC)
+    g_mean_odd = tl.zeros([2 * P], dtype=ACC)
+    for span in range(SPANS):
+        base = grad_part_ptr + ((seq * heads + head) * SPANS + span) * grad_width
+        g_same_even += tl.load(base + cell)
+        g_same_odd += tl.load(base + tile + cell)
+        g_opp_even += tl.load(base + 2 * tile + cell)
+        g_opp_odd += tl.load(base + 3 * tile + cell)
+        g_mean_even += tl.load(base + vectors + i)
+        g_mean_odd += tl.load(base + vectors + 2 * P + i)
+    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    _key_grads(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
+               mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
+               grad_v_ptr + batch * stride_dvb + head * stride_dvh, cos_ptr, sin_ptr, lo, hi,
+               stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc,
+               stride_rt, stride_rc, g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd,
+               shift_even, shift_odd, 1.0 / tl.maximum(count, 1.0), d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
 
-    def key_counts(self, key_padding_mask, cu_k, device) -> torch.Tensor:
-        """Valid keys per (sequence, head) group, at least one (an all-padding sequence gives zeros)."""
-        if self.varlen:
-            counts = (cu_k[1:] - cu_k[:-1]).to(self.acc)
-        elif key_padding_mask is not None:
-            counts = (~key_padding_mask).sum(-1).to(self.acc)
-        else:
-            counts = torch.full((self.seqs,), float(self.k_len), dtype=self.acc, device=device)
-        return counts.clamp_min(1.0).repeat_interleave(self.heads)
+
+class _Call:
+    """Sizes, compile-time switches and the launch plan of one call, shared by its forward and backward."""
+
+    def __init__(self, q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k):
+        self.packed = cu_seqlens is not None
+        batch, self.heads, self.q_len, self.d = q.shape
+        self.k_len, self.dvh = k.shape[-2], v.shape[-1] // 2
+        self.sequences = cu_seqlens.shape[0] - 1 if self.packed else batch
+        self.p, self.dvh_pad = padded_width((self.d + 1) // 2), padded_width(self.dvh)
+        self.width = 8 * self.p * self.dvh_pad + 8 * self.p + 1
+        self.acc = accumulator_dtype(q, k, v)
+        self.precision = dot_precision(q, k, v)
+        block = 32 if q.is_cuda else 16  # the interpreter's small shapes then cover several blocks
+        per_sequence = max(self.sequences, 1)
+        self.plan = plan(self.sequences, self.heads, -(-self.q_len // per_sequence) if self.packed else self.q_len,
+                         -(-self.k_len // per_sequence) if self.packed else self.k_len, block, q.device)
+        # the temperatures as (B, H, 2d) views with their own strides: no copy per call
+        target = (batch, self.heads, 1, 2 * self.d)
+        self.temp_same = temp_same.expand(target)[:, :, 0]
+        self.temp_opposite = temp_opposite.expand(target)[:, :, 0]
+        self.rope = sin is not None
+        self.mask = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
+        self.cu_q = cu_seqlens
+        self.cu_k = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k) if self.packed else None
+        self.warps = warps(2 * self.p, 4 * self.dvh_pad)
+
+    def grid(self, programs: int):
+        return programs, self.heads, self.sequences
 
     def constants(self):
-        return dict(ROPE=self.rope, VARLEN=self.varlen, ACC=self.tl_acc, DOT=self.dot, P_PAD=self.p_pad,
-                    DVH_PAD=self.dvh_pad, BLOCK=self.block)
+        return dict(P=self.p, DVH=self.dvh_pad, BLOCK=self.plan.block, PACKED=self.packed, ROPE=self.rope,
+                    ACC=tl.float64 if self.acc == torch.float64 else tl.float32, DOT=self.precision,
+                    num_warps=self.warps)
+
+    def pointers(self, like, sin, cos):
+        """Stand-ins for absent tensors (never read): mask, offsets, tables, and the tables' strides."""
+        tables = (like, like, 0, 0) if sin is None else (cos, sin, *sin.stride())
+        return (like if self.mask is None else self.mask, like if self.cu_q is None else self.cu_q,
+                like if self.cu_k is None else self.cu_k, *tables)
+
+    def mask_strides(self):
+        return (0, 0) if self.mask is None else self.mask.stride()
 
 
-def _state(p: _Problem, k, v, key_mask, cu_k, sin, cos, counts):
-    """``(kv, k̄)``: (groups, 8, P, dv/2) and (groups, 4, P) in the accumulation dtype."""
-    splits = p.splits(p.k_len)
-    kv = torch.empty(p.groups, splits, 8, p.p_pad, p.dvh_pad, dtype=p.acc, device=k.device)
-    km = torch.empty(p.groups, splits, 4, p.p_pad, dtype=p.acc, device=k.device)
-    mask = key_mask if key_mask is not None else k
-    _state_kernel[(splits, p.heads, p.seqs)](
-        k, v, mask, cu_k, cos, sin, kv, km,
-        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        mask.stride(0), 0 if sin is None else sin.stride(0),
-        p.heads, p.k_len, p.d, p.dvh, splits, HAS_MASK=p.has_mask, **p.constants())
-    scale = counts.reciprocal()
-    return kv.sum(1).mul_(scale[:, None, None, None]), km.sum(1).mul_(scale[:, None, None])
+def _check_tables(sin, cos):
+    if sin is not None and sin.stride() != cos.stride():
+        raise ValueError(f"sin and cos must be laid out alike; got strides {sin.stride()} and {cos.stride()}")
 
 
-def _forward(p: _Problem, q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, eps, out):
-    """Writes the attention into ``out`` (q's shape with v's width) and returns the state for the backward."""
-    kv, km = _state(p, k, v, key_mask, cu_k, sin, cos, p.key_counts(key_mask, cu_k, q.device))
-    grid = (triton.cdiv(p.q_len, p.block), p.heads, 1 if p.varlen else p.batch)
-    _output_kernel[grid](
-        q, temps, cu_q, cos, sin, kv, km, out,
-        q.stride(0), q.stride(1), q.stride(2), temps.stride(0), temps.stride(1),
-        0 if sin is None else sin.stride(0), out.stride(0), out.stride(1), out.stride(2),
-        p.heads, p.q_len, p.seqs, p.d, p.dvh, eps, **p.constants())
-    return kv, km
+def pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask=None, cu_seqlens=None,
+                 cu_seqlens_k=None, out=None, save_state=True):
+    """Run the forward kernel(s); returns ``(out, state, call)``. ``out`` (B, H, N, dv), any strides, is written
+    in place when given. Arguments are assumed checked by the op."""
+    _check_tables(sin, cos)
+    call = _Call(q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    if out is None:  # (B, H, N, dv) over (B, N, H, dv) memory, as the torch formulation returns it
+        out = v.new_empty(v.shape[0], call.q_len, call.heads, v.shape[-1]).transpose(1, 2)
+    state = q.new_empty((call.sequences, call.heads, call.width) if save_state else (0,), dtype=call.acc)
+    mask, cu_q, cu_k, cos_t, sin_t, stride_rt, stride_rc = call.pointers(q, sin, cos)
+    splits = call.plan.key_splits
+    partials = q.new_empty(0, dtype=call.acc)
+    if splits:
+        partials = q.new_empty(call.sequences, call.heads, splits, call.width, dtype=call.acc)
+        _state_kernel[call.grid(splits)](
+            k, v, mask, cu_k, cos_t, sin_t, partials, *k.stride(), *v.stride(), *call.mask_strides(), stride_rt,
+            stride_rc, call.k_len, call.d, call.dvh, SPLITS=splits, HAS_MASK=call.mask is not None,
+            **call.constants())
+    _forward_kernel[call.grid(call.plan.query_spans)](
+        q, k, v, call.temp_same, call.temp_opposite, mask, cu_q, cu_k, cos_t, sin_t, partials, state, out,
+        *q.stride(), *k.stride(), *v.stride(), *call.temp_same.stride(), *call.temp_opposite.stride(),
+        *call.mask_strides(), stride_rt, stride_rc, *out.stride(), call.q_len, call.k_len, call.d, call.dvh, eps,
+        SPANS=call.plan.query_spans, SPLITS=splits, HAS_MASK=call.mask is not None, SAVE_STATE=save_state,
+        **call.constants())
+    return out, state, call
 
 
-def _backward(p: _Problem, q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, eps, kv, km, grad_out,
-              grad_q, grad_k, grad_v):
-    """Writes the input gradients into ``grad_q``/``grad_k``/``grad_v`` (``grad_k``/``grad_v`` may be None
-    together) and returns the temperatures' gradient, (batch or 1, heads, 2, 2d) in the accumulation dtype."""
-    splits = p.splits(p.q_len)
-    gkv = torch.empty(p.groups, splits, 8, p.p_pad, p.dvh_pad, dtype=p.acc, device=q.device)
-    gkm = torch.empty(p.groups, splits, 4, p.p_pad, dtype=p.acc, device=q.device)
-    gt = torch.empty(p.groups, splits, 8, p.p_pad, dtype=p.acc, device=q.device)
-    _query_backward_kernel[(splits, p.heads, p.seqs)](
-        q, temps, cu_q, cos, sin, kv, km, grad_out, grad_q, gkv, gkm, gt,
-        q.stride(0), q.stride(1), q.stride(2), temps.stride(0), temps.stride(1),
-        0 if sin is None else sin.stride(0), grad_out.stride(0), grad_out.stride(1), grad_out.stride(2),
-        grad_q.stride(0), grad_q.stride(1), grad_q.stride(2),
-        p.heads, p.q_len, p.d, p.dvh, splits, eps, **p.constants())
-    if grad_k is not None:
-        scale = p.key_counts(key_mask, cu_k, q.device).reciprocal()
-        gkv_total = gkv.sum(1).mul_(scale[:, None, None, None])
-        gkm_total = gkm.sum(1).mul_(scale[:, None, None])
-        mask = key_mask if key_mask is not None else k
-        grid = (triton.cdiv(p.k_len, p.block), p.heads, 1 if p.varlen else p.batch)
-        _key_backward_kernel[grid](
-            k, v, mask, cu_k, cos, sin, gkv_total, gkm_total, grad_k, grad_v,
-            k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
-            mask.stride(0), 0 if sin is None else sin.stride(0),
-            grad_k.stride(0), grad_k.stride(1), grad_k.stride(2), grad_v.stride(0), grad_v.stride(1),
-            grad_v.stride(2), p.heads, p.k_len, p.seqs, p.d, p.dvh, HAS_MASK=p.has_mask, **p.constants())
-    # (groups, 2 streams, h, e, P) -> channel h·d + 2c + e
-    grad_temps = gt.sum(1).view(p.groups, 2, 2, 2, p.p_pad).transpose(-1, -2).reshape(p.groups, 2, 2, 2 * p.p_pad)
-    grad_temps = grad_temps[..., :p.d].reshape(p.groups, 2, 2 * p.d)
-    return grad_temps.view(-1, p.heads, 2, 2 * p.d).sum(0, keepdim=True) if p.varlen else \
-        grad_temps.view(p.batch, p.heads, 2, 2 * p.d)
+def pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, temp_shapes, grad_q=None, grad_k=None,
+                  grad_v=None):
+    """Run the backward kernel(s); returns ``(grad_q, grad_k, grad_v, grad_temp_same, grad_temp_opposite)``,
+    writing into the given gradient buffers (any strides) where passed; the temperatures' gradients have the
+    shapes ``temp_shapes``, in fp32 (fp64)."""
+    grad_q = torch.empty_like(q) if grad_q is None else grad_q
+    grad_k = torch.empty_like(k) if grad_k is None else grad_k
+    grad_v = torch.empty_like(v) if grad_v is None else grad_v
+    spans, splits = call.plan.backward_spans, call.plan.backward_key_splits
+    grad_temps = q.new_empty(call.sequences, call.heads, spans, 2, 2 * call.d, dtype=call.acc)
+    mask, cu_q, cu_k, cos_t, sin_t, stride_rt, stride_rc = call.pointers(q, sin, cos)
+    grad_partials = q.new_empty(0, dtype=call.acc)
+    if spans > 1:
+        grad_partials = q.new_empty(call.sequences, call.heads, spans, 8 * call.p * call.dvh_pad + 4 * call.p,
+                                    dtype=call.acc)
+    _backward_kernel[call.grid(spans)](
+        q, k, v, call.temp_same, call.temp_opposite, mask, cu_q, cu_k, cos_t, sin_t, state, grad_out, grad_q,
+        grad_k, grad_v, grad_partials, grad_temps, *q.stride(), *k.stride(), *v.stride(), *call.temp_same.stride(),
+        *call.temp_opposite.stride(), *call.mask_strides(), stride_rt, stride_rc, *grad_out.stride(),
+        *grad_q.stride(), *grad_k.stride(), *grad_v.stride(), call.q_len, call.k_len, call.d, call.dvh, eps,
+        SPANS=spans, TEMP_PARTS=spans, HAS_MASK=call.mask is not None, **call.constants())
+    if spans > 1:
+        _key_grad_kernel[call.grid(splits)](
+            k, v, mask, cu_k, cos_t, sin_t, state, grad_partials, grad_k, grad_v, *k.stride(), *v.stride(),
+            *call.mask_strides(), stride_rt, stride_rc, *grad_k.stride(), *grad_v.stride(), call.k_len, call.d,
+            call.dvh, SPANS=spans, SPLITS=splits, HAS_MASK=call.mask is not None, **call.constants())
+    return (grad_q, grad_k, grad_v, *_temperature_grads(grad_temps, temp_shapes))
 
 
-class _PacsAttentionTriton(torch.autograd.Function):
-    """The op on the Triton kernels; the backward recomputes the features from q and k."""
+def _temperature_grads(parts: torch.Tensor, shapes) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sequences, heads, parts, 2 streams, 2d) partial gradients → each temperature's shape, summed over the
+    axes it broadcasts and over the parts: one reduction for both when their shapes match, none when nothing
+    is broadcast and the work was whole."""
+    def axes(shape):
+        target = (1,) * (4 - len(shape)) + tuple(shape)
+        return [axis for axis in range(3) if target[axis] == 1 and parts.shape[axis] > 1]
+
+    if shapes[0] == shapes[1]:
+        dims = axes(shapes[0])
+        both = parts.sum(dim=dims, keepdim=True) if dims else parts
+        return tuple(stream.reshape(shapes[0]) for stream in both.unbind(3))
+    return tuple((stream.sum(dim=axes(shape), keepdim=True) if axes(shape) else stream).reshape(shape)
+                 for stream, shape in zip(parts.unbind(3), shapes))
+
+
+class PacsAttention(torch.autograd.Function):
+    """The fused op with the backward kernels, for eager calls; inputs already checked by
+    :func:`polaformer.ops.pacs_linear_attention`. Differentiable once (see :class:`.pola.PolaAttention`)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, temp_same, temp_opposite, sin, cos, eps, key_mask, cu_q, cu_k):
-        p = _Problem(q, k, v, sin, key_mask, cu_q, cu_k)
-        batch = 1 if p.varlen else p.batch
-        target = (batch, p.heads, 1, 2 * p.d)
-        temps = torch.cat([temp_same.expand(target), temp_opposite.expand(target)], dim=2)  # (B, H, 2, 2d)
-        out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=v.dtype, device=q.device)
-        kv, km = _forward(p, q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, eps, out)
-        ctx.problem, ctx.eps = p, eps
-        ctx.temp_shapes = (temp_same.shape, temp_opposite.shape)
-        ctx.temp_dtypes = (temp_same.dtype, temp_opposite.dtype)
-        ctx.save_for_backward(q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, kv, km)
+    def forward(ctx, q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k):
+        out, state, call = pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask,
+                                        cu_seqlens, cu_seqlens_k)
+        ctx.save_for_backward(q, k, v, sin, cos, state)
+        ctx.call, ctx.eps = call, eps
+        ctx.temps = ((temp_same.shape, temp_same.dtype), (temp_opposite.shape, temp_opposite.dtype))
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, grad_out):
-        q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, kv, km = ctx.saved_tensors
-        p, needs = ctx.problem, ctx.needs_input_grad
-        grad_q = torch.empty_like(q)
-        grad_k = torch.empty_like(k) if needs[1] or needs[2] else None
-        grad_v = torch.empty_like(v) if grad_k is not None else None
-        grad_temps = _backward(p, q, k, v, temps, sin, cos, key_mask, cu_q, cu_k, ctx.eps, kv, km,
-                               _row_major(grad_out), grad_q, grad_k, grad_v)
-        grad_same = grad_opp = None
-        if needs[3]:
-            grad_same = grad_temps[:, :, :1].sum_to_size(ctx.temp_shapes[0]).to(ctx.temp_dtypes[0])
-        if needs[4]:
-            grad_opp = grad_temps[:, :, 1:].sum_to_size(ctx.temp_shapes[1]).to(ctx.temp_dtypes[1])
-        return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
-                grad_same, grad_opp, None, None, None, None, None, None)
+        q, k, v, sin, cos, state = ctx.saved_tensors
+        (same_shape, same_dtype), (opp_shape, opp_dtype) = ctx.temps
+        grads = pacs_backward(ctx.call, q, k, v, sin, cos, state, ctx.eps, grad_out, (same_shape, opp_shape))
+        grads = (*grads[:3], grads[3].to(same_dtype), grads[4].to(opp_dtype))
+        return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
+                None, None, None, None, None, None)
+
+
+# The op as torch.compile sees it (see :mod:`.pola`): eager calls use :class:`PacsAttention` directly.
+@torch.library.custom_op("polaformer::pacs_attention", mutates_args=())
+def _pacs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temp_same: torch.Tensor, temp_opposite: torch.Tensor,
+             sin: torch.Tensor | None, cos: torch.Tensor | None, eps: float, key_padding_mask: torch.Tensor | None,
+             cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None,
+             save_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, state, _ = pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, cu_seqlens,
+                                 cu_seqlens_k, save_state=save_state)
+    return out, state
+
+
+@_pacs_op.register_fake
+def _pacs_op_shapes(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k,
+                    save_state):
+    sequences = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+    p, dvh = padded_width((q.shape[-1] + 1) // 2), padded_width(v.shape[-1] // 2)
+    out = v.new_empty(v.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
+    state = q.new_empty((sequences, q.shape[1], 8 * p * dvh + 8 * p + 1) if save_state else (0,),
+                        dtype=accumulator_dtype(q, k, v))
+    return out, state
+
+
+@torch.library.custom_op("polaformer::pacs_attention_backward", mutates_args=())
+def _pacs_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      temp_same: torch.Tensor, temp_opposite: torch.Tensor, sin: torch.Tensor | None,
+                      cos: torch.Tensor | None, state: torch.Tensor, eps: float, key_padding_mask: torch.Tensor | None,
+                      cu_seqlens: torch.Tensor | None, cu_seqlens_k: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    call = _Call(q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    grads = pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, (temp_same.shape, temp_opposite.shape))
+    temps = (grads[3].to(temp_same.dtype), grads[4].to(temp_opposite.dtype))
+    # an operator's outputs own their memory
+    return (*grads[:3], *(t if t._base is None else t.clone() for t in temps))
+
+
+@_pacs_backward_op.register_fake
+def _pacs_backward_shapes(grad_out, q, k, v, temp_same, temp_opposite, sin, cos, state, eps, key_padding_mask,
+                          cu_seqlens, cu_seqlens_k):
+    return tuple(torch.empty_like(t) for t in (q, k, v, temp_same, temp_opposite))
+
+
+def _pacs_op_setup(ctx, inputs, output):
+    q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k, _ = inputs
+    ctx.save_for_backward(q, k, v, temp_same, temp_opposite, sin, cos, output[1], key_padding_mask, cu_seqlens,
+                          cu_seqlens_k)
+    ctx.eps = eps
+
+
+def _pacs_op_backward(ctx, grad_out, _grad_state):
+    q, k, v, temp_same, temp_opposite, sin, cos, state, key_padding_mask, cu_seqlens, cu_seqlens_k = ctx.saved_tensors
+    grads = _pacs_backward_op(grad_out, q, k, v, temp_same, temp_opposite, sin, cos, state, ctx.eps,
+                              key_padding_mask, cu_seqlens, cu_seqlens_k)
+    return (*(grad if needed else None for grad, needed in zip(grads, ctx.needs_input_grad)),
+            None, None, None, None, None, None, None)
+
+
+_pacs_op.register_autograd(_pacs_op_backward, setup_context=_pacs_op_setup)
 
 
 def pacs_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask=None, cu_seqlens=None,
                    cu_seqlens_k=None):
     """:func:`polaformer.ops.pacs_linear_attention` on the Triton kernels, for arguments the op has checked:
     (B, H, N, d) queries, (B, H, M, d) keys, (B, H, M, dv) values, or packed (1, H, T, ·) with ``cu_seqlens``
-    (``cu_seqlens_k`` for the keys, default ``cu_seqlens``); RoPE tables (N or T, 2d). Returns v's dtype."""
-    if cu_seqlens is not None:
-        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.int32)
-        cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k.to(device=q.device, dtype=torch.int32)
-    if key_padding_mask is not None:
-        key_padding_mask = key_padding_mask.to(q.device)
-    if sin is not None:
-        sin, cos = _row_major(sin), _row_major(cos)
-        if sin.stride(0) != cos.stride(0):
-            sin, cos = sin.contiguous(), cos.contiguous()
-    return _PacsAttentionTriton.apply(_row_major(q), _row_major(k), _row_major(v), temp_same, temp_opposite,
-                                      sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    (``cu_seqlens_k`` for the keys, default ``cu_seqlens``); RoPE tables (N or T, 2d). Any strides; output in
+    v's dtype."""
+    if sin is not None and sin.stride() != cos.stride():
+        sin, cos = sin.contiguous(), cos.contiguous()
+    args = (q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, temp_same, temp_opposite))
+    if torch.compiler.is_compiling():
+        return _pacs_op(*args, needs_grad)[0]
+    if needs_grad:
+        return PacsAttention.apply(*args)
+    return pacs_forward(*args, save_state=False)[0]

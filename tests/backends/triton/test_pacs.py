@@ -197,13 +197,12 @@ def test_kernels_write_only_inside_their_outputs(triton_backend):
             key_mask[0, ::2] = True
         if "cu" in config:
             cu = torch.tensor(config["cu"], dtype=torch.int32, device=DEVICE)
-        problem = pacs._Problem(q, k, v, sin, key_mask, cu, cu)
-        temps = torch.cat([temp_same.expand(b, 2, 1, 2 * d), temp_opposite.expand(b, 2, 1, 2 * d)], dim=2)
         out_buffer, out = guarded_buffer(torch.empty(*q.shape[:-1], dv, dtype=dtype, device=DEVICE), sentinel)
-        kv, km = pacs._forward(problem, q, k, v, temps, sin, cos, key_mask, cu, cu, 1e-6, out)
+        _, state, call = pacs.pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, 1e-6, key_mask, cu, cu,
+                                           out=out)
         buffers, grads = zip(*(guarded_buffer(torch.empty_like(t), sentinel) for t in (q, k, v)))
-        pacs._backward(problem, q, k, v, temps, sin, cos, key_mask, cu, cu, 1e-6, kv, km,
-                       torch.randn_like(out), *grads)
+        pacs.pacs_backward(call, q, k, v, sin, cos, state, 1e-6, torch.randn_like(out),
+                           (temp_same.shape, temp_opposite.shape), *grads)
         for buffer, written in zip((out_buffer, *buffers), (out, *grads)):
             assert torch.isfinite(written).all()
             outside = buffer.clone()
