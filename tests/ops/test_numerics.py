@@ -160,3 +160,28 @@ def test_padded_keys_of_any_magnitude_do_not_shift_the_real_ones(backend, op):
     (grad_k,) = torch.autograd.grad(out.sum(), k)
     assert torch.isfinite(grad_k).all()
     assert not grad_k[:, :, 4:].any()
+
+
+def test_pola_keys_whose_sum_overflows_float32(backend):
+    """Each |k|ᵖ fits float32 but the sum over 64 keys of |k|ᵖ·v does not (the Triton kernels once returned
+    zeros and NaN there)."""
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 1, 16, 8, generator=gen)
+    k = 1.67e8 * (1 - 0.01 * torch.rand(1, 1, 64, 8, generator=gen))
+    v = torch.randn(1, 1, 64, 8, generator=gen)
+    power = torch.full((1, 1, 1, 8), 4.5)
+    _check(pola_linear_attention, _pola_reference, (q, k, v, power), torch.float32, backend)
+
+
+@pytest.mark.parametrize("magnitude, keys", [(85.0, 64), (84.0, 1000)])
+def test_pacs_keys_whose_exp_sum_overflows_float32(backend, magnitude, keys):
+    """``e^|k|`` fits float32 but its sum over the keys does not (|k| above 88.7 − ln M; the Triton kernels once
+    returned non-finite values there)."""
+    gen = torch.Generator().manual_seed(6)
+    q = torch.randn(1, 1, 8, 4, generator=gen)
+    k = magnitude - 0.5 * torch.rand(1, 1, keys, 4, generator=gen)
+    v = torch.randn(1, 1, keys, 4, generator=gen)
+    temps = 0.25 + 0.5 * torch.rand(1, 1, 1, 8, generator=gen)
+    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1)),
+           lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1)), (q, k, v, temps), torch.float32, backend,
+           True)
