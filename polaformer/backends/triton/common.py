@@ -59,10 +59,13 @@ def dot_precision(*tensors: torch.Tensor) -> str:
     return "tf32"
 
 
-# A sequence's work goes to a single program (one launch for the whole call) while the tokens that program
-# walks stay below this; longer sequences with too few (sequence, head) pairs to fill the GPU are split over
-# several programs per sequence, at the cost of one more launch per pass and a partial-sum buffer.
-FUSED_TOKENS = 4096
+# A sequence's work stays in one launch (each forward program building the key state itself, one backward
+# program per sequence and head) while a program walks at most this many tokens; longer sequences with too few
+# (sequence, head) pairs to fill the GPU split the keys over one more launch per pass and a partial-sum buffer.
+FUSED_TOKENS = 8192
+# A forward program may rebuild the whole key state for as few as a quarter as many queries: more programs,
+# at most four times the key work.
+REBUILDS = 4
 # Most programs one sequence's keys (or its queries' gradient sums) are split over: beyond it the partial
 # sums cost more to merge than the split gains.
 MAX_SPLITS = 16
@@ -96,14 +99,13 @@ class Plan:
 
 def plan(sequences: int, heads: int, query_tokens: int, key_tokens: int, block: int, device) -> Plan:
     """The :class:`Plan` for ``sequences`` × ``heads`` pairs of ``query_tokens`` queries and ``key_tokens`` keys
-    each (the mean per sequence for packed batches). A forward program that builds the key state itself keeps
-    at least as many queries as there are keys, so rebuilding it costs at most as much again."""
+    each (the mean per sequence for packed batches)."""
     pairs = max(sequences * heads, 1)
     target = target_programs(torch.device(device))
     wanted = max(1, -(-target // pairs))
     query_blocks = max(1, -(-query_tokens // block))
     key_blocks = max(1, -(-key_tokens // block))
-    spans = max(1, min(wanted, query_blocks, query_tokens // max(key_tokens, 1)))
+    spans = max(1, min(wanted, query_blocks, REBUILDS * query_tokens // max(key_tokens, 1)))
     if pairs * spans >= target or key_tokens + -(-query_tokens // spans) <= FUSED_TOKENS:
         forward = (spans, 0)
     else:

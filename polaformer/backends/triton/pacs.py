@@ -818,9 +818,8 @@ def _pacs_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _Call(q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k)
     grads = pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, (temp_same.shape, temp_opposite.shape))
-    temps = (grads[3].to(temp_same.dtype), grads[4].to(temp_opposite.dtype))
-    # an operator's outputs own their memory
-    return (*grads[:3], *(t if t._base is None else t.clone() for t in temps))
+    # an operator's outputs own their memory (the two temperatures' gradients are views of one buffer)
+    return (*grads[:3], grads[3].to(temp_same.dtype, copy=True), grads[4].to(temp_opposite.dtype, copy=True))
 
 
 @_pacs_backward_op.register_fake

@@ -618,9 +618,8 @@ def _pola_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     call = _Call(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k)
     grad_q, grad_k, grad_v, grad_power = pola_backward(call, q, k, v, power, state, eps, grad_out)
-    grad_power = grad_power.to(power.dtype)
-    # an operator's outputs own their memory
-    return grad_q, grad_k, grad_v, grad_power if grad_power._base is None else grad_power.clone()
+    # an operator's outputs own their memory (the exponent's gradient may be a view of a partial-sum buffer)
+    return grad_q, grad_k, grad_v, grad_power.to(power.dtype, copy=True)
 
 
 @_pola_backward_op.register_fake

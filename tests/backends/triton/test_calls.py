@@ -1,0 +1,203 @@
+"""How the Triton path runs, as opposed to what it computes: launches per call at the models' shapes, the ops
+inside a torch.compile graph (equal to eager, forward and backward), and the registered ops' fake-tensor
+shapes. Without CUDA the kernels run in Triton's interpreter on CPU tensors."""
+from __future__ import annotations
+
+import pytest
+import torch
+from launch_counting import counting
+
+import polaformer.ops.pola_attention as pola_ops
+from polaformer.backends.triton import common, pacs, pola
+from polaformer.ops import pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
+
+# (heads, queries, keys, head width) of the models' attention calls per image: Pola-PVT's four stages (keys
+# spatially reduced), a Pola-Swin window, PolaDiT-S/2 on 32×32 latents, PolaFormer++'s first stage (RoPE).
+MODEL_CALLS = {
+    "pola_pvt 56x56/sr8": (1, 3136, 49, 64),
+    "pola_pvt 28x28/sr4": (2, 784, 49, 64),
+    "pola_pvt 14x14/sr2": (5, 196, 49, 64),
+    "pola_pvt 7x7": (8, 49, 49, 64),
+    "pola_swin window 7x7": (3, 49, 49, 32),
+    "pola_dit_s_2 32x32": (6, 256, 256, 64),
+    "polapp_b0 56x56": (1, 3136, 3136, 64),
+}
+
+
+@pytest.mark.parametrize("batch", [1, 64])
+@pytest.mark.parametrize("call", MODEL_CALLS)
+def test_models_shapes_plan_one_launch_each_way(call, batch):
+    """On an H100-sized plan (the interpreter's), every model call runs its forward in one program per query
+    span and its backward in one program per (sequence, head), from batch 1 to 64."""
+    heads, queries, keys, _ = MODEL_CALLS[call]
+    for block in (64, 32):  # Pola's and PaCS's token blocks on a GPU
+        plan = common.plan(batch, heads, queries, keys, block, torch.device("cpu"))
+        assert plan.key_splits == 0 and plan.backward_spans == 1, plan
+
+
+def test_long_sequences_with_few_pairs_split_the_keys():
+    plan = common.plan(1, 8, 32768, 32768, 64, torch.device("cpu"))
+    assert plan.key_splits > 1 and plan.query_spans > 1 and plan.backward_spans > 1 and plan.backward_key_splits > 1
+
+
+@pytest.fixture
+def gpu_checks_only(monkeypatch):
+    """The exponent's value check reads the tensor and runs on CPU tensors only: on CUDA it is skipped, so the
+    counts below leave it out too."""
+    monkeypatch.setattr(pola_ops, "check_power_values", lambda *args: None)
+
+
+def _pola_inputs(batch, heads, queries, keys, width):
+    q = torch.randn(batch, heads, queries, width, requires_grad=True)
+    k, v = (torch.randn(batch, heads, keys, width, requires_grad=True) for _ in range(2))
+    return q, k, v, torch.full((1, heads, 1, width), 2.5, requires_grad=True)
+
+
+def _pacs_inputs(batch, heads, tokens, width):
+    q, k, v = (torch.randn(batch, heads, tokens, width, requires_grad=True) for _ in range(3))
+    temps = (torch.rand(1, heads, 1, 2 * width, requires_grad=True) for _ in range(2))
+    return (q, k, v, *temps)
+
+
+def _rope(tokens, width):
+    side = int(tokens ** 0.5)
+    return rope_2d(rope_angles(2 * width, 1), side, tokens // side)
+
+
+# Counted at the models' shapes where the interpreter is quick, and at smaller shapes that take the same plan
+# (one program per query span forward, one per sequence and head backward) as the larger model calls.
+COUNTED_CALLS = {  # (batch, heads, queries, keys, head width)
+    "pola_pvt 7x7": (1, *MODEL_CALLS["pola_pvt 7x7"]),
+    "pola_swin window 7x7": (2, *MODEL_CALLS["pola_swin window 7x7"]),
+    "dit-like 8x8": (2, 2, 64, 64, 32),
+}
+
+
+@pytest.mark.parametrize("call", COUNTED_CALLS)
+def test_pola_launches_per_call(triton_backend, gpu_checks_only, call):
+    """Forward: one Triton launch and nothing else; forward and backward: at most three device kernels (the
+    exponent's gradient is summed over the batch by one torch reduction)."""
+    q, k, v, power = _pola_inputs(*COUNTED_CALLS[call])
+    grad = torch.randn(q.shape[:3] + (v.shape[-1],))
+    with counting() as forward:
+        out = pola_linear_attention(q, k, v, power)
+    with counting() as backward:
+        torch.autograd.grad(out, (q, k, v, power), grad)
+    assert forward.launches == ["_forward_kernel"] and forward.operations == []
+    assert backward.launches == ["_backward_kernel"]
+    assert forward.total + backward.total <= 3, (forward, backward)
+    with torch.no_grad(), counting() as inference:
+        pola_linear_attention(q, k, v, power)
+    assert inference.total == 1
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize("variant", ["plain", "rope", "mask", "packed"])
+def test_pacs_launches_per_call(triton_backend, variant, batch):
+    q, k, v, ts, to = _pacs_inputs(batch, 2, 49, 32)
+    kwargs = {}
+    if variant == "rope":
+        kwargs["sin"], kwargs["cos"] = _rope(49, 32)
+    elif variant == "mask":
+        kwargs["key_padding_mask"] = torch.rand(batch, 49) < 0.2
+    elif variant == "packed":
+        q, k, v = (t.detach().transpose(0, 1).reshape(1, 2, batch * 49, 32).requires_grad_() for t in (q, k, v))
+        kwargs["cu_seqlens"] = torch.tensor([0, 30, batch * 49])
+    grad = torch.randn(q.shape)
+    with counting() as forward:
+        out = pacs_linear_attention(q, k, v, ts, to, **kwargs)
+    with counting() as backward:
+        torch.autograd.grad(out, (q, k, v, ts, to), grad)
+    assert forward.launches == ["_forward_kernel"] and forward.operations == []
+    assert backward.launches == ["_backward_kernel"]
+    assert forward.total + backward.total <= 3, (forward, backward)
+
+
+class _GraphRecorder:
+    """A torch.compile backend that keeps the FX graphs it is given and runs them as they are."""
+
+    def __init__(self):
+        self.graphs = []
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs.append(graph_module)
+        return graph_module.forward
+
+    def calls(self) -> list[str]:
+        return [str(node.target) for graph in self.graphs for node in graph.graph.nodes if node.op == "call_function"]
+
+
+def _compiled_equals_eager(fn, leaves, op_name):
+    recorder = _GraphRecorder()
+    compiled = torch.compile(fn, backend=recorder, fullgraph=True)
+    out = compiled(*leaves)
+    assert any(op_name in call for call in recorder.calls()), recorder.calls()
+    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    expected = fn(*leaves)
+    expected_grads = torch.autograd.grad(expected, leaves, torch.ones_like(expected))
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    for grad, expected_grad in zip(grads, expected_grads):
+        torch.testing.assert_close(grad, expected_grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("variant", ["plain", "mask", "packed"])
+def test_compiled_pola_calls_the_kernels_op(triton_backend, variant):
+    torch._dynamo.reset()
+    q, k, v, power = _pola_inputs(2, 2, 40, 24, 16)
+    kwargs = {}
+    if variant == "mask":
+        kwargs["key_padding_mask"] = torch.rand(2, 24) < 0.3
+    elif variant == "packed":
+        q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
+        kwargs = {"cu_seqlens": torch.tensor([0, 15, 40]), "cu_seqlens_k": torch.tensor([0, 10, 24])}
+    _compiled_equals_eager(lambda *x: pola_linear_attention(*x, **kwargs), (q, k, v, power),
+                           "polaformer.pola_attention")
+
+
+@pytest.mark.parametrize("variant", ["rope", "mask", "packed"])
+def test_compiled_pacs_calls_the_kernels_op(triton_backend, variant):
+    torch._dynamo.reset()
+    q, k, v, ts, to = _pacs_inputs(2, 2, 36, 8)
+    kwargs = {}
+    if variant == "rope":
+        kwargs["sin"], kwargs["cos"] = _rope(36, 8)
+    elif variant == "mask":
+        kwargs["key_padding_mask"] = torch.rand(2, 36) < 0.3
+    else:
+        q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
+        kwargs["cu_seqlens"] = torch.tensor([0, 20, 36])
+    _compiled_equals_eager(lambda *x: pacs_linear_attention(*x, **kwargs), (q, k, v, ts, to),
+                           "polaformer.pacs_attention")
+
+
+def _opcheck_pola(**options):
+    q, k, v, power = (t.detach() for t in _pola_inputs(2, 2, 20, 12, 8))
+    mask = options.get("mask")
+    if options.get("packed"):
+        q, k, v = q[:1], k[:1], v[:1]
+    args = (q, k, v, power, 1e-6, mask, options.get("cu_seqlens"), options.get("cu_seqlens_k"), True)
+    torch.library.opcheck(pola._pola_op, args)
+    out, state = pola._pola_op(*args)
+    grad_args = (torch.randn_like(out), q, k, v, power, state, 1e-6, *args[5:8])
+    torch.library.opcheck(pola._pola_backward_op, grad_args)
+
+
+def test_registered_pola_ops_pass_opcheck(triton_backend):
+    """Schema, fake tensors (shapes, dtypes, strides) against the real kernels, autograd registration, and
+    ahead-of-time tracing, for the options: key mask, packed queries and keys."""
+    _opcheck_pola()
+    _opcheck_pola(mask=torch.rand(2, 12) < 0.3)
+    _opcheck_pola(packed=True, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_k=torch.tensor([0, 4, 12]))
+
+
+def test_registered_pacs_ops_pass_opcheck(triton_backend):
+    q, k, v, ts, to = (t.detach() for t in _pacs_inputs(2, 2, 16, 8))
+    sin, cos = _rope(16, 8)
+    for tables, mask, packed in (((sin, cos), None, None), ((None, None), torch.rand(2, 16) < 0.3, None),
+                                 ((sin, cos), None, torch.tensor([0, 6, 16]))):
+        inputs = (q[:1], k[:1], v[:1]) if packed is not None else (q, k, v)
+        args = (*inputs, ts, to, *tables, 1e-6, mask, packed, packed, True)
+        torch.library.opcheck(pacs._pacs_op, args)
+        out, state = pacs._pacs_op(*args)
+        torch.library.opcheck(pacs._pacs_backward_op, (torch.randn_like(out), *inputs, ts, to, *tables, state, 1e-6,
+                                                       mask, packed, packed))
