@@ -117,6 +117,10 @@ def plan(sequences: int, heads: int, query_tokens: int, key_tokens: int, block: 
     return Plan(block, *forward, *backward)
 
 
+# The kernels are compiled once per head width and option set: sequence lengths are plain runtime arguments
+# (``do_not_specialize``), so a new length compiles nothing.
+
+
 def warps(dp: int, dvp: int) -> int:
     """Warps per program: more for wide states, which would otherwise spill registers."""
     return 8 if dp * dvp >= 64 * 64 else 4

@@ -293,7 +293,7 @@ def _queries(q_base, t_same, t_opp, rows, ok, stride_qt, stride_qc, stride_tc, c
             q_even, q_odd, cos_even, cos_odd, sin_even, sin_odd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_LEN"])
 def _state_kernel(
     k_ptr, v_ptr, mask_ptr, cu_k_ptr, cos_ptr, sin_ptr, part_ptr,
     stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc, stride_mb, stride_mt,
@@ -315,7 +315,7 @@ def _state_kernel(
     _store_state(part_ptr + ((seq * heads + head) * SPLITS + split) * width, *state, P, DVH)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q_LEN", "K_LEN"])
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, ts_ptr, to_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, cos_ptr, sin_ptr, part_ptr, state_ptr,
     out_ptr,
@@ -540,7 +540,7 @@ def _store_temperature_grads(base, g_ts_even, g_ts_odd, g_to_even, g_to_odd, d, 
     tl.store(base + 2 * d + feature + 1, g_to_odd, mask=odd_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q_LEN", "K_LEN"])
 def _backward_kernel(
     q_ptr, k_ptr, v_ptr, ts_ptr, to_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, cos_ptr, sin_ptr, state_ptr, grad_out_ptr,
     grad_q_ptr, grad_k_ptr, grad_v_ptr, grad_part_ptr, grad_temp_ptr,
@@ -598,7 +598,7 @@ def _backward_kernel(
         tl.store(base + vectors + 2 * P + i, g_mean_odd)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_LEN"])
 def _key_grad_kernel(
     k_ptr, v_ptr, mask_ptr, cu_k_ptr, cos_ptr, sin_ptr, state_ptr, grad_part_ptr, grad_k_ptr, grad_v_ptr,
     stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc, stride_mb, stride_mt,

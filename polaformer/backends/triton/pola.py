@@ -197,7 +197,7 @@ def _load_power(p_base, stride_pc, D, DP: tl.constexpr, ACC: tl.constexpr):
     return tl.load(p_base + c * stride_pc, mask=c < D, other=1.0).to(ACC)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_LEN"])
 def _state_kernel(
     k_ptr, v_ptr, p_ptr, mask_ptr, cu_k_ptr, part_ptr,
     stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc,
@@ -221,7 +221,7 @@ def _state_kernel(
     _store_state(part_ptr + ((seq * heads + head) * SPLITS + split) * width, *state, DP, DVP)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q_LEN", "K_LEN"])
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, p_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, part_ptr, state_ptr, out_ptr,
     stride_qb, stride_qh, stride_qt, stride_qc, stride_kb, stride_kh, stride_kt, stride_kc,
@@ -365,7 +365,7 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, p, lo, hi, shift, in
     return grad_power
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Q_LEN", "K_LEN"])
 def _backward_kernel(
     q_ptr, k_ptr, v_ptr, p_ptr, mask_ptr, cu_q_ptr, cu_k_ptr, state_ptr, grad_out_ptr,
     grad_q_ptr, grad_k_ptr, grad_v_ptr, grad_part_ptr, grad_power_ptr,
@@ -416,7 +416,7 @@ def _backward_kernel(
     tl.store(grad_power_ptr + ((seq * heads + head) * POWER_PARTS + span) * DP + c, grad_power)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["K_LEN"])
 def _key_grad_kernel(
     k_ptr, v_ptr, p_ptr, mask_ptr, cu_k_ptr, state_ptr, grad_part_ptr, grad_k_ptr, grad_v_ptr, grad_power_ptr,
     stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc,
