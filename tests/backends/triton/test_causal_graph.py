@@ -100,7 +100,7 @@ def test_fixed_launches_and_no_host_reads(triton_backend, device_work, op, layou
     """Forward: the state walk and the output kernel, nothing else. Backward: the walk back and the gradient
     kernel, and one torch reduction of the exponent's (or both temperatures') per-chunk partial gradients.
     The same for 1 or 3 chunks, 1 or 4 sequences (an empty one among them)."""
-    sizes = {"dense": [(1, 16, None), (2, 40, None)],
+    sizes = {"dense": [(1, 16, None), (1, 40, None)],
              "packed": [(1, 16, [0, 16]), (1, 40, [0, 5, 5, 33, 40])]}[layout]
     for batch, n, offsets in sizes:
         (q, k, v, *params), tables = _inputs(op, batch, n)
@@ -171,36 +171,33 @@ def test_compiled_graph_holds_the_registered_op(triton_backend, op):
 
 
 def _op_args(case):
-    """Arguments of ``polaformer::causal_attention`` for a padded call with a mask, a packed one with RoPE, and
-    one with an initial state."""
+    """Arguments of ``polaformer::causal_attention``: Pola padded with a strided mask and an initial state, or
+    PaCS packed with RoPE."""
     n = 20
-    batch = 1 if case == "packed-rope" else 2
-    (q, k, v, *params), tables = _inputs("pola" if case != "packed-rope" else "pacs", batch, n)
-    params = params + [None] * (2 - len(params))
+    op = "pola" if case == "mask-state" else "pacs"
+    (q, k, v, *params), tables = _inputs(op, 2 if op == "pola" else 1, n)
+    params = [p.detach() for p in params] + [None] * (2 - len(params))
     mask = cu = state = None
-    if case == "mask":
+    if op == "pola":
         mask = (torch.rand(2, 2 * n) < 0.3)[:, ::2]
-    if case == "packed-rope":
-        cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
-    if case == "state":
         state = (torch.randn(2, 1, 2 * D, 2), torch.randn(2, 1, 2 * D, 2), torch.rand(2, 1, 2 * D),
                  torch.full((2, 1, 1), 3.0))
-    feature = triton_causal.FEATURES["pacs" if case == "packed-rope" else "pola"]
-    inputs = [t.detach() for t in (q, k, v)] + [p if p is None else p.detach() for p in params]
-    return (*inputs, *(tables or (None, None)), mask, cu, *(state or (None,) * 4), feature, 1e-6, 16)
+    else:
+        cu = torch.tensor([0, 7, 7, 20], dtype=torch.int32)
+    return (q.detach(), k.detach(), v.detach(), *params, *(tables or (None, None)), mask, cu,
+            *(state or (None,) * 4), triton_causal.FEATURES[op], 1e-6, 16)
 
 
-@pytest.mark.parametrize("case", ["mask", "packed-rope", "state"])
+@pytest.mark.parametrize("case", ["mask-state", "packed-rope"])
 def test_registered_ops_fake_kernels_match_the_real_ones(triton_backend, case):
     """torch.library.opcheck: the forward op's and the backward op's schemas, and their fake kernels' shapes,
     dtypes and strides against a real run."""
     args = _op_args(case)
     torch.library.opcheck(torch.ops.polaformer.causal_attention.default, args,
                           test_utils=("test_schema", "test_faketensor"))
-    q, k, v, param0, param1, sin, cos, mask, cu, *state = args[:13]
     out, *_, stats, states, keys, _ = torch.ops.polaformer.causal_attention(*args)
     grads = (torch.randn_like(out), None, None, None)
-    backward_args = (q, k, v, param0, param1, sin, cos, mask, cu, out, stats, states, keys, *grads, *args[13:])
+    backward_args = (*args[:9], out, stats, states, keys, *grads, *args[13:])
     torch.library.opcheck(torch.ops.polaformer.causal_attention_backward.default, backward_args,
                           test_utils=("test_schema", "test_faketensor"))
 
