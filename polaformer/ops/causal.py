@@ -19,8 +19,14 @@ Two forms of that one function:
   :class:`CausalState` (``S`` per stream, the key sum and the count), O(d²) per token.
 
 Both are computed in at least float32 with autocast off, in plain torch (autograd derives the gradients),
-except that on CUDA the chunked form's numerator runs through a Triton kernel pair
-(:mod:`polaformer.backends.triton.causal`, chosen in :func:`_chunked` through :mod:`.dispatch`).
+except that where :func:`.dispatch.triton_kernels` offers the Triton kernels (CUDA tensors; also under
+torch.compile, where they are a registered op) the chunked form runs fused in them
+(:mod:`polaformer.backends.triton.causal`): features, key sums, normaliser and both streams, forward and
+backward, in a fixed number of launches per call, packed batches included. That path reads no tensor value on
+the host: on CUDA the exponent's ``p >= 1`` check and the packed offsets' values are skipped (trusted), and
+``cu_seqlens_k`` is compared with ``cu_seqlens`` by shape only; on CPU tensors (the interpreter) they are
+checked. It gives an initial state's kv and key sum gradients but not its count (a state whose count requires
+grad takes the torch form), and is once-differentiable (a second differentiation raises).
 """
 from __future__ import annotations
 
@@ -88,30 +94,44 @@ def _check_inputs(q, k, v, chunk_size=None):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
+def _check_mask(key_padding_mask, k) -> None:
+    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
+                                         or key_padding_mask.shape != (k.shape[0], k.shape[-2])):
+        raise ValueError(f"key_padding_mask must be a bool (batch, tokens) = ({k.shape[0]}, {k.shape[-2]}) tensor, "
+                         f"True at padding; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+
+
 def _keep(key_padding_mask, k):
     """(B, 1, N, 1) 0/1 factor of the valid keys, or None."""
     if key_padding_mask is None:
         return None
-    if key_padding_mask.dtype != torch.bool or key_padding_mask.shape != (k.shape[0], k.shape[-2]):
-        raise ValueError(f"key_padding_mask must be a bool (batch, tokens) = ({k.shape[0]}, {k.shape[-2]}) tensor, "
-                         f"True at padding; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
+    _check_mask(key_padding_mask, k)
     return (~key_padding_mask).to(device=k.device, dtype=k.dtype)[:, None, :, None]
+
+
+def _host_checks(x: torch.Tensor) -> bool:
+    """Whether checks that read tensor values run: eager calls on CPU tensors, where reading costs no device
+    synchronisation. On CUDA the values are trusted, and graph capture cannot read them."""
+    return x.device.type == "cpu" and not capturing()
+
+
+def _fused(q: torch.Tensor, state: CausalState | None):
+    """The Triton kernels for a chunked call on ``q`` (:func:`.dispatch.triton_kernels`), or None for the torch
+    form; also None for a state whose count requires grad (the kernels give the count none)."""
+    if state is not None and state.count.requires_grad:
+        return None
+    return triton_kernels(q)
 
 
 def _refuse_overflow(out: torch.Tensor, what: str, *inputs: torch.Tensor) -> None:
     """One line instead of a silent NaN where finite inputs overflowed the compute dtype. The bidirectional ops
     redo such calls in the log domain; the causal forms have no such redo (their state would have to carry the
     shifts), so they refuse. Eager CPU calls only: elsewhere the test would wait for the device."""
-    if out.device.type != "cpu" or capturing() or bool(out.isfinite().all()):
+    if not _host_checks(out) or bool(out.isfinite().all()):
         return
     if all(bool(t.isfinite().all()) for t in inputs):
         raise FloatingPointError(f"causal {what} overflowed {str(out.dtype).removeprefix('torch.')}; the causal "
                                  f"forms have no log-domain fallback: scale q and k down or compute in float64")
-
-
-def _half_precision(*tensors) -> bool:
-    """Whether every input is fp16/bf16: their products then lose nothing to TF32."""
-    return all(t.dtype in (torch.float16, torch.bfloat16) for t in tensors)
 
 
 def _compute_dtype(*tensors):
@@ -141,7 +161,7 @@ def _split_chunks(x: torch.Tensor, c: int) -> torch.Tensor:
 
 def _chunked_numerator(q_num, k_num, v, kv0, chunk_size):
     """``(num, kv)``: ``num_t = q_num_t·kv0 + Σ_{s≤t} (q_num_t·k_num_s) v_s`` and ``kv = kv0 + Σ k_numᵀv``, in
-    chunks of ``chunk_size`` tokens; the torch form of :func:`polaformer.backends.triton.causal_numerator`."""
+    chunks of ``chunk_size`` tokens."""
     b, h, n, _ = k_num.shape
     c = min(chunk_size, n)
     qn, kn, vv = _split_chunks(q_num, c), _split_chunks(k_num, c), _split_chunks(v, c)
@@ -153,11 +173,9 @@ def _chunked_numerator(q_num, k_num, v, kv0, chunk_size):
     return num, kv_before[:, :, -1] + chunk_kv[:, :, -1]
 
 
-def _chunked(streams, phi_k, k_num, keep, chunk_size, state, half_precision_inputs=False):
-    """The chunked-parallel form for every stream over shared key features; returns (outputs, final state).
-    Each stream's numerator runs through the Triton kernel where :func:`.dispatch.triton_kernels` offers it
-    (``half_precision_inputs``: the op's inputs were fp16/bf16, so its products may use TF32), else in torch;
-    the normaliser, a prefix sum, is torch either way."""
+def _chunked(streams, phi_k, k_num, keep, chunk_size, state):
+    """The chunked-parallel form in torch for every stream over shared key features; returns (outputs, final
+    state)."""
     b, h, n, f = phi_k.shape
     state = _empty_state(phi_k, k_num, streams) if state is None else state
     if keep is not None:
@@ -165,7 +183,6 @@ def _chunked(streams, phi_k, k_num, keep, chunk_size, state, half_precision_inpu
         count = state.count[..., None] + keep.cumsum(dim=-2)  # (B, 1, N, 1)
     else:
         count = state.count[..., None] + torch.arange(1, n + 1, device=phi_k.device, dtype=phi_k.dtype)[:, None]
-    kernels = None if capturing() else triton_kernels(k_num)
     c = min(chunk_size, n)
     # key sums up to each token: the previous chunks' total plus the running sum inside the chunk
     key_sum_in_chunk = _split_chunks(phi_k, c).cumsum(dim=-2)
@@ -174,10 +191,7 @@ def _chunked(streams, phi_k, k_num, keep, chunk_size, state, half_precision_inpu
     key_sum = key_sum_in_chunk + key_sum_before[..., None, :]
     outputs, final_kv = [], []
     for stream, kv0 in zip(streams, state.kv):
-        if kernels is not None:
-            num, kv = kernels.causal_numerator(stream.q_num, k_num, stream.v, kv0, chunk_size, half_precision_inputs)
-        else:
-            num, kv = _chunked_numerator(stream.q_num, k_num, stream.v, kv0, chunk_size)
+        num, kv = _chunked_numerator(stream.q_num, k_num, stream.v, kv0, chunk_size)
         den = (_split_chunks(stream.phi_q, c) * key_sum).sum(dim=-1, keepdim=True).reshape(b, h, -1, 1)[:, :, :n]
         outputs.append(num / (den + stream.eps * count.clamp_min(1.0)))
         final_kv.append(kv)
@@ -206,17 +220,41 @@ def _recurrent(streams, phi_k, k_num, keep, state):
     return [torch.stack(o, dim=2) for o in outputs], CausalState(tuple(kv), key_sum, count)
 
 
-def _packed(attend, q, k, v, cu_seqlens, key_padding_mask, tables=()):
-    """A packed call, one sequence at a time (each sees only its own earlier tokens); ``tables`` are (T, ·)
-    RoPE rows over the packed tokens, cut alike."""
+def _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state) -> None:
+    """A packed call's arguments; the offsets' values where :func:`_host_checks` allows."""
+    if initial_state is not None or return_state:
+        raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor return_state")
     if key_padding_mask is not None:
         raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences have no padding")
     if q.shape[0] != 1:
         raise ValueError(f"packed q, k and v must have batch size 1 (1, heads, tokens, dim), got q{tuple(q.shape)}")
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
+            cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of at least two sequence offsets")
+    if _host_checks(cu_seqlens):
+        varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
+
+
+def _packed(attend, q, k, v, cu_seqlens, tables=()):
+    """A packed call in torch, one sequence at a time (each sees only its own earlier tokens); ``tables`` are
+    (T, ·) RoPE rows over the packed tokens, cut alike."""
     offsets = varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
     parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], *(t[a:b] for t in tables))
              for a, b in zip(offsets, offsets[1:]) if b > a]
     return torch.cat(parts, dim=2) if parts else v.new_zeros(v.shape)
+
+
+def _kernel_state(state: CausalState | None):
+    """A state as the kernels take it: (kv₀, kv₁, key sum, count), kv₁ None for one stream."""
+    if state is None:
+        return None
+    kv = tuple(state.kv)
+    return (kv[0], kv[1] if len(kv) > 1 else None, state.key_sum, state.count)
+
+
+def _from_kernel(final, streams: int) -> CausalState:
+    kv0, kv1, key_sum, count = final
+    return CausalState((kv0, kv1)[:streams], key_sum, count)
 
 
 def _pola_streams(q, k, v, power, eps):
@@ -226,18 +264,28 @@ def _pola_streams(q, k, v, power, eps):
     return [_Stream(phi_q, phi_q, v[..., :half], eps), _Stream(swapped, swapped, v[..., half:], eps)], phi_k, phi_k
 
 
-def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=None):
+def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=None, cu_seqlens=None):
     _check_inputs(q, k, v, chunk_size)
     dtype = _compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
+    kernels = _fused(q, state) if form == "chunked" else None
+    if kernels is not None:
+        _check_mask(key_padding_mask, k)
+        if not isinstance(power, torch.Tensor):
+            power = torch.full((), power, dtype=dtype, device=q.device)
+        check_power_values(power, not _host_checks(power))
+        out, final = kernels.causal_attention("pola", q, k, v, (power, None), key_padding_mask=key_padding_mask,
+                                              cu_seqlens=cu_seqlens, initial_state=_kernel_state(state), eps=eps,
+                                              chunk_size=chunk_size)
+        _refuse_overflow(out, "Pola attention (the power map's products)", q, k, v, power)
+        return out, _from_kernel(final, 2)
     power = torch.as_tensor(power, dtype=dtype, device=q.device)
-    check_power_values(power, capturing())
-    half = _half_precision(q, k, v)
+    check_power_values(power, not _host_checks(power))
     with _autocast_off(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)
         keep = _keep(key_padding_mask, k)
         if form == "chunked":
-            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state, half)
+            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
         else:
             outs, state = _recurrent(streams, phi_k, k_num, keep, state)
         out = torch.cat(outs, dim=-1)
@@ -267,7 +315,8 @@ def _pacs_streams(q, k, v, temp_same, temp_opposite, sin, cos, eps):
     return streams, phi_k, rotate(phi_k)
 
 
-def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, form, chunk_size=None, state=None):
+def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, form, chunk_size=None, state=None,
+          cu_seqlens=None):
     _check_inputs(q, k, v, chunk_size)
     if v.shape[-1] % 2:
         raise ValueError(f"value head_dim must be even for PaCS's two streams, got {v.shape[-1]}")
@@ -277,7 +326,15 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
             raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
     _check_tables(sin, cos, q.shape[-2], two_d)
     dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
-    half = _half_precision(q, k, v)
+    overflow = (f"PaCS attention (its exp features need |k| and |q|·temperature below about "
+                f"{int(math.log(torch.finfo(dtype).max))})")
+    kernels = _fused(q, state) if form == "chunked" else None
+    if kernels is not None:
+        _check_mask(key_padding_mask, k)
+        out, final = kernels.causal_attention("pacs", q, k, v, (temp_same, temp_opposite), (sin, cos),
+                                              key_padding_mask, cu_seqlens, _kernel_state(state), eps, chunk_size)
+        _refuse_overflow(out, overflow, q, k, v, temp_same, temp_opposite)
+        return out, _from_kernel(final, 2)
     with _autocast_off(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if sin is not None:
@@ -285,12 +342,11 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
         streams, phi_k, k_num = _pacs_streams(q, k, v, temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps)
         keep = _keep(key_padding_mask, k)
         if form == "chunked":
-            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state, half)
+            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
         else:
             outs, state = _recurrent(streams, phi_k, k_num, keep, state)
         out = torch.cat(outs, dim=-1)
-        _refuse_overflow(out, f"PaCS attention (its exp features need |k| and |q|·temperature below about "
-                              f"{int(math.log(torch.finfo(dtype).max))})", q, k, v, temp_same, temp_opposite)
+        _refuse_overflow(out, overflow, q, k, v, temp_same, temp_opposite)
     return out, state
 
 
@@ -324,16 +380,18 @@ def causal_pola_linear_attention(
     Returns:
         (B, H, N, dv) in ``v``'s dtype (computed in at least float32), and the state if asked for.
     """
-    if cu_seqlens_k is not None and (cu_seqlens is None or not torch.equal(cu_seqlens_k, cu_seqlens)):
+    if cu_seqlens_k is not None and cu_seqlens_k is not cu_seqlens and (
+            cu_seqlens is None or cu_seqlens_k.shape != cu_seqlens.shape
+            or (_host_checks(cu_seqlens_k) and not torch.equal(cu_seqlens_k, cu_seqlens))):
         raise ValueError("causal attention packs keys as its queries: pass cu_seqlens only")
     if cu_seqlens is not None:
-        if initial_state is not None or return_state:
-            raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor "
-                             "return_state")
         _check_inputs(q, k, v, chunk_size)
-        return _packed(lambda *qkv: causal_pola_linear_attention(*qkv, power, eps, chunk_size), q, k, v, cu_seqlens,
-                       key_padding_mask)
-    out, state = _pola(q, k, v, power, eps, key_padding_mask, "chunked", chunk_size, initial_state)
+        _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state)
+        if _fused(q, None) is None:
+            return _packed(lambda *qkv: causal_pola_linear_attention(*qkv, power, eps, chunk_size), q, k, v,
+                           cu_seqlens)
+        cu_seqlens = cu_seqlens.to(q.device)
+    out, state = _pola(q, k, v, power, eps, key_padding_mask, "chunked", chunk_size, initial_state, cu_seqlens)
     return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
 
 
@@ -368,16 +426,16 @@ def causal_pacs_linear_attention(
     tokens, each sequence's rows its own positions. Other arguments as :func:`causal_pola_linear_attention`.
     """
     if cu_seqlens is not None:
-        if initial_state is not None or return_state:
-            raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor "
-                             "return_state")
         _check_inputs(q, k, v, chunk_size)
+        _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state)
         _check_tables(sin, cos, q.shape[-2], 2 * q.shape[-1])
-        return _packed(lambda pq, pk, pv, *tables: causal_pacs_linear_attention(
-            pq, pk, pv, temp_same, temp_opposite, *(tables or (None, None)), eps, chunk_size),
-            q, k, v, cu_seqlens, key_padding_mask, () if sin is None else (sin, cos))
+        if _fused(q, None) is None:
+            return _packed(lambda pq, pk, pv, *tables: causal_pacs_linear_attention(
+                pq, pk, pv, temp_same, temp_opposite, *(tables or (None, None)), eps, chunk_size),
+                q, k, v, cu_seqlens, () if sin is None else (sin, cos))
+        cu_seqlens = cu_seqlens.to(q.device)
     out, state = _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, "chunked", chunk_size,
-                       initial_state)
+                       initial_state, cu_seqlens)
     return (out.to(v.dtype), state) if return_state else out.to(v.dtype)
 
 
@@ -398,14 +456,19 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
     if phi_q.shape != phi_k.shape or phi_q.shape[:3] != v.shape[:3] or phi_q.dim() != 4:
         raise ValueError(f"phi_q and phi_k must be (B, H, N, F) alike and v (B, H, N, dv); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
+    kernels = None if recurrent else _fused(phi_q, initial_state)
+    if kernels is not None:
+        out, final = kernels.causal_attention("linear", phi_q, phi_k, v, initial_state=_kernel_state(initial_state),
+                                              eps=eps, chunk_size=chunk_size)
+        _refuse_overflow(out, "linear attention", phi_q, phi_k, v)
+        return out, _from_kernel(final, 1)
     dtype = _compute_dtype(phi_q, phi_k, v)
-    half = _half_precision(phi_q, phi_k, v)
     with _autocast_off(phi_q.device.type):
         phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         streams = [_Stream(phi_q, phi_q, v, eps)]
         if recurrent:
             outs, state = _recurrent(streams, phi_k, phi_k, None, initial_state)
         else:
-            outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state, half)
+            outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state)
         _refuse_overflow(outs[0], "linear attention", phi_q, phi_k, v)
     return outs[0].to(v.dtype), state

@@ -68,3 +68,32 @@ def test_multihead_is_causal_inside_torch_decoder_layer(feature_map):
     out = layer(moved, memory, tgt_mask=mask, tgt_is_causal=True)
     assert torch.equal(out[:, :5], base[:, :5])
     assert not torch.allclose(out[:, 5], base[:, 5])
+
+
+@pytest.mark.parametrize("cls", LAYERS)
+def test_triton_kernels_equal_the_torch_form_in_training_and_decoding(cls):
+    """The layers through the fused Triton kernels (Triton's interpreter without CUDA; float64) equal their torch
+    form: forward and every parameter's gradient with padding, and a prompt (the chunked form from an empty
+    state, through the kernels) followed by a generated token."""
+    from polaformer.ops.dispatch import set_attention_backend
+
+    torch.manual_seed(4)
+    layer = cls(16, 2, chunk_size=16).double()
+    x = torch.randn(2, 20, 16, dtype=torch.float64)
+    mask = torch.zeros(2, 20, dtype=torch.bool)
+    mask[1, -5:] = True
+    grad = torch.randn(2, 20, 16, dtype=torch.float64)
+    results = []
+    for backend in ("triton", "torch"):
+        previous = set_attention_backend(backend)
+        try:
+            out = layer(x, mask)
+            grads = torch.autograd.grad(out, list(layer.parameters()), grad)
+            prompt, cache = layer.step(x[:, :17])
+            token, cache = layer.step(x[:, 17:18], cache)
+        finally:
+            set_attention_backend(previous)
+        results.append((out, grads, prompt, token))
+    (out, grads, prompt, token), (ref_out, ref_grads, ref_prompt, ref_token) = results
+    for actual, expected in zip((out, *grads, prompt, token), (ref_out, *ref_grads, ref_prompt, ref_token)):
+        torch.testing.assert_close(actual, expected, atol=1e-10, rtol=1e-10)

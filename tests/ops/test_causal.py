@@ -187,6 +187,10 @@ def test_bad_arguments_are_refused_clearly():
                                      cu_seqlens_k=torch.tensor([0, 2, N]))
     with pytest.raises(ValueError, match="key_padding_mask"):
         causal_pola_linear_attention(q, k, v, p, key_padding_mask=torch.zeros(B, N))
+    with pytest.raises(ValueError, match="int32/int64"):
+        causal_pola_linear_attention(q[:1], k[:1], v[:1], p, cu_seqlens=torch.tensor([0.0, N]))
+    with pytest.raises(ValueError, match="end at the packed token count"):
+        causal_pola_linear_attention(q[:1], k[:1], v[:1], p, cu_seqlens=torch.tensor([0, N - 1]))
     for form in (causal_pola_linear_attention, lambda *qkvp: causal_pola_step(*qkvp)[0]):
         with pytest.raises(ValueError, match="power must be >= 1"):
             form(q, k, v, torch.full_like(p, 0.5))

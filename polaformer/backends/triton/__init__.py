@@ -1,5 +1,5 @@
-"""Triton kernels for the Pola and PaCS attention ops and the causal ops' chunked numerator (CUDA, or CPU
-tensors under ``TRITON_INTERPRET=1``).
+"""Triton kernels for the Pola and PaCS attention ops and the causal ops (CUDA, or CPU tensors under
+``TRITON_INTERPRET=1``).
 
 The ops reach this package only through :func:`polaformer.ops.dispatch.triton_kernels`. Importing it does not
 import triton: each entry point's module is imported on first use (``_ENTRY_POINTS``, one line per op).
@@ -10,7 +10,7 @@ import importlib
 import importlib.util
 
 _ENTRY_POINTS = {
-    "causal_numerator": "causal",
+    "causal_attention": "causal",
     "pola_attention": "pola",
     "pacs_attention": "pacs",
 }
