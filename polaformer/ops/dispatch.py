@@ -1,9 +1,10 @@
 """Where the ops choose their kernel: the one capture check and the one backend switch.
 
-Every op has a plain torch formulation, the one graph capture sees. In eager mode the ops call the native
-kernels of :mod:`polaformer.backends.cpu` on CPU tensors and the Triton kernels of
-:mod:`polaformer.backends.triton` on CUDA tensors, where those are available and allowed. Nothing else in
-the package asks these questions.
+Every op has a plain torch formulation, the one export, ONNX, TorchScript and FX tracing see. In eager mode
+the ops call the native kernels of :mod:`polaformer.backends.cpu` on CPU tensors and the Triton kernels of
+:mod:`polaformer.backends.triton` on CUDA tensors, where those are available and allowed; under torch.compile
+the Triton kernels too (as registered ops), the CPU kernels not. Nothing else in the package asks these
+questions.
 
 Switches:
 

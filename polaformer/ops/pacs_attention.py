@@ -3,8 +3,8 @@ per stream, RoPE on the numerator only (:func:`pacs_linear_attention`; reference
 
 It shares the power-map op's conventions and helpers (:mod:`.pola_attention`): input checks, key padding, the
 compute dtype, token blocks and the native kernel lookup. On the CPU the whole op runs fused per row in the native
-kernels, on CUDA in the Triton kernels (:mod:`polaformer.backends.triton.pacs`); graph capture gets
-:func:`_pacs_attention_graph`.
+kernels, on CUDA in the Triton kernels (:mod:`polaformer.backends.triton.pacs`, under torch.compile too); export
+and the CPU under torch.compile get :func:`_pacs_attention_graph`.
 """
 from __future__ import annotations
 
