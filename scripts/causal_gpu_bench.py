@@ -2,8 +2,8 @@
 
     python scripts/causal_gpu_bench.py --out causal_gpu.csv
 
-Forward + backward (gradients of q, k, v) of ``causal_pola_linear_attention`` with its numerator in the Triton
-kernels (backend ``triton``) and in the torch formulation (backend ``torch``), and of
+Forward + backward (gradients of q, k, v) of ``causal_pola_linear_attention`` on the fused Triton kernels
+(backend ``triton``) and in the torch formulation (backend ``torch``), and of
 ``scaled_dot_product_attention(is_causal=True)``, for B = 1, H = 8, head_dim 64 and N = 1k to 32k, in bf16 and
 fp32. Times are ``triton.testing.do_bench`` medians in milliseconds; ``error`` is the relative RMS difference
 between the Triton and torch outputs. A point that runs out of GPU memory is recorded as ``oom``; points left
