@@ -103,15 +103,23 @@ def add_bench_parser(commands) -> None:
     pacs.set_defaults(handler=cmd_bench_family, run_family=_bench_pacs, seconds_flags=("--min-time",))
 
     gpu = families.add_parser(
-        "gpu", help="the Triton attention kernels against the torch path, SDPA and flash_bla, on a CUDA GPU",
+        "gpu", help="the Triton attention kernels against the torch path, SDPA, flash_bla and fla, on a CUDA GPU",
         description="Pola (and PaCS, when its kernels exist) forward and forward+backward, bf16 and fp32, at "
-                    "Pola-PVT, Pola-Swin and DiT/high-resolution shapes: triton.testing.do_bench medians and peak "
-                    "memory. --smoke runs each method once at a tiny shape on the CPU under TRITON_INTERPRET=1.",
+                    "Pola-PVT, Pola-Swin, DiT/high-resolution and causal shapes, eager, under torch.compile and "
+                    "replayed from a CUDA graph: triton.testing.do_bench medians and peak memory. --smoke runs "
+                    "each method once at tiny shapes on the CPU under TRITON_INTERPRET=1.",
     )
     gpu.add_argument("--out", dest="gpu_csv", metavar="FILE", required=True, help="write the rows as CSV")
     gpu.add_argument("--batch", type=positive_int, default=8, help="images per call (default: %(default)s)")
     gpu.add_argument("--dtypes", nargs="+", choices=["bf16", "fp32"], default=["bf16", "fp32"])
     gpu.add_argument("--modes", nargs="+", choices=["fwd", "fwd_bwd"], default=["fwd", "fwd_bwd"])
+    gpu.add_argument("--models", nargs="+", choices=["pola_pvt", "pola_swin", "dit", "causal"],
+                     default=["pola_pvt", "pola_swin", "dit", "causal"],
+                     help="row groups, run in the order given (default: all four, as listed)")
+    gpu.add_argument("--variants", nargs="*", choices=["compiled", "graph"], default=["compiled", "graph"],
+                     help="timings besides eager: torch.compile, CUDA graph replay (default: both; none: eager only)")
+    gpu.add_argument("--time-limit", type=float, metavar="S",
+                     help="start no row after S seconds (the CSV keeps every shape finished)")
     gpu.add_argument("--smoke", action="store_true", help="one tiny CPU run of every method (no timing)")
     gpu.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu, seconds_flags=())
 
@@ -270,7 +278,10 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     from ..bench.gpu import run_gpu
     from ..bench.harness import write_csv
 
-    rows = run_gpu(batch=args.batch, dtypes=args.dtypes, modes=args.modes, smoke=args.smoke, log=_print_line,
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be > 0, got {args.time_limit}")
+    rows = run_gpu(batch=args.batch, dtypes=args.dtypes, modes=args.modes, groups=args.models,
+                   variants=args.variants, smoke=args.smoke, time_limit=args.time_limit, log=_print_line,
                    on_shape_done=lambda rows: write_csv(args.gpu_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_csv}")
     return 0

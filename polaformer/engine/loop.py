@@ -17,8 +17,12 @@ batch and its evaluation; :class:`Engine` does everything else, once for all tas
   the task's metrics; resuming restores model, EMA, optimizer, schedule, scaler, position in the
   epoch, history, best values and every process's random states, so that with
   ``num_workers = 0`` a resumed run ends bit-identical to an uninterrupted one;
-- faults: a NaN/inf loss raises :class:`TrainingDivergedError`, Ctrl-C :class:`TrainingInterrupted`
-  naming the last checkpoint written, a full disk a one-line :class:`~polaformer.checkpoint.WriteError`.
+- no host synchronisation per batch: the losses (and a task's tensor statistics) stay on the device and
+  are read together every :attr:`Engine.read_every` batches, at log lines and before an evaluation or a
+  checkpoint;
+- faults: a NaN/inf loss raises :class:`TrainingDivergedError` at the next read, naming the step it first
+  appeared at; Ctrl-C :class:`TrainingInterrupted` naming the last checkpoint written, a full disk a one-line
+  :class:`~polaformer.checkpoint.WriteError`.
 """
 from __future__ import annotations
 
@@ -54,6 +58,9 @@ METRICS_JSON = "metrics.json"
 _TEMPORARY = re.compile(r"^\..+\.[0-9a-f]{12}\.tmp$")  # atomic_write's temporary files
 
 
+READ_EVERY = 50  # batches between reads of the losses off the CPU when print_freq is 0
+
+
 class TrainingDivergedError(FloatingPointError):
     """The training loss became NaN or infinite (one line)."""
 
@@ -72,7 +79,8 @@ class StepOutput:
 
     loss: torch.Tensor
     samples: int  # samples the mean training loss counts (0 for a stand-in batch)
-    stats: dict[str, float] = field(default_factory=dict)  # further sums, e.g. correct predictions
+    # Further sums, e.g. correct predictions: numbers, or 0-d tensors left on the device until the next read.
+    stats: dict[str, float | torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -84,10 +92,10 @@ class Window:
     time: float = 0.0
     stats: dict = field(default_factory=dict)
 
-    def add(self, output: StepOutput, loss: float) -> None:
-        self.loss_sum += loss * output.samples
-        self.samples += output.samples
-        for key, value in output.stats.items():
+    def add(self, samples: int, loss: float, stats: dict[str, float]) -> None:
+        self.loss_sum += loss * samples
+        self.samples += samples
+        for key, value in stats.items():
             self.stats[key] = self.stats.get(key, 0) + value
 
     def to_dict(self) -> dict:
@@ -121,6 +129,7 @@ class LoopSettings:
     last_name: str = "last.pth"
     find_unused_parameters: bool = False
     print_freq: int = 0  # batches between log lines (0: none)
+    read_every: int | None = None  # batches between reads of the losses (None: see Engine.read_every)
     show_progress: bool = True
     on_update: Callable[[int], None] | None = None  # called after each update (and its checkpoint)
 
@@ -321,6 +330,8 @@ class Engine:
         self.batches = 0  # batches of this process done in the current epoch
         self.num_updates = self.epoch * self.updates_per_epoch
         self.window = Window()
+        self.pending: list[tuple[int, StepOutput]] = []  # (update count, output) of the batches not yet read
+        self.last_loss: float | None = None  # the loss of the last batch read
         self.history: list[dict] = []
         self.best: dict[str, float] = {}  # record key -> best value so far
         self.best_at: dict[str, int] = {}  # record key -> update count of that value
@@ -357,6 +368,17 @@ class Engine:
         if self.epoch_mode:
             return self.epoch >= self.settings.epochs
         return self.num_updates >= self.total_updates
+
+    @property
+    def read_every(self) -> int:
+        """Batches between reads of the losses from the device (besides log lines, evaluations, checkpoints).
+
+        A read waits for the device to finish the work queued so far; on the CPU there is nothing to wait for,
+        so it reads every batch and a divergence stops the run at once."""
+        s = self.settings
+        if s.read_every:
+            return s.read_every
+        return 1 if self.device.type == "cpu" else s.print_freq or READ_EVERY
 
     @property
     def epoch_mode(self) -> bool:
@@ -620,29 +642,31 @@ class Engine:
                     (scaler.scale(scaled) if scaler else scaled).backward()
                 if completes_update:
                     self._update(params, scaler)
-                loss = output.loss.item()
-                if not math.isfinite(loss):
-                    raise TrainingDivergedError(
-                        f"training diverged at step {self.num_updates}, loss {loss} (lower the learning rate, "
-                        "or clip gradients)"
-                    )
-                self.window.add(output, loss)
+                output.loss = output.loss.detach()
+                self.pending.append((self.num_updates, output))
                 self.batches += 1
                 speed_samples += output.samples
-                now = time.perf_counter()
-                speed = speed_samples * ctx.world_size / max(now - speed_start, 1e-9)
                 bar.update()
-                bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.lr:.2e}", samples_s=f"{speed:.0f}", refresh=False)
-                if s.print_freq and ctx.is_main and (index + 1) % s.print_freq == 0:
-                    log.info("%s [%d/%d] loss %.4f lr %.3e %.0f samples/s", desc, index + 1, usable, loss, self.lr,
-                             speed)
-                    speed_start, speed_samples = now, 0
+                # The same batches on every process: a read raises where the losses diverged.
+                log_line = s.print_freq and (index + 1) % s.print_freq == 0
+                action = self._update_action() if completes_update else None
+                if log_line or action or len(self.pending) >= self.read_every:
+                    loss = self._read()
+                    now = time.perf_counter()
+                    speed = speed_samples * ctx.world_size / max(now - speed_start, 1e-9)
+                    bar.set_postfix(loss=f"{loss:.4f}", lr=f"{self.lr:.2e}", samples_s=f"{speed:.0f}",
+                                    refresh=False)
+                    if log_line and ctx.is_main:
+                        log.info("%s [%d/%d] loss %.4f lr %.3e %.0f samples/s", desc, index + 1, usable, loss,
+                                 self.lr, speed)
+                        speed_start, speed_samples = now, 0
                 if completes_update:
                     self.window.time += time.perf_counter() - start
-                    self._after_update()
+                    self._after_update(action)
                     start = time.perf_counter()
         finally:
             bar.close()
+        self._read()  # the epoch's time includes the device's work
         self.window.time += time.perf_counter() - start
         if self.batches >= self.batches_per_epoch:
             self.epoch, self.batches = self.epoch + 1, 0
@@ -669,22 +693,50 @@ class Engine:
         if self.model_ema is not None:
             self.model_ema.update(unwrap(self.model))
 
-    def _after_update(self) -> None:
+    def _read(self) -> float | None:
+        """Bring the losses and tensor statistics of the batches since the last read to the host, in one
+        transfer (the only wait for the device in the loop); add them to the window, raise at the first
+        non-finite loss. Returns the last loss read."""
+        if not self.pending:
+            return self.last_loss
+        pending, self.pending = self.pending, []
+        # float64 holds every float32 loss and integer count exactly; MPS has no float64.
+        dtype = torch.float32 if self.device.type == "mps" else torch.float64
+        tensors = [t.reshape(1).to(dtype) for _, output in pending
+                   for t in (output.loss, *(v for v in output.stats.values() if torch.is_tensor(v)))]
+        values = iter(torch.cat(tensors).tolist())
+        for step, output in pending:
+            loss = next(values)
+            if not math.isfinite(loss):
+                raise TrainingDivergedError(
+                    f"training diverged at step {step}, loss {loss} (lower the learning rate, or clip gradients)"
+                )
+            stats = {key: next(values) if torch.is_tensor(value) else value for key, value in output.stats.items()}
+            self.window.add(output.samples, loss, stats)
+        self.last_loss = loss
+        return loss
+
+    def _update_action(self) -> str | None:
+        """What follows the update just made: 'evaluate', 'save' (the last checkpoint) or None."""
         s, n = self.settings, self.num_updates
-        if self.epoch_mode:
-            # the epoch's end evaluates and saves
-            if s.save_every_steps and n % s.save_every_steps == 0 and self.batches < self.batches_per_epoch:
-                self.save([s.last_name])
-        else:
+        saves = bool(s.save_every_steps) and n % s.save_every_steps == 0
+        if self.epoch_mode:  # the epoch's end evaluates and saves
+            return "save" if saves and self.batches < self.batches_per_epoch else None
+        if n == self.total_updates or (s.eval_every and n % s.eval_every == 0):
+            return "evaluate"
+        return "save" if saves else None
+
+    def _after_update(self, action: str | None) -> None:
+        s = self.settings
+        if not self.epoch_mode and self.batches >= self.batches_per_epoch:
             # An update that ends the epoch moves the position first, so a resumed run starts the next one.
-            if self.batches >= self.batches_per_epoch:
-                self.epoch, self.batches = self.epoch + 1, 0
-            if n == self.total_updates or (s.eval_every and n % s.eval_every == 0):
-                self._evaluate(end_of_epoch=False)
-            elif s.save_every_steps and n % s.save_every_steps == 0:
-                self.save([s.last_name])
+            self.epoch, self.batches = self.epoch + 1, 0
+        if action == "evaluate":
+            self._evaluate(end_of_epoch=False)
+        elif action == "save":
+            self.save([s.last_name])
         if s.on_update is not None:
-            s.on_update(n)
+            s.on_update(self.num_updates)
 
     def _evaluate(self, end_of_epoch: bool) -> None:
         ctx = self.ctx

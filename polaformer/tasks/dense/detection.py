@@ -76,8 +76,8 @@ def detection_loss(model: nn.Module, batch) -> dict[str, torch.Tensor]:
     device = next(model.parameters()).device
     has_masks = hasattr(model, "roi_heads") and model.roi_heads.has_mask()
     keep = ("boxes", "labels", "masks") if has_masks else ("boxes", "labels")
-    targets = [{k: t[k].to(device) for k in keep} for t in targets]
-    return model([im.to(device) for im in images], targets)
+    targets = [{k: t[k].to(device, non_blocking=True) for k in keep} for t in targets]
+    return model([im.to(device, non_blocking=True) for im in images], targets)
 
 
 def _quiet():

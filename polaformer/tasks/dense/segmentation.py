@@ -80,8 +80,8 @@ def build_segmenter(decoder: str, backbone: str, num_classes: int, *, backbone_w
 def segmentation_loss(model: nn.Module, batch) -> dict[str, torch.Tensor]:
     images, targets = batch
     device = next(model.parameters()).device
-    images = torch.stack(images).to(device)
-    labels = torch.stack([t["semantic"] for t in targets]).to(device)
+    images = torch.stack(images).to(device, non_blocking=True)
+    labels = torch.stack([t["semantic"] for t in targets]).to(device, non_blocking=True)
     return {"loss_ce": F.cross_entropy(model(images), labels, ignore_index=IGNORE_INDEX)}
 
 

@@ -59,7 +59,8 @@ def vlb_terms(scheduler, x_start: torch.Tensor, x_t: torch.Tensor, t: torch.Tens
     """Per-sample variational-bound term in bits per dimension, (B,), for predicted noise ``eps`` and variance
     interpolation ``var_values`` in [-1, 1] (between the posterior variance and beta_t, in log space)."""
     c = scheduler.config  # the linear schedule again in float64 (diffusers keeps float32)
-    betas = torch.linspace(c.beta_start, c.beta_end, c.num_train_timesteps, dtype=torch.float64)
+    # made on x_t's device: tables copied from the host would wait for the device at every step
+    betas = torch.linspace(c.beta_start, c.beta_end, c.num_train_timesteps, dtype=torch.float64, device=x_t.device)
     alphas_cumprod = torch.cumprod(1 - betas, dim=0)
     prev = torch.cat([alphas_cumprod.new_ones(1), alphas_cumprod[:-1]])
     posterior_var = betas * (1 - prev) / (1 - alphas_cumprod)
@@ -91,9 +92,11 @@ def diffusion_loss(model: nn.Module, scheduler, x_start: torch.Tensor, labels: t
     """
     b = x_start.shape[0]
     if t is None:
-        t = torch.randint(0, scheduler.config.num_train_timesteps, (b,), generator=generator).to(x_start.device)
+        t = torch.randint(0, scheduler.config.num_train_timesteps, (b,), generator=generator).to(
+            x_start.device, non_blocking=True)
     if noise is None:
-        noise = torch.randn(x_start.shape, generator=generator, dtype=x_start.dtype).to(x_start.device)
+        noise = torch.randn(x_start.shape, generator=generator, dtype=x_start.dtype).to(
+            x_start.device, non_blocking=True)
     x_t = scheduler.add_noise(x_start, noise, t)
     out = model(x_t, t, labels)
     channels = x_start.shape[1]

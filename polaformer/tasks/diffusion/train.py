@@ -123,9 +123,10 @@ class DiffusionTask(Task):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant, as the official
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        images, labels = (x.to(device) for x in batch)
+        images, labels = (x.to(device, non_blocking=True) for x in batch)
         terms = diffusion_loss(model, self.scheduler, self.encode(images), labels)
-        return StepOutput(terms["loss"].mean(), len(images), {"mse": terms["mse"].sum().item()})
+        # the sum stays on the device: the engine reads it with the loss
+        return StepOutput(terms["loss"].mean(), len(images), {"mse": terms["mse"].detach().sum()})
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:

@@ -113,7 +113,7 @@ class LMTask(Task):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        inputs, targets = (x.to(device) for x in batch)
+        inputs, targets = (x.to(device, non_blocking=True) for x in batch)
         logits = model(inputs)
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return StepOutput(loss, len(inputs))

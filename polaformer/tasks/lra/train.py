@@ -186,7 +186,7 @@ class LRATask(Task):
         batch = _to_device(batch, device)
         logits = _logits(model, batch)
         loss = F.cross_entropy(logits.float(), batch["label"])
-        correct = (logits.argmax(dim=-1) == batch["label"]).sum().item()
+        correct = (logits.argmax(dim=-1) == batch["label"]).sum()  # read by the engine with the loss
         return StepOutput(loss, len(batch["label"]), {"correct": correct})
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:

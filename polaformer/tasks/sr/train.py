@@ -125,7 +125,7 @@ class SRTask(Task):
         return torch.optim.lr_scheduler.MultiStepLR(optimizer, milestones, gamma=t.gamma)
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        lr, hr = (x.to(device) for x in batch)
+        lr, hr = (x.to(device, non_blocking=True) for x in batch)
         return StepOutput(F.l1_loss(model(lr).float(), hr), len(lr))
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
