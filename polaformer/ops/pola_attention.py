@@ -74,7 +74,7 @@ def _check_float(**tensors) -> None:
 def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     """``power`` as a tensor that broadcasts to (B, H, 1, d); a Python number is one exponent for every channel."""
     if isinstance(power, (int, float)) and not isinstance(power, bool):
-        power = torch.tensor(float(power), dtype=q.dtype, device=q.device)
+        power = torch.full((), float(power), dtype=q.dtype, device=q.device)  # filled there: no upload
     _check_float(power=power)
     target = (q.shape[0], q.shape[1], 1, q.shape[-1])
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
@@ -249,7 +249,7 @@ def _pola_attention_graph(q, k, v, power, eps, keep, m):
     log_k, k_used = log_magnitude(k)
     if keep is not None:
         k_used = k_used & (keep != 0)
-    lowest = q.new_tensor(torch.finfo(q.dtype).min)
+    lowest = torch.full((), torch.finfo(q.dtype).min, dtype=q.dtype, device=q.device)  # no upload from the host
     shift = torch.where(k_used, log_k.detach(), lowest).amax(dim=-2, keepdim=True)  # (B, H, 1, d)
     # exponents of unused entries are 0 before exp, so that no inf meets a zero gradient (padded keys may be large)
     phi_k = halves(k, torch.where(k_used, torch.exp(torch.where(k_used, log_k - shift, zero)), zero))
