@@ -94,6 +94,7 @@ def plan(sequences: int, heads: int, query_tokens: int, key_tokens: int, block: 
     return Plan(block, *forward, *backward)
 
 
-def warps(dp: int, dvp: int) -> int:
-    """Warps per program: more for wide states, which would otherwise spill registers."""
-    return 8 if dp * dvp >= 64 * 64 else 4
+def warps(rows: int, columns: int) -> int:
+    """Warps per program: eight for states of 32 × 32 and more, which spill registers with four (ptxas on
+    sm_90, ``scripts/triton_compile_check.py``)."""
+    return 8 if rows * columns >= 32 * 32 else 4

@@ -30,7 +30,7 @@ def test_models_shapes_plan_one_launch_each_way(call, batch):
     """On an H100-sized plan (the interpreter's), every model call runs its forward in one program per query
     span and its backward in one program per (sequence, head), from batch 1 to 64."""
     heads, queries, keys, _ = MODEL_CALLS[call]
-    for block in (64, 32):  # Pola's and PaCS's token blocks on a GPU
+    for block in (32, 16):  # Pola's and PaCS's token blocks on a GPU
         plan = common.plan(batch, heads, queries, keys, block, torch.device("cpu"))
         assert plan.key_splits == 0 and plan.backward_spans == 1, plan
 
