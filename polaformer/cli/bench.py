@@ -273,8 +273,17 @@ def _bench_pacs(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    if args.smoke:  # the kernels run in Triton's interpreter, which must be chosen before they are defined
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
+        # The kernels run in Triton's interpreter, which must be chosen before triton is imported (torch
+        # imports it): the smoke run goes on in a process started with it.
+        import subprocess
+
+        command = [sys.executable, "-m", "polaformer", "bench", "gpu", "--smoke", "--out", str(args.gpu_csv),
+                   "--batch", str(args.batch), "--dtypes", *args.dtypes, "--modes", *args.modes,
+                   "--models", *args.models, "--variants", *args.variants]
+        if args.time_limit is not None:
+            command += ["--time-limit", str(args.time_limit)]
+        return subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode
     from ..bench.gpu import run_gpu
     from ..bench.harness import write_csv
 

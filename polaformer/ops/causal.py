@@ -72,7 +72,8 @@ class _Stream(NamedTuple):
 
 
 def _autocast_off(device_type: str):
-    if torch.amp.is_autocast_available(device_type):
+    # dynamo before torch 2.14 cannot trace the availability query; a compiled call is on a real device
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

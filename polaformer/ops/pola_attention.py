@@ -161,7 +161,8 @@ def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
 
 def full_precision(device_type: str):
     """Autocast off for the block (meta tensors, used for FLOP counting, have no autocast)."""
-    if torch.amp.is_autocast_available(device_type):
+    # dynamo before torch 2.14 cannot trace the availability query; a compiled call is on a real device
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 
