@@ -88,6 +88,25 @@ def test_official_pair_is_checked_equal_before_timing(tmp_path, monkeypatch):
     assert [(r["impl"], r["ms"], r["error"]) for r in rows] == [("official", None, "pola_dit_s_2: outputs differ by 0.5")]
 
 
+def test_a_compiled_row_times_the_compiled_model_and_a_failed_compile_is_its_error(monkeypatch):
+    family = gpu_models.FAMILIES["pola_lm_small"]
+    model = gpu_models._create("pola_lm_tiny", {}, family, 16)
+    plan = gpu_models.Plan(steps=1, warmup=1, compile_on_cpu=True)
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda m: compiled.append(m) or m)
+    fields = gpu_models._measure(model, family=family, mode="train", variant="compile", batch=2, size=16,
+                                 device=torch.device("cpu"), plan=plan)
+    assert compiled == [model] and fields["error"] is None and fields["ms"] > 0
+    assert fields["items_per_s"] == pytest.approx(2 * 16 / fields["ms"] * 1e3)  # the LM counts tokens
+
+    def broken(m):
+        raise RuntimeError("inductor: no C++ compiler\nmore")
+    monkeypatch.setattr(torch, "compile", broken)
+    fields = gpu_models._measure(model, family=family, mode="infer", variant="compile", batch=2, size=16,
+                                 device=torch.device("cpu"), plan=plan)
+    assert (fields["ms"], fields["error"]) == (None, "inductor: no C++ compiler")
+
+
 def test_past_the_time_limit_no_row_starts():
     lines, written = [], []
     rows = gpu_models.run_gpu_models(models=["pola_lm_small"], smoke=True, time_limit=1e-9, log=lines.append,
