@@ -123,6 +123,34 @@ def add_bench_parser(commands) -> None:
     gpu.add_argument("--smoke", action="store_true", help="one tiny CPU run of every method (no timing)")
     gpu.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu, seconds_flags=())
 
+    gpu_models = families.add_parser(
+        "gpu-models", help="whole models on a CUDA GPU: training step and inference, ours vs official vs softmax",
+        description="Every family (Pola-PVT-T, Pola-PVTv2-b0/b2, Pola-Swin-T, Pola-DeiT-T/S, PolaFormer++ b0/b2, "
+                    "PolaDiT-S/2, pola_lm_small at 4096 tokens), bf16 autocast, eager and torch.compile: images/s "
+                    "(tokens/s), median ms per step and peak memory, against the official code with the same "
+                    "weights (POLAFORMER_OFFICIAL_DIR, POLAFORMERPP_OFFICIAL_DIR; see scripts/prepare_official.sh) "
+                    "and the softmax model; --dense adds the backbones' features_only forward+backward at 512 and "
+                    "1024 px. A CSV row is written after every measurement. See docs/benchmarks.md.",
+    )
+    gpu_models.add_argument("--out", dest="gpu_models_csv", metavar="FILE", required=True,
+                            help="write the rows as CSV")
+    gpu_models.add_argument("--models", nargs="+", metavar="NAME",
+                            help="families, by our timm names (default: all, classification first)")
+    gpu_models.add_argument("--impls", nargs="+", metavar="IMPL", help="ours official softmax (default: all three)")
+    gpu_models.add_argument("--modes", nargs="+", metavar="MODE", help="train infer (default: both)")
+    gpu_models.add_argument("--variants", nargs="+", metavar="VARIANT", help="eager compile (default: both)")
+    gpu_models.add_argument("--dense", action="store_true",
+                            help="also the backbones with features_only at 512 and 1024 px, forward+backward")
+    gpu_models.add_argument("--steps", type=positive_int, default=10, help="timed steps per row (default: %(default)s)")
+    gpu_models.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    gpu_models.add_argument("--batch-scale", type=float, default=1.0, metavar="F",
+                            help="multiply every batch (64 images, DiT 32, LM 8, dense 2) by F in (0, 1]")
+    gpu_models.add_argument("--time-limit", type=float, metavar="S",
+                            help="start no row after S seconds (the CSV keeps every row finished)")
+    gpu_models.add_argument("--smoke", action="store_true",
+                            help="each row once on the CPU at tiny batch and size (checks the command; no timing)")
+    gpu_models.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu_models, seconds_flags=())
+
     dense = families.add_parser(
         "dense", help="backbone forward time and peak memory at detection resolutions, Pola vs softmax",
         description="Pola-PVT-T and Pola-Swin-T against their softmax versions, features_only forward, batch 1, "
@@ -293,6 +321,23 @@ def _bench_gpu(args: argparse.Namespace) -> int:
                    variants=args.variants, smoke=args.smoke, time_limit=args.time_limit, log=_print_line,
                    on_shape_done=lambda rows: write_csv(args.gpu_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_csv}")
+    return 0
+
+
+def _bench_gpu_models(args: argparse.Namespace) -> int:
+    from ..bench import gpu_models
+    from ..bench.harness import write_csv
+
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be > 0, got {args.time_limit}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    rows = gpu_models.run_gpu_models(
+        models=args.models or tuple(gpu_models.FAMILIES), impls=args.impls or gpu_models.IMPLS,
+        modes=args.modes or gpu_models.MODES, variants=args.variants or gpu_models.VARIANTS, dense=args.dense,
+        steps=args.steps, warmup=args.warmup, batch_scale=args.batch_scale, smoke=args.smoke,
+        time_limit=args.time_limit, log=_print_line, on_row=lambda rows: write_csv(args.gpu_models_csv, rows))
+    print(f"{len(rows)} rows -> {args.gpu_models_csv}")
     return 0
 
 
