@@ -273,8 +273,10 @@ def _bench_pacs(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    if args.smoke:  # the kernels run in Triton's interpreter, which must be chosen before they are defined
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.smoke and not _triton_interprets():
+        raise ValueError("--smoke needs Triton's interpreter, which triton reads when torch imports it: run the "
+                         "polaformer command (it sets TRITON_INTERPRET=1 first) or set TRITON_INTERPRET=1 before "
+                         "Python starts")
     from ..bench.gpu import run_gpu
     from ..bench.harness import write_csv
 
@@ -285,6 +287,15 @@ def _bench_gpu(args: argparse.Namespace) -> int:
                    on_shape_done=lambda rows: write_csv(args.gpu_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_csv}")
     return 0
+
+
+def _triton_interprets() -> bool:
+    """Whether triton was imported in interpreter mode (its own library functions are then interpreted too)."""
+    try:
+        import triton.language.standard as standard
+    except ImportError:
+        return True  # no triton: the Triton rows report it themselves
+    return type(standard.sum).__name__ == "InterpretedFunction"
 
 
 def _bench_dense(args: argparse.Namespace) -> int:
