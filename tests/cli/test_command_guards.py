@@ -464,3 +464,19 @@ def test_subprocess_errors_are_one_short_line(work, tmp_path):
         assert (status, Path(out).read_text()) == (2, ""), (name, stderr[-2000:])
         assert fragment in error_line(stderr), name
     assert_unchanged(before, work)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sr", "eval", "--checkpoint", "{root}/sr/best.pth", "--hr", "{fifo}"], "image folder {fifo} is not a folder"),
+    (["diffusion", "train", "--vae", "{fifo}", "--output", "{root}/new"], "VAE path is not a folder: {fifo}"),
+    (["diffusion", "fid", "--checkpoint", "{root}/diffusion/last.pth", "--features", "{fifo}", "--per-class", "1"],
+     "an Inception weights file; not a regular file: {fifo}"),
+], ids=["sr eval --hr", "diffusion train --vae", "diffusion fid --features"])
+def test_a_fifo_for_a_folder_or_weights_is_named_as_such(work, argv, message, capsys):
+    """These checked the path's kind already (no hang) but called a FIFO missing."""
+    def fill(text):
+        return str(text).replace("{fifo}", str(work / "fifo")).replace("{root}", str(work))
+
+    code, out, err = run_main([fill(a) for a in argv], capsys)
+    assert (code, out) == (2, "")
+    assert fill(message) in error_line(err)

@@ -90,7 +90,7 @@ def _pair_from_hr(name: str, hr: torch.Tensor, scale: int) -> ImagePair:
 
 def _images(folder: Path) -> list[Path]:
     if not folder.is_dir():
-        raise DatasetError(f"image folder {folder} does not exist")
+        raise DatasetError(f"image folder {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
     # regular files only: a FIFO named like an image would block the read forever
     files = sorted(p for p in folder.iterdir()
                    if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
