@@ -115,6 +115,8 @@ CASES = [
     # diffusion: settings, sizes, devices, seeds and an existing output
     ("diffusion sample --cfg-scale nan", [*SAMPLE, "--output", f"{R}/new.png", "--cfg-scale", "nan"],
      "sample.cfg_scale must be a finite number >= 0 (1: no guidance), got nan"),
+    ("diffusion sample --cfg-scale 1e308", [*SAMPLE, "--output", f"{R}/new.png", "--cfg-scale", "1e308"],
+     "sampling produced NaN or infinite values (sample.cfg_scale 1e+308, ddim with 2 steps): use a smaller --cfg-scale"),
     ("diffusion sample over an existing file", [*SAMPLE, "--output", f"{R}/samples.png"],
      "samples.png already exists: --overwrite replaces it, or choose another --output"),
     ("diffusion train.ema_decay .nan", [*DIFF_TRAIN, "train.ema_decay", ".nan", "--output", f"{R}/new"],

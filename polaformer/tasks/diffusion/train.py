@@ -269,6 +269,9 @@ def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, s
         if vae is not None:
             vae.to(device)
             out = vae.decode(out / LATENT_SCALE).sample
+        if not torch.isfinite(out).all():  # clamped, NaN would be written as black images with exit 0
+            raise ConfigError(f"sampling produced NaN or infinite values (sample.cfg_scale {cfg_scale:g}, "
+                              f"{sampler} with {steps} steps): use a smaller --cfg-scale")
         chunks.append(out.clamp(-1, 1).cpu())
         progress.update(len(part) * steps)
     progress.close()
