@@ -199,6 +199,10 @@ CASES = [
                                                                    "--resume", r / "lra" / "last.pth",
                                                                    "--batch-size", "4"),
      "was trained with train.batch_size = 8, this run asks for 4: --allow-changed train.batch_size continues"),
+    ("detect train --resume, another learning rate", lambda r: detect_train("--output", r / "new", "--steps", "2",
+                                                                            "--resume", r / "detect" / "last.pth",
+                                                                            "--lr", "0.5"),
+     "this run asks for 0.5: --allow-changed train.lr continues the run with the new value"),
     ("lra train model.num_layers 0", lambda r: lra_train(r, "--output", r / "new", "--opts", "model.num_layers", "0"),
      "model.num_layers must be a positive integer, got 0"),
     ("lra train --attention-option alpha=-3", lambda r: lra_train(r, "--output", r / "new", "--attention", "pola",
@@ -214,7 +218,8 @@ CASES = [
 
 # Cases that fail after an info line was logged.
 AFTER_LOGS = {"train --finetune, inf weights", "train --finetune, int64 head.bias",
-              "lra train --resume, another learning rate", "lra train --resume, another batch size"}
+              "lra train --resume, another learning rate", "lra train --resume, another batch size",
+              "detect train --resume, another learning rate"}
 
 
 @pytest.mark.parametrize("name, argv, fragment", CASES, ids=[case[0] for case in CASES])
