@@ -485,3 +485,17 @@ def test_a_fifo_for_a_folder_or_weights_is_named_as_such(work, argv, message, ca
     code, out, err = run_main([fill(a) for a in argv], capsys)
     assert (code, out) == (2, "")
     assert fill(message) in error_line(err)
+
+
+def test_an_upscale_larger_than_memory_is_refused_before_allocating(work):
+    """A 100000x100000 input (a view of one pixel: no memory behind it) would need a 2e11-pixel output."""
+    from polaformer.engine.config import ConfigError
+    from polaformer.tasks.sr import load_sr_model, model_upscaler
+
+    model, cfg = load_sr_model(work / "sr" / "best.pth")
+    lr = torch.zeros(1, 3, 1, 1).expand(1, 3, 100000, 100000)
+    for progress in (False, True):
+        with pytest.raises(ConfigError, match=r"^the x2 output of a 100000x100000 image \(1 x 3 x 200000 x 200000\) "
+                                              r"needs .* GiB, more than the .* of memory available on cpu; upscale a "
+                                              r"smaller image$"):
+            model_upscaler(model, cfg, progress=progress)(lr)

@@ -16,6 +16,7 @@ from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights, read_task_checkpoint
 from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
                               fraction)
+from ...engine.limits import check_allocation
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...models.pola_sr import PolaSR, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
@@ -102,15 +103,20 @@ def evaluate_sr(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> di
 
 def model_upscaler(model: nn.Module, cfg: Config, progress: bool = False):
     """``model`` run tile by tile as the configuration's ``eval`` section says; ``progress``: a bar of tiles on a
-    terminal (a photo takes minutes on a CPU)."""
-    if not progress:
-        return lambda lr: tiled_upscale(model, lr, cfg.model.scale, tile=cfg.eval.tile, overlap=cfg.eval.overlap)
+    terminal (a photo takes minutes on a CPU). An output larger than the memory available is refused first."""
+    scale, tile, overlap = cfg.model.scale, cfg.eval.tile, cfg.eval.overlap
 
     def upscale(lr):
-        with tqdm(desc=f"upscaling {lr.shape[-1]}x{lr.shape[-2]}", unit="tile", leave=False, disable=None) as bar:
+        b, c, h, w = lr.shape
+        # the tiled sum, its count and their quotient: 2C + 1 float planes of the output's size
+        check_allocation(f"the x{scale} output of a {w}x{h} image ({b} x {c} x {h * scale} x {w * scale})",
+                         4 * b * (2 * c + 1) * h * scale * w * scale, lr.device, ConfigError, "upscale a smaller image")
+        if not progress:
+            return tiled_upscale(model, lr, scale, tile=tile, overlap=overlap)
+        with tqdm(desc=f"upscaling {w}x{h}", unit="tile", leave=False, disable=None) as bar:
             handle = model.register_forward_hook(lambda *_: bar.update())  # one call per tile
             try:
-                return tiled_upscale(model, lr, cfg.model.scale, tile=cfg.eval.tile, overlap=cfg.eval.overlap)
+                return tiled_upscale(model, lr, scale, tile=tile, overlap=overlap)
             finally:
                 handle.remove()
 
