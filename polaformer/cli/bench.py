@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .common import positive_int, usage_error
+from .common import add_overwrite, positive_int, usage_error
 
 __all__ = ["add_bench_parser", "add_lra_bench_arguments"]
 
@@ -45,6 +45,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--no-op-memory", action="store_true",
                        help="skip the per-N peak-memory subprocesses of the fused op")
     bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (explicit options win)")
+    add_overwrite(bench, "results in --out")
     bench.set_defaults(handler=cmd_bench)
     families = bench.add_subparsers(dest="bench_family", metavar="FAMILY")
 
@@ -53,6 +54,7 @@ def add_bench_parser(commands) -> None:
         parser.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (scalar fields)")
         if markdown:
             parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+        add_overwrite(parser)
 
     official = families.add_parser(
         "official", help="whole models against the authors' code: inference and training step, same weights",
@@ -121,6 +123,7 @@ def add_bench_parser(commands) -> None:
     gpu.add_argument("--time-limit", type=float, metavar="S",
                      help="start no row after S seconds (the CSV keeps every shape finished)")
     gpu.add_argument("--smoke", action="store_true", help="one tiny CPU run of every method (no timing)")
+    add_overwrite(gpu, "a file at --out")
     gpu.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu, seconds_flags=())
 
     gpu_models = families.add_parser(
@@ -149,6 +152,7 @@ def add_bench_parser(commands) -> None:
                             help="start no row after S seconds (the CSV keeps every row finished)")
     gpu_models.add_argument("--smoke", action="store_true",
                             help="each row once on the CPU at tiny batch and size (checks the command; no timing)")
+    add_overwrite(gpu_models, "a file at --out")
     gpu_models.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu_models, seconds_flags=())
 
     dense = families.add_parser(
@@ -183,7 +187,9 @@ def add_bench_parser(commands) -> None:
                         help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take longer")
     deploy.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
-    deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy, seconds_flags=("--min-run-time", "--row-budget"))
+    add_overwrite(deploy, "results in --out")
+    deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy,
+                        seconds_flags=("--min-run-time", "--row-budget"), out_files=("results.json", "table.md"))
 
     lra = families.add_parser(
         "lra", help="the paper's Table 6: LRA training throughput and peak memory of every attention, vs softmax",
@@ -200,7 +206,9 @@ def add_lra_bench_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=positive_int, help="fixed batch for every measurement (default: 4)")
     parser.add_argument("--steps", type=positive_int, help="timed training steps per measurement (default: 3)")
     parser.add_argument("--device", default="cpu")
-    parser.set_defaults(handler=cmd_bench_family, run_family=_bench_lra, seconds_flags=())
+    add_overwrite(parser, "results in --out")
+    parser.set_defaults(handler=cmd_bench_family, run_family=_bench_lra, seconds_flags=(),
+                        out_files=("results.json", "table.md", "bench_lra.png"))
 
 
 def _print_line(msg: str) -> None:
@@ -212,6 +220,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SIZES, DEFAULT_TOKENS, OP_METHODS, QUICK_SIZES, QUICK_TOKENS,
         BenchConfig, run_bench,
     )
+    from ..engine.output import claim_outputs
 
     if args.out is None:
         return usage_error("bench", "the following arguments are required: --out")
@@ -225,6 +234,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return usage_error("bench", f"unknown --methods {' '.join(unknown)}; known: {' '.join(OP_METHODS)}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return usage_error("bench", f"--out {args.out!r} exists and is not a folder")
+    claim_outputs([os.path.join(args.out, name) for name in ("results.json", "bench_ops.png", "bench_models.png")],
+                  args.overwrite, "--out")
     config = BenchConfig(
         out=args.out,
         tokens=tuple(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)),
@@ -245,12 +256,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_family(args: argparse.Namespace) -> int:
-    """Checks the options every family shares, then runs it; its ValueError/RuntimeError is a one-line error."""
+    """Checks the options every family shares and claims its output files, then runs it; its ValueError/RuntimeError
+    is a one-line error."""
+    from ..engine.output import claim_outputs
+
     command = "lra bench" if args.command == "lra" else f"bench {args.bench_family}"
     for flag in args.seconds_flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if not value > 0:
             return usage_error(command, f"{flag} must be > 0, got {value}")
+    files = [getattr(args, name, None) for name in ("json", "csv", "markdown", "gpu_csv", "gpu_models_csv")]
+    files += [os.path.join(args.out, name) for name in getattr(args, "out_files", ())]
+    claim_outputs([path for path in files if path], args.overwrite, "--out")  # before any measurement
     try:
         return args.run_family(args)
     except (ValueError, RuntimeError) as e:
@@ -301,17 +318,10 @@ def _bench_pacs(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    if args.smoke and os.environ.get("TRITON_INTERPRET") != "1":
-        # The kernels run in Triton's interpreter, which must be chosen before triton is imported (torch
-        # imports it): the smoke run goes on in a process started with it.
-        import subprocess
-
-        command = [sys.executable, "-m", "polaformer", "bench", "gpu", "--smoke", "--out", str(args.gpu_csv),
-                   "--batch", str(args.batch), "--dtypes", *args.dtypes, "--modes", *args.modes,
-                   "--models", *args.models, "--variants", *args.variants]
-        if args.time_limit is not None:
-            command += ["--time-limit", str(args.time_limit)]
-        return subprocess.run(command, env={**os.environ, "TRITON_INTERPRET": "1"}).returncode
+    if args.smoke and not _triton_interprets():
+        raise ValueError("--smoke needs Triton's interpreter, which triton reads when torch imports it: run the "
+                         "polaformer command (it sets TRITON_INTERPRET=1 first) or set TRITON_INTERPRET=1 before "
+                         "Python starts")
     from ..bench.gpu import run_gpu
     from ..bench.harness import write_csv
 
@@ -339,6 +349,15 @@ def _bench_gpu_models(args: argparse.Namespace) -> int:
         time_limit=args.time_limit, log=_print_line, on_row=lambda rows: write_csv(args.gpu_models_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_models_csv}")
     return 0
+
+
+def _triton_interprets() -> bool:
+    """Whether triton was imported in interpreter mode (its own library functions are then interpreted too)."""
+    try:
+        import triton.language.standard as standard
+    except ImportError:
+        return True  # no triton: the Triton rows report it themselves
+    return type(standard.sum).__name__ == "InterpretedFunction"
 
 
 def _bench_dense(args: argparse.Namespace) -> int:

@@ -23,7 +23,7 @@ from ..layers import PacsLinearAttention, RoPE2d
 from ..layers.qkv_window_attention import QKVWindowAttention
 from ..layers.window_attention import relative_position_index
 from ..ops import tokens_to_map
-from ._helpers import without_timm_extras
+from ._helpers import check_architecture, without_timm_extras
 from .swin import hard_window_mask, shifted_window_mask, window_partition, window_reverse
 
 __all__ = ["PolaSR", "tiled_upscale"]
@@ -176,8 +176,10 @@ class PolaSR(nn.Module):
     def __init__(self, upscale: int = 4, in_chans: int = 3, embed_dim: int = 48, depths=(5, 5, 5, 5),
                  num_heads=(4, 4, 4, 4), window_size: int = 16, mlp_ratio: float = 1.0, img_range: float = 1.0):
         super().__init__()
-        if not isinstance(upscale, int) or upscale < 1:
-            raise ValueError(f"upscale must be a positive integer, got {upscale!r}")
+        check_architecture(upscale=upscale, in_chans=in_chans, embed_dim=embed_dim, depths=list(depths),
+                           num_heads=list(num_heads), window_size=window_size)
+        if not (isinstance(mlp_ratio, (int, float)) and 0 < mlp_ratio < math.inf):
+            raise ValueError(f"mlp_ratio must be a finite number > 0, got {mlp_ratio!r}")
         if embed_dim % 8:  # four PaCS heads whose RoPE tables span twice their width in quarter-turn pairs
             raise ValueError(f"embed_dim must be divisible by 8, got {embed_dim}")
         if len(depths) != len(num_heads):

@@ -20,6 +20,7 @@ from .dispatch import capturing, triton_kernels
 from .feature_maps import _expm1
 from .pola_attention import (
     _block_tokens,
+    _check_eps,
     _check_float,
     _check_key_padding_mask,
     _check_qkv,
@@ -528,6 +529,7 @@ def pacs_linear_attention(
                                             key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
     _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
     _check_qkv(q, k, v, even_head_dim=True)
+    _check_eps(eps)
     two_d = 2 * q.shape[-1]
     for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
         if t.shape[-1] != two_d:

@@ -9,14 +9,14 @@ so a typo never silently keeps a default.
 from __future__ import annotations
 
 import copy
-import math
 import os
 from collections.abc import Sequence
 
-from ...engine.config import Config, ConfigError, configure
+from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
+                              configure, fraction)
 from ...engine.limits import check_batch_memory
 
-__all__ = ["DEFAULTS", "check_recipe", "dense_config", "load_recipe"]
+__all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]
 
 DEFAULTS = {
     "detect": {
@@ -79,46 +79,36 @@ def load_recipe(task: str, path: str | os.PathLike | None = None, overrides: dic
     return recipe
 
 
+# the range of every numeric setting of both tasks (engine/config.py checks them, naming the key)
+RULES = {
+    "model.min_size": POSITIVE_INT, "model.max_size": POSITIVE_INT, "model.fpn_channels": POSITIVE_INT,
+    "model.roi_batch": POSITIVE_INT, "model.anchor_sizes": POSITIVE_INT.but(optional=True),
+    "model.decoder_channels": POSITIVE_INT,
+    "data.train_size": POSITIVE_INT, "data.val_size": POSITIVE_INT, "data.batch_size": POSITIVE_INT,
+    "data.workers": COUNT, "data.num_classes": POSITIVE_INT, "data.crop_size": POSITIVE_INT,
+    "train.lr": POSITIVE, "train.weight_decay": NON_NEGATIVE, "train.steps": POSITIVE_INT.but(optional=True),
+    "train.epochs": POSITIVE.but(optional=True), "train.clip_grad": POSITIVE.but(optional=True),
+    "train.eval_every": POSITIVE_INT.but(optional=True), "train.warmup_steps": COUNT, "train.seed": SEED,
+    "train.save_every": POSITIVE_INT, "train.milestones": fraction(), "train.gamma": POSITIVE,
+    "train.power": POSITIVE, "train.head_lr_mult": POSITIVE,
+}
+
+
 def check_recipe(cfg: Config) -> None:
-    """Reject values no run can use, one line each."""
-    def number(value) -> bool:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-    def count(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    train, data = cfg.train, cfg.data
-    if not (number(train.lr) and train.lr > 0):
-        raise ConfigError(f"train.lr must be a finite number > 0, got {train.lr!r}")
-    if not (number(train.weight_decay) and train.weight_decay >= 0):
-        raise ConfigError(f"train.weight_decay must be a finite number >= 0, got {train.weight_decay!r}")
-    if train.steps is not None and not (count(train.steps) and train.steps >= 1):
-        raise ConfigError(f"train.steps must be a positive integer or null, got {train.steps!r}")
-    if train.epochs is not None and not (number(train.epochs) and train.epochs > 0):
-        raise ConfigError(f"train.epochs must be a finite number > 0 or null, got {train.epochs!r}")
-    if train.clip_grad is not None and not (number(train.clip_grad) and train.clip_grad > 0):
-        raise ConfigError(f"train.clip_grad must be a finite number > 0 or null, got {train.clip_grad!r}")
-    if train.eval_every is not None and not (count(train.eval_every) and train.eval_every >= 1):
-        raise ConfigError(f"train.eval_every must be a positive integer or null, got {train.eval_every!r}")
-    for name in ("warmup_steps", "seed"):
-        if not (count(train[name]) and train[name] >= 0):
-            raise ConfigError(f"train.{name} must be an integer >= 0, got {train[name]!r}")
-    if not (count(train.save_every) and train.save_every >= 1):
-        raise ConfigError(f"train.save_every must be a positive integer, got {train.save_every!r}")
-    if not (count(data.batch_size) and data.batch_size >= 1):
-        raise ConfigError(f"data.batch_size must be a positive integer, got {data.batch_size!r}")
-    if not (count(data.workers) and data.workers >= 0):
-        raise ConfigError(f"data.workers must be an integer >= 0, got {data.workers!r}")
-    if "crop_size" in data:
-        if not (count(data.crop_size) and data.crop_size >= 1):
-            raise ConfigError(f"data.crop_size must be a positive integer, got {data.crop_size!r}")
-        if data.format == "ade":  # each image is padded to the crop: a batch that cannot fit fails here
-            check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
-                               what=f"a batch of data.crop_size {data.crop_size} crops")
+    """Reject values no run can use, one line each: every key of :data:`RULES` the recipe has in its range, a
+    batch of crops that fits in memory, LightHam's GroupNorm width."""
+    check_settings(cfg, {key: rule for key, rule in RULES.items() if _has(cfg, key)})
+    data = cfg.data
+    if "crop_size" in data and data.format == "ade":  # each image is padded to the crop: a batch that cannot fit
+        check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
+                           what=f"a batch of data.crop_size {data.crop_size} crops")
     if cfg.task == "segment":
-        if not (number(train.head_lr_mult) and train.head_lr_mult > 0):
-            raise ConfigError(f"train.head_lr_mult must be a finite number > 0, got {train.head_lr_mult!r}")
         channels = cfg.model.decoder_channels
-        if cfg.model.decoder == "lightham" and not (count(channels) and channels > 0 and channels % 32 == 0):
+        if cfg.model.decoder == "lightham" and channels % 32:
             raise ConfigError(f"model.decoder_channels must be a positive multiple of 32 for lightham (GroupNorm(32)), "
                               f"got {channels!r}")
+
+
+def _has(cfg: Config, dotted: str) -> bool:
+    section, key = dotted.split(".")
+    return key in cfg[section]

@@ -15,7 +15,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -24,6 +23,7 @@ from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import param_groups, unwrap
+from ...engine.output import claim_outputs, distinct_names, write_image
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss
@@ -122,6 +122,9 @@ class DenseTask(Task):
     """Detection (box AP) or semantic segmentation (mIoU) on a recipe's data."""
 
     resume_hint = "it holds weights only; use --backbone-weights or another --output"
+    # the run's length and cadence, its workers and evaluation canvases; the backbone weights only start a run
+    resume_may_change = ("train.steps", "train.epochs", "train.eval_every", "train.save_every", "data.workers",
+                         "data.val_size", "model.backbone_weights")
 
     def __init__(self, task: str, recipe: dict, train_set, val_set, num_classes: int, classes, schedule: Schedule):
         self.name, self.recipe, self.schedule = task, recipe, schedule
@@ -139,6 +142,9 @@ class DenseTask(Task):
         if self.name == "detect":
             self.coco_gt, self.category_ids = self.val_set.coco(), self.val_set.category_ids()
         return _build(self.name, self.recipe, self.num_classes, load_weights=not resuming)
+
+    def settings(self) -> dict:
+        return self.config
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
         saved = checkpoint.get("config", {})
@@ -180,12 +186,9 @@ class DenseTask(Task):
         metrics = {k: v for k, v in engine.history[-1].items() if k != "step"} if engine.history else {}
         return {"step": engine.num_updates, "best": engine.best.get(self.key_metric), **metrics}
 
-    def metadata(self, engine: Engine) -> dict:
-        return {"config": self.config}
-
 
 def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = None, overwrite: bool = False,
-               device: str | None = None, progress: bool = True) -> dict:
+               device: str | None = None, progress: bool = True, allow_changed=()) -> dict:
     """Train ``task`` ('detect' or 'segment') as ``recipe`` says; returns what metrics.json holds."""
     data, train_cfg = recipe["data"], recipe["train"]
     if task == "detect":
@@ -198,7 +201,8 @@ def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = No
         output=Path(output), batch_size=data["batch_size"], steps=schedule.steps,
         eval_every=train_cfg["eval_every"] or schedule.steps, save_every_steps=train_cfg["save_every"],
         clip_grad_norm=schedule.clip_grad, seed=train_cfg["seed"], num_workers=data["workers"],
-        device=device or "auto", resume=resume, overwrite=overwrite, show_progress=progress,
+        device=device or "auto", resume=resume, allow_changed=tuple(allow_changed), overwrite=overwrite,
+        show_progress=progress,
     )
     return train(DenseTask(task, recipe, train_set, val_set, num_classes, classes, schedule), settings)
 
@@ -229,36 +233,24 @@ def evaluate_checkpoint(task: str, path: str, data_overrides: dict | None = None
 
 
 def predict_images(path: str, images: list[str], out_dir: Path, *, score_threshold: float = 0.5,
-                   device: str | None = None) -> list[Path]:
+                   device: str | None = None, overwrite: bool = False) -> list[Path]:
     """Draw a detector checkpoint's boxes (and masks) on each image; write ``out_dir/<stem>.png``
-    (``<stem>-2.png``, ``-3``... for later images whose name is taken, so no drawing replaces another)."""
+    (``<stem>-2.png``, ``-3``... for later images whose name is taken, so no drawing replaces another; an existing
+    file is refused before anything runs, unless ``overwrite``)."""
     if not 0 <= score_threshold <= 1:
         raise ConfigError(f"the score threshold must be a number in [0, 1], got {score_threshold}")
+    targets = distinct_names([Path(name).stem for name in images], out_dir, ".png")
+    claim_outputs(targets, overwrite, "--out")
     model, config = load_model("detect", path, device)
     dev = next(model.parameters()).device
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, target in zip(images, _distinct_names(images, out_dir)):
+    for name, target in zip(images, targets):
         image = _load_rgb(Path(name))
         with torch.no_grad():
             pred = {k: v.cpu() for k, v in model([image.to(dev)])[0].items()}
         drawn = draw_predictions(image, pred, config["classes"], score_threshold=score_threshold)
-        Image.fromarray(drawn.permute(1, 2, 0).numpy().astype(np.uint8)).save(target)
+        write_image(target, drawn.permute(1, 2, 0).numpy().astype(np.uint8))
         _logger.info("%s: %d detections above %.2f -> %s", name, int((pred["scores"] >= score_threshold).sum()),
                      score_threshold, target)
         written.append(target)
     return written
-
-
-def _distinct_names(images: list[str], out_dir: Path) -> list[Path]:
-    taken: set[str] = set()
-    names = []
-    for image in images:
-        stem = name = Path(image).stem
-        copy = 1
-        while name in taken:
-            copy += 1
-            name = f"{stem}-{copy}"
-        taken.add(name)
-        names.append(out_dir / f"{name}.png")
-    return names

@@ -10,26 +10,39 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights, read_task_checkpoint
-from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
+from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
+                              fraction)
+from ...engine.limits import check_allocation
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...models.pola_sr import PolaSR, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
 
-__all__ = ["SRTask", "bicubic_upscale", "build_sr_model", "evaluate_sr", "load_sr_model", "model_upscaler", "sr_config",
-           "sr_pairs", "train_sr"]
+__all__ = ["RULES", "SRTask", "bicubic_upscale", "build_sr_model", "check_sr_config", "evaluate_sr", "load_sr_model",
+           "model_upscaler", "sr_config", "sr_pairs", "train_sr"]
 
 LAST, BEST = "last.pth", "best.pth"
 PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
 # basicsr's checkpoint entries, EMA first
 OFFICIAL_ENTRIES = ("params_ema", "params")
+# the range of every numeric setting (engine/config.py checks them, naming the key)
+RULES = {
+    "model.scale": POSITIVE_INT, "model.embed_dim": POSITIVE_INT, "model.depths": POSITIVE_INT,
+    "model.num_heads": POSITIVE_INT, "model.window_size": POSITIVE_INT, "model.mlp_ratio": POSITIVE,
+    "data.patch_size": POSITIVE_INT, "data.repeats": POSITIVE_INT,
+    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE,
+    "train.milestones": fraction(), "train.gamma": POSITIVE, "train.eval_every": POSITIVE_INT, "train.seed": SEED,
+    "train.num_workers": COUNT, "eval.tile": POSITIVE_INT, "eval.overlap": COUNT,
+}
 
 
-def sr_config(path=None, opts=()) -> Config:
-    """The defaults, then a YAML file, then ``KEY VALUE`` overrides (:func:`~polaformer.engine.config.configure`)."""
+def sr_config(path=None, opts=(), overrides=None) -> Config:
+    """The defaults, then a YAML file, then ``KEY VALUE`` overrides, then ``overrides`` (``{'train.lr': 1e-4}``, from
+    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_sr_config`)."""
     cfg = Config({
         "model": {"scale": 4, "embed_dim": 48, "depths": [5, 5, 5, 5], "num_heads": [4, 4, 4, 4],
                   "window_size": 16, "mlp_ratio": 1.0},
@@ -40,14 +53,16 @@ def sr_config(path=None, opts=()) -> Config:
                   "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0},
         "eval": {"tile": 192, "overlap": 16},
     })
-    cfg = configure(cfg, path, opts)
-    if cfg.model.scale < 1:
-        raise ConfigError(f"model.scale must be a positive integer, got {cfg.model.scale}")
-    if not all(0 < m < 1 for m in cfg.train.milestones):
-        raise ConfigError(f"train.milestones are fractions of the steps in (0, 1), got {cfg.train.milestones}")
+    cfg = configure(cfg, path, opts, overrides)
+    check_sr_config(cfg)
+    return cfg
+
+
+def check_sr_config(cfg: Config) -> None:
+    """Every setting in its range (:data:`RULES`), tiles that overlap less than their side."""
+    check_settings(cfg, RULES)
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
         raise ConfigError(f"eval.overlap must be in [0, eval.tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
-    return cfg
 
 
 def build_sr_model(cfg: Config) -> PolaSR:
@@ -86,15 +101,33 @@ def evaluate_sr(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> di
             "ssim_y": sum(r["ssim_y"] for r in images.values()) / len(images), "images": images}
 
 
-def model_upscaler(model: nn.Module, cfg: Config):
-    """``model`` run tile by tile as the configuration's ``eval`` section says."""
-    return lambda lr: tiled_upscale(model, lr, cfg.model.scale, tile=cfg.eval.tile, overlap=cfg.eval.overlap)
+def model_upscaler(model: nn.Module, cfg: Config, progress: bool = False):
+    """``model`` run tile by tile as the configuration's ``eval`` section says; ``progress``: a bar of tiles on a
+    terminal (a photo takes minutes on a CPU). An output larger than the memory available is refused first."""
+    scale, tile, overlap = cfg.model.scale, cfg.eval.tile, cfg.eval.overlap
+
+    def upscale(lr):
+        b, c, h, w = lr.shape
+        # the tiled sum, its count and their quotient: 2C + 1 float planes of the output's size
+        check_allocation(f"the x{scale} output of a {w}x{h} image ({b} x {c} x {h * scale} x {w * scale})",
+                         4 * b * (2 * c + 1) * h * scale * w * scale, lr.device, ConfigError, "upscale a smaller image")
+        if not progress:
+            return tiled_upscale(model, lr, scale, tile=tile, overlap=overlap)
+        with tqdm(desc=f"upscaling {w}x{h}", unit="tile", leave=False, disable=None) as bar:
+            handle = model.register_forward_hook(lambda *_: bar.update())  # one call per tile
+            try:
+                return tiled_upscale(model, lr, scale, tile=tile, overlap=overlap)
+            finally:
+                handle.remove()
+
+    return upscale
 
 
 class SRTask(Task):
     name = "sr"
     best_files = {BEST: "psnr_y"}
     resume_hint = "use another --output"
+    resume_may_change = ("train.steps", "train.eval_every", "train.num_workers", "eval")
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -113,8 +146,8 @@ class SRTask(Task):
                 f"parameters, {len(self.train_pairs)} train / {len(self.valid_pairs)} valid images, {t.steps} steps "
                 f"of batch {t.batch_size} ({self.cfg.data.patch_size}-pixel HR patches)")
 
-    def check_resume(self, checkpoint: dict, path: Path) -> None:
-        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data"), path)
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=self.cfg.train.lr, betas=(0.9, 0.99))
@@ -152,18 +185,17 @@ class SRTask(Task):
                 "bicubic_psnr_y": self.bicubic["psnr_y"], "bicubic_ssim_y": self.bicubic["ssim_y"],
                 "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
 
-    def metadata(self, engine: Engine) -> dict:
-        return {"config": self.cfg.to_dict()}
-
 
 def train_sr(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-             show_progress: bool = True) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+             show_progress: bool = True, allow_changed=()) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
+    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+    check_sr_config(cfg)
     t = cfg.train
     settings = LoopSettings(
         output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every, seed=t.seed,
         num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
+        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
     )
     return train(SRTask(cfg), settings)
 
@@ -176,6 +208,7 @@ def load_sr_model(path, *, official_scale: int | None = None) -> tuple[PolaSR, C
         try:
             cfg = sr_config(opts=[])
             cfg.merge(checkpoint["config"])
+            check_sr_config(cfg)
         except (KeyError, TypeError, ConfigError) as e:
             raise CorruptCheckpointError(path, f"not a usable SR checkpoint: {str(e).splitlines()[0]}") from None
         state_dict = checkpoint["model"]
