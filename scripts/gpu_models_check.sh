@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `polaformer bench gpu-models` on a lent CUDA machine, in one call (docs/benchmarks.md, "Whole models on a GPU"):
+# `polaformer bench gpu-models` on a lent CUDA machine, in one call (docs/gpu_models.md):
 #
 #   bash scripts/prepare_official.sh     # here, once: the official model files into .official/
 #   bash scripts/gpu_models_check.sh     # there, from the repository root, with .official carried

@@ -133,7 +133,7 @@ def add_bench_parser(commands) -> None:
                     "(tokens/s), median ms per step and peak memory, against the official code with the same "
                     "weights (POLAFORMER_OFFICIAL_DIR, POLAFORMERPP_OFFICIAL_DIR; see scripts/prepare_official.sh) "
                     "and the softmax model; --dense adds the backbones' features_only forward+backward at 512 and "
-                    "1024 px. A CSV row is written after every measurement. See docs/benchmarks.md.",
+                    "1024 px. A CSV row is written after every measurement. See docs/gpu_models.md.",
     )
     gpu_models.add_argument("--out", dest="gpu_models_csv", metavar="FILE", required=True,
                             help="write the rows as CSV")
