@@ -21,7 +21,7 @@ from ...engine.checkpoint import read_task_checkpoint
 from ...engine.config import Config, ConfigError, configure
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
 from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
-from .gaussian import SAMPLERS, diffusion_loss, make_scheduler, sample
+from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
 __all__ = ["DiffusionTask", "diffusion_config", "generate", "load_diffusion_model", "train_diffusion"]
 
@@ -40,7 +40,10 @@ def diffusion_config(path=None, opts=()) -> Config:
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
         "train": {"steps": 2000, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.0, "ema_decay": 0.999,
                   "clip_grad_norm": 1.0, "eval_every": 500, "eval_samples": 256, "seed": 0, "num_workers": 0},
-        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0},
+        # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
+        # the official first three output channels
+        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",
+                   "guide_all_channels": False},
     })
     cfg = configure(cfg, path, opts)
     if cfg.model.attention not in models.pola_dit.ATTENTIONS:
@@ -48,6 +51,8 @@ def diffusion_config(path=None, opts=()) -> Config:
                           f"got {cfg.model.attention!r}")
     if cfg.sample.sampler not in SAMPLERS:
         raise ConfigError(f"sample.sampler must be one of {', '.join(SAMPLERS)}, got {cfg.sample.sampler!r}")
+    if cfg.sample.variance not in VARIANCES:
+        raise ConfigError(f"sample.variance must be one of {', '.join(VARIANCES)}, got {cfg.sample.variance!r}")
     if cfg.data.latent and not cfg.data.vae:
         raise ConfigError("latent mode needs a local AutoencoderKL folder: set data.vae")
     return cfg
@@ -195,22 +200,24 @@ def load_diffusion_model(path, ema: bool = True) -> tuple[nn.Module, Config, obj
 
 @torch.no_grad()
 def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, sampler: str | None = None,
-             steps: int | None = None, cfg_scale: float | None = None, seed: int = 0, batch_size: int = 256,
+             steps: int | None = None, cfg_scale: float | None = None, variance: str | None = None,
+             guide_all_channels: bool | None = None, seed: int = 0, batch_size: int = 256,
              device="cpu") -> torch.Tensor:
     """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample``."""
     s = cfg.sample
-    sampler, steps = sampler or s.sampler, steps or s.steps
+    sampler, steps, variance = sampler or s.sampler, steps or s.steps, variance or s.variance
     cfg_scale = s.cfg_scale if cfg_scale is None else cfg_scale
+    guide_all_channels = s.guide_all_channels if guide_all_channels is None else guide_all_channels
     model = model.to(device)
     generator = torch.Generator().manual_seed(seed)
     shape = (model.in_channels, model.input_size, model.input_size)
     chunks = []
     for part in labels.split(batch_size):
         try:
-            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale,
-                         clip_sample=vae is None, train_timesteps=cfg.diffusion.train_timesteps,
-                         beta_start=cfg.diffusion.beta_start, beta_end=cfg.diffusion.beta_end, generator=generator,
-                         device=device)
+            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale, variance=variance,
+                         guide_all_channels=guide_all_channels, clip_sample=vae is None,
+                         train_timesteps=cfg.diffusion.train_timesteps, beta_start=cfg.diffusion.beta_start,
+                         beta_end=cfg.diffusion.beta_end, generator=generator, device=device)
         except ValueError as e:  # a sampler setting the model or schedule cannot take, before any step ran
             raise ConfigError(str(e)) from None
         if vae is not None:
