@@ -30,7 +30,8 @@ GUIDED_CHANNELS = 3  # the official forward_with_cfg guides model_out[:, :3] (it
 
 def make_scheduler(kind: str = "ddpm", train_timesteps: int = 1000, beta_start: float = 1e-4,
                    beta_end: float = 0.02, learn_sigma: bool = True, clip_sample: bool = False):
-    """The DiT's schedule (linear betas) as a diffusers scheduler; ``ddpm`` takes the learned-range variance."""
+    """The DiT's schedule (linear betas) as a diffusers scheduler, whose noise the training loss adds; ``ddpm``
+    takes the learned-range variance. Sampling does not step it (:func:`sample`)."""
     common = dict(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
                   beta_schedule="linear", clip_sample=clip_sample, prediction_type="epsilon")
     if kind == "ddpm":  # respaced steps spread over 0..T-1 with rounding, as the official sampler's
