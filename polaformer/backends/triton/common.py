@@ -10,8 +10,10 @@ from dataclasses import dataclass
 
 import torch
 import triton
+import triton.language as tl
 
-__all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "warps"]
+__all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "program",
+           "sequence_tokens", "share", "warps"]
 
 
 def padded_width(n: int) -> int:
@@ -98,3 +100,28 @@ def warps(rows: int, columns: int) -> int:
     """Warps per program: eight for states of 32 × 32 and more, which spill registers with four (ptxas on
     sm_90, ``scripts/triton_compile_check.py``)."""
     return 8 if rows * columns >= 32 * 32 else 4
+
+
+@triton.jit
+def program():
+    """``(part, head, sequence, heads)`` of a program on a grid ``(parts per sequence, heads, sequences)``; head
+    and sequence in 64 bits, so that every offset built from them is."""
+    return tl.program_id(0), tl.program_id(1).to(tl.int64), tl.program_id(2).to(tl.int64), tl.num_programs(1)
+
+
+@triton.jit
+def sequence_tokens(seq, cu_ptr, length, PACKED: tl.constexpr):
+    """(batch index, first token, end token) of sequence ``seq``: a packed sequence's rows come from the
+    offsets (read on the device), a dense one is a batch entry of ``length`` tokens."""
+    if PACKED:
+        return seq * 0, tl.load(cu_ptr + seq).to(tl.int64), tl.load(cu_ptr + seq + 1).to(tl.int64)
+    else:
+        return seq, tl.zeros((), tl.int64), tl.zeros((), tl.int64) + length
+
+
+@triton.jit
+def share(first, end, part, parts, BLOCK: tl.constexpr):
+    """Token range of ``part`` of ``parts``: whole blocks of ``[first, end)``, the same count each."""
+    per = tl.cdiv(tl.cdiv(end - first, BLOCK), parts) * BLOCK
+    lo = first + part * per
+    return lo, tl.minimum(lo + per, end)

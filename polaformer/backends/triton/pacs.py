@@ -34,26 +34,9 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, padded_width, plan, warps
+from .common import accumulator_dtype, dot_precision, padded_width, plan, program, sequence_tokens, share, warps
 
 __all__ = ["pacs_attention", "pacs_backward", "pacs_forward"]
-
-
-@triton.jit
-def _sequence(seq, cu_ptr, length, PACKED: tl.constexpr):
-    """(batch index, first token, end token) of sequence ``seq``."""
-    if PACKED:
-        return seq * 0, tl.load(cu_ptr + seq).to(tl.int64), tl.load(cu_ptr + seq + 1).to(tl.int64)
-    else:
-        return seq, tl.zeros((), tl.int64), tl.zeros((), tl.int64) + length
-
-
-@triton.jit
-def _share(first, end, part, parts, BLOCK: tl.constexpr):
-    """Token range of ``part`` of ``parts``: whole blocks of ``[first, end)``, the same count each."""
-    per = tl.cdiv(tl.cdiv(end - first, BLOCK), parts) * BLOCK
-    lo = first + part * per
-    return lo, tl.minimum(lo + per, end)
 
 
 @triton.jit
@@ -302,12 +285,9 @@ def _state_kernel(
     ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
 ):
     """Partial state of one split of one sequence's keys. Grid: (splits, heads, sequences)."""
-    split = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
-    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    split, head, seq, heads = program()
+    batch, first, end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
+    lo, hi = share(first, end, split, SPLITS, BLOCK)
     state = _key_state(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
                        mask_ptr + batch * stride_mb, cos_ptr, sin_ptr, lo, hi, stride_kt, stride_kc, stride_vt,
                        stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
@@ -329,14 +309,11 @@ def _forward_kernel(
 ):
     """Both streams' output for one span of one sequence's queries, the key state built here (``SPLITS == 0``) or
     merged from the state launch's partials; the first span saves it. Grid: (spans, heads, sequences)."""
-    span = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    span, head, seq, heads = program()
+    batch, q_first, q_end = sequence_tokens(seq, cu_q_ptr, Q_LEN, PACKED)
     width: tl.constexpr = 8 * P * DVH + 8 * P + 1
     if SPLITS == 0:
-        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        _, k_first, k_end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
         state = _key_state(
             k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
             mask_ptr + batch * stride_mb, cos_ptr, sin_ptr, k_first, k_end, stride_kt, stride_kc, stride_vt,
@@ -356,7 +333,7 @@ def _forward_kernel(
     o_base = out_ptr + batch * stride_ob + head * stride_oh
     t_same = ts_ptr + batch * stride_tsb + head * stride_tsh
     t_opp = to_ptr + batch * stride_tob + head * stride_toh
-    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    lo, hi = share(q_first, q_end, span, SPANS, BLOCK)
     for t0 in range(lo, hi, BLOCK):
         rows = t0 + tl.arange(0, BLOCK)
         ok = rows < hi
@@ -556,17 +533,14 @@ def _backward_kernel(
     """The query side of the backward for one span of one sequence's queries; with one span the key side too,
     from the state's gradient in registers, else the span's partial gradient of the state is stored for
     :func:`_key_grad_kernel`. Grid: (spans, heads, sequences)."""
-    span = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    span, head, seq, heads = program()
+    batch, q_first, q_end = sequence_tokens(seq, cu_q_ptr, Q_LEN, PACKED)
     width: tl.constexpr = 8 * P * DVH + 8 * P + 1
     # the saved state is already divided by its count
     (same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd,
      count) = _load_state(state_ptr + (seq * heads + head) * width, P, DVH)
     inv_m = 1.0 / tl.maximum(count, 1.0)
-    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    lo, hi = share(q_first, q_end, span, SPANS, BLOCK)
     grads = _query_grads(
         q_ptr + batch * stride_qb + head * stride_qh, grad_out_ptr + batch * stride_gb + head * stride_gh,
         grad_q_ptr + batch * stride_dqb + head * stride_dqh, ts_ptr + batch * stride_tsb + head * stride_tsh,
@@ -577,7 +551,7 @@ def _backward_kernel(
     g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd = grads[:6]
     _store_temperature_grads(grad_temp_ptr + ((seq * heads + head) * TEMP_PARTS + span) * 4 * d, *grads[6:], d, P)
     if SPANS == 1:
-        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        _, k_first, k_end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
         _key_grads(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
                    mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
                    grad_v_ptr + batch * stride_dvb + head * stride_dvh, cos_ptr, sin_ptr, k_first, k_end,
@@ -609,11 +583,8 @@ def _key_grad_kernel(
 ):
     """The key side of the backward for one split of one sequence's keys, from the query spans' partial gradients
     of the state (added in span order). Grid: (splits, heads, sequences)."""
-    split = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+    split, head, seq, heads = program()
+    batch, first, end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
     width: tl.constexpr = 8 * P * DVH + 8 * P + 1
     state = _load_state(state_ptr + (seq * heads + head) * width, P, DVH)
     shift_even, shift_odd, count = state[6], state[7], state[8]
@@ -634,7 +605,7 @@ def _key_grad_kernel(
         g_opp_odd += tl.load(base + 3 * tile + cell)
         g_mean_even += tl.load(base + vectors + i)
         g_mean_odd += tl.load(base + vectors + 2 * P + i)
-    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    lo, hi = share(first, end, split, SPLITS, BLOCK)
     _key_grads(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
                mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
                grad_v_ptr + batch * stride_dvb + head * stride_dvh, cos_ptr, sin_ptr, lo, hi,

@@ -32,31 +32,13 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, padded_width, plan, warps
+from .common import accumulator_dtype, dot_precision, padded_width, plan, program, sequence_tokens, share, warps
 
 __all__ = ["PolaAttention", "pola_attention", "pola_backward", "pola_forward"]
 
 # Below every exponent a float32 feature can have: the shift of a channel no valid key reaches. Finite, so
 # that shift differences stay finite (an infinite one would give inf − inf).
 _NO_KEY = tl.constexpr(-1.0e30)
-
-
-@triton.jit
-def _sequence(seq, cu_ptr, length, PACKED: tl.constexpr):
-    """(batch index, first token, end token) of sequence ``seq``: a packed sequence's rows come from the
-    offsets, a dense one is a batch entry."""
-    if PACKED:
-        return seq * 0, tl.load(cu_ptr + seq).to(tl.int64), tl.load(cu_ptr + seq + 1).to(tl.int64)
-    else:
-        return seq, tl.zeros((), tl.int64), tl.zeros((), tl.int64) + length
-
-
-@triton.jit
-def _share(first, end, part, parts, BLOCK: tl.constexpr):
-    """Token range of ``part`` of ``parts``: whole blocks of ``[first, end)``, the same count each."""
-    per = tl.cdiv(tl.cdiv(end - first, BLOCK), parts) * BLOCK
-    lo = first + part * per
-    return lo, tl.minimum(lo + per, end)
 
 
 @triton.jit
@@ -207,12 +189,9 @@ def _state_kernel(
     HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """Partial state of one split of one sequence's keys. Grid: (splits, heads, sequences)."""
-    split = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
-    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    split, head, seq, heads = program()
+    batch, first, end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
+    lo, hi = share(first, end, split, SPLITS, BLOCK)
     p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
     state = _key_state(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
                        mask_ptr + batch * stride_mb, p, lo, hi, stride_kt, stride_kc, stride_vt, stride_vc,
@@ -234,15 +213,12 @@ def _forward_kernel(
 ):
     """The output of one span of one sequence's queries: the key state built here (``SPLITS == 0``) or merged
     from the state launch's partials; the first span saves it for the backward. Grid: (spans, heads, sequences)."""
-    span = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    span, head, seq, heads = program()
+    batch, q_first, q_end = sequence_tokens(seq, cu_q_ptr, Q_LEN, PACKED)
     p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
     width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
     if SPLITS == 0:
-        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        _, k_first, k_end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
         top, bottom, key_pos, key_neg, shift, count = _key_state(
             k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
             mask_ptr + batch * stride_mb, p, k_first, k_end, stride_kt, stride_kc, stride_vt, stride_vc,
@@ -260,7 +236,7 @@ def _forward_kernel(
     j = tl.arange(0, DVP)
     q_base = q_ptr + batch * stride_qb + head * stride_qh
     o_base = out_ptr + batch * stride_ob + head * stride_oh
-    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    lo, hi = share(q_first, q_end, span, SPANS, BLOCK)
     for t0 in range(lo, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         valid = t < hi
@@ -381,15 +357,12 @@ def _backward_kernel(
     """The query side of the backward for one span of one sequence's queries; with one span (``SPANS == 1``)
     the key side too, from the state's gradient held in registers. Otherwise the span's partial gradient of
     the state is stored for :func:`_key_grad_kernel`. Grid: (spans, heads, sequences)."""
-    span = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, q_first, q_end = _sequence(seq, cu_q_ptr, Q_LEN, PACKED)
+    span, head, seq, heads = program()
+    batch, q_first, q_end = sequence_tokens(seq, cu_q_ptr, Q_LEN, PACKED)
     p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
     width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
     top, bottom, key_pos, key_neg, shift, inv_m = _load_state(state_ptr + (seq * heads + head) * width, DP, DVP)
-    lo, hi = _share(q_first, q_end, span, SPANS, BLOCK)
+    lo, hi = share(q_first, q_end, span, SPANS, BLOCK)
     grad_top, grad_bottom, grad_key_pos, grad_key_neg, grad_power = _query_grads(
         q_ptr + batch * stride_qb + head * stride_qh, grad_out_ptr + batch * stride_gb + head * stride_gh,
         grad_q_ptr + batch * stride_dqb + head * stride_dqh, p, lo, hi, top, bottom, key_pos, key_neg, shift,
@@ -397,7 +370,7 @@ def _backward_kernel(
         BLOCK, DP, DVP, PRECISION, ACC)
     c = tl.arange(0, DP)
     if SPANS == 1:
-        _, k_first, k_end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+        _, k_first, k_end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
         grad_power += _key_grads(
             k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
             mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
@@ -429,11 +402,8 @@ def _key_grad_kernel(
 ):
     """The key side of the backward for one split of one sequence's keys, from the query spans' partial
     gradients of the state (added in span order). Grid: (splits, heads, sequences)."""
-    split = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    seq = tl.program_id(2).to(tl.int64)
-    heads = tl.num_programs(1)
-    batch, first, end = _sequence(seq, cu_k_ptr, K_LEN, PACKED)
+    split, head, seq, heads = program()
+    batch, first, end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
     p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
     width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
     _, _, _, _, shift, inv_m = _load_state(state_ptr + (seq * heads + head) * width, DP, DVP)
@@ -450,7 +420,7 @@ def _key_grad_kernel(
         grad_bottom += tl.load(base + DP * DVP + cell)
         grad_key_pos += tl.load(base + 2 * DP * DVP + c)
         grad_key_neg += tl.load(base + 2 * DP * DVP + DP + c)
-    lo, hi = _share(first, end, split, SPLITS, BLOCK)
+    lo, hi = share(first, end, split, SPLITS, BLOCK)
     grad_power = _key_grads(
         k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
         mask_ptr + batch * stride_mb, grad_k_ptr + batch * stride_dkb + head * stride_dkh,
