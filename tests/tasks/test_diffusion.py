@@ -28,7 +28,7 @@ TINY = ["--opts", "model.hidden_size", "16", "model.depth", "1", "model.num_head
 def test_loss_matches_official_mse_and_variational_bound():
     ref = load_file(str(REFERENCE))
     prediction = ref["diffusion.prediction"]
-    terms = diffusion_loss(lambda x, t, y: prediction, make_scheduler("ddpm"), ref["diffusion.x_start"], None,
+    terms = diffusion_loss(lambda x, t, y: prediction, make_scheduler(), ref["diffusion.x_start"], None,
                            t=ref["diffusion.t"], noise=ref["diffusion.noise"])
     torch.testing.assert_close(terms["mse"], ref["diffusion.mse"], rtol=1e-12, atol=0)
     # diffusers keeps its noise schedule in float32: x_t carries float32 rounding
@@ -140,7 +140,7 @@ class _Oracle(torch.nn.Module):
     target = torch.linspace(-0.9, 0.9, 16).reshape(1, 1, 4, 4)
 
     def forward(self, x, t, y):
-        a = make_scheduler("ddpm").alphas_cumprod[t].reshape(-1, 1, 1, 1)
+        a = make_scheduler().alphas_cumprod[t].reshape(-1, 1, 1, 1)
         return torch.cat([(x - a.sqrt() * self.target) / (1 - a).sqrt(), torch.zeros_like(x)], dim=1)
 
 
@@ -155,7 +155,7 @@ def test_bound_trains_only_the_variance_output():
     model = PolaDiT(input_size=4, patch_size=2, in_channels=1, hidden_size=8, depth=1, num_heads=2, num_classes=2)
     torch.nn.init.normal_(model.final_layer.linear.weight)
     x = torch.rand(3, 1, 4, 4) * 2 - 1
-    terms = diffusion_loss(model, make_scheduler("ddpm"), x, torch.tensor([0, 1, 0]),
+    terms = diffusion_loss(model, make_scheduler(), x, torch.tensor([0, 1, 0]),
                            generator=torch.Generator().manual_seed(0))
     terms["vb"].sum().backward()
     grad = model.final_layer.linear.weight.grad.reshape(2, 2, 2, 8)  # (p, q, channel, dim): channel 1 is v

@@ -17,7 +17,7 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler
+from diffusers import DDPMScheduler
 from torch import nn
 
 __all__ = ["GUIDED_CHANNELS", "SAMPLERS", "VARIANCES", "RespacedDiffusion", "diffusion_loss", "make_scheduler",
@@ -28,18 +28,11 @@ VARIANCES = ("fixed_large", "fixed_small")  # of models without a learned varian
 GUIDED_CHANNELS = 3  # the official forward_with_cfg guides model_out[:, :3] (its comment: for reproducibility)
 
 
-def make_scheduler(kind: str = "ddpm", train_timesteps: int = 1000, beta_start: float = 1e-4,
-                   beta_end: float = 0.02, learn_sigma: bool = True, clip_sample: bool = False):
-    """The DiT's schedule (linear betas) as a diffusers scheduler, whose noise the training loss adds; ``ddpm``
-    takes the learned-range variance. Sampling does not step it (:func:`sample`)."""
-    common = dict(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
-                  beta_schedule="linear", clip_sample=clip_sample, prediction_type="epsilon")
-    if kind == "ddpm":  # respaced steps spread over 0..T-1 with rounding, as the official sampler's
-        return DDPMScheduler(**common, variance_type="learned_range" if learn_sigma else "fixed_small",
-                             timestep_spacing="linspace")
-    if kind == "ddim":
-        return DDIMScheduler(**common, set_alpha_to_one=False)
-    raise ValueError(f"unknown sampler {kind!r} (known: {', '.join(SAMPLERS)})")
+def make_scheduler(train_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> DDPMScheduler:
+    """The DiT's schedule (linear betas) as a diffusers scheduler, whose ``add_noise`` and ``config`` the training
+    loss uses. Sampling does not step it (:func:`sample`: diffusers' samplers are not the official ones)."""
+    return DDPMScheduler(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
+                         beta_schedule="linear", prediction_type="epsilon")
 
 
 def _at(values: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

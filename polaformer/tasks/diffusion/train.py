@@ -82,7 +82,7 @@ def build_model(cfg: Config, num_classes: int, input_size: int, in_channels: int
 
 def _scheduler(cfg: Config):
     d = cfg.diffusion
-    return make_scheduler("ddpm", d.train_timesteps, d.beta_start, d.beta_end, cfg.model.learn_sigma)
+    return make_scheduler(d.train_timesteps, d.beta_start, d.beta_end)
 
 
 class DiffusionTask(Task):
