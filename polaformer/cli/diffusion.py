@@ -61,6 +61,11 @@ def _sampling_flags(parser) -> None:
     parser.add_argument("--sampler", help="ddpm or ddim (default: the checkpoint's sample.sampler)")
     parser.add_argument("--steps", type=positive_int, help="sampling steps (default: sample.steps)")
     parser.add_argument("--cfg-scale", type=float, help="classifier-free guidance (1: none; default: sample.cfg_scale)")
+    parser.add_argument("--guide-all-channels", action="store_true", default=None,
+                        help="guide every ε channel (default: the official first three output channels)")
+    parser.add_argument("--variance", choices=("fixed_large", "fixed_small"),
+                        help="variance of a model without a learned one (default: sample.variance, the official "
+                             "fixed_large)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
 
@@ -98,7 +103,8 @@ def _generate(args, loaded):
     check_sample_request(model, len(classes) * args.per_class, resolve_device(args.device))  # before the labels
     labels = torch.tensor(classes).repeat_interleave(args.per_class)
     images = generate(model, cfg, labels, vae, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg_scale,
-                      seed=args.seed, device=args.device)
+                      variance=args.variance, guide_all_channels=args.guide_all_channels, seed=args.seed,
+                      device=args.device)
     return images, labels, cfg
 
 

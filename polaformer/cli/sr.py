@@ -58,9 +58,14 @@ def _add_weights(parser) -> None:
     weights = parser.add_mutually_exclusive_group(required=True)
     weights.add_argument("--checkpoint", metavar="FILE", help="a checkpoint of 'polaformer sr train'")
     weights.add_argument("--official", metavar="FILE",
-                         help="the authors' basicsr file (params_ema/params) or a state dict; needs --scale")
+                         help="the authors' basicsr file or a state dict; needs --scale")
     parser.add_argument("--scale", type=positive_int, help="the scale of --official (checked against --checkpoint)")
-    parser.add_argument("--tile", type=positive_int, help="LR tile side of tiled inference (eval.tile)")
+    parser.add_argument("--param-key", default="params", metavar="KEY",
+                        help="the entry of --official to load (default: params, what the official test configs "
+                             "load; params_ema for the EMA weights)")
+    parser.add_argument("--tile", type=positive_int,
+                        help="tiled inference with LR tiles of this side (eval.mode tile, eval.tile; default: the "
+                             "official test's partition of images of 200 pixels and more)")
     parser.add_argument("--overlap", type=int, help="LR pixels shared by neighbouring tiles (eval.overlap)")
 
 
@@ -70,13 +75,14 @@ def _model(args: argparse.Namespace):
 
     if args.official and args.scale is None:
         raise ConfigError("--official needs --scale (2, 3 or 4 for the authors' lightSR models)")
-    model, cfg = load_sr_model(args.checkpoint or args.official, official_scale=args.scale if args.official else None)
+    model, cfg = load_sr_model(args.checkpoint or args.official, official_scale=args.scale if args.official else None,
+                               param_key=args.param_key)
     if args.checkpoint and args.scale is not None and args.scale != cfg.model.scale:
         raise ConfigError(f"scale mismatch: {args.checkpoint} is a x{cfg.model.scale} model, --scale asks for "
                           f"x{args.scale}")
     for flag, key in (("tile", "tile"), ("overlap", "overlap")):
         if getattr(args, flag) is not None:
-            cfg.eval.merge({key: getattr(args, flag)}, source="the command line")
+            cfg.eval.merge({key: getattr(args, flag), "mode": "tile"}, source="the command line")
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
         raise ConfigError(f"--overlap must be in [0, tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
     return model, cfg

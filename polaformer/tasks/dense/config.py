@@ -5,6 +5,12 @@ A recipe has sections ``model``, ``data`` and ``train`` (and ``task``, which mus
 defaults are the embedded CPU recipes measured in docs/dense.md (150 Mask R-CNN steps, 300 Semantic FPN
 steps); the files in configs/dense/ are the papers' schedules. Unknown keys and wrong types are an error,
 so a typo never silently keeps a default.
+
+``train.no_decay_keys``: empty, weight decay spares norms, biases and position tables; otherwise exactly the
+parameters whose name holds one of the keys (mmcv's ``paramwise_cfg.custom_keys`` with ``decay_mult=0``).
+``data.test_scale`` (segmentation): ADE20K-layout images are scored as mmseg's test pipeline, rescaled within
+``[long, short]`` keeping their ratio, then to a multiple of 32, the logits resized back; ``[]`` scores them
+at their own size. Digit scenes are scored at their own size.
 """
 from __future__ import annotations
 
@@ -32,7 +38,7 @@ DEFAULTS = {
         "train": {
             "steps": None, "epochs": 1.5, "lr": 2e-4, "weight_decay": 0.05, "warmup_steps": 50, "policy": "step",
             "milestones": [0.75], "gamma": 0.1, "power": 1.0, "clip_grad": None, "eval_every": None,
-            "save_every": 50, "seed": 0,
+            "save_every": 50, "seed": 0, "no_decay_keys": [],
         },
     },
     "segment": {
@@ -42,12 +48,12 @@ DEFAULTS = {
         },
         "data": {
             "format": "digits", "root": None, "num_classes": 150, "reduce_zero_label": True, "crop_size": 512,
-            "train_size": 800, "val_size": 100, "batch_size": 8, "workers": 0,
+            "test_scale": [2048, 512], "train_size": 800, "val_size": 100, "batch_size": 8, "workers": 0,
         },
         "train": {
             "steps": None, "epochs": 3, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
             "milestones": [], "gamma": 0.1, "power": 0.9, "clip_grad": None, "eval_every": None, "save_every": 50,
-            "seed": 0, "head_lr_mult": 1.0,
+            "seed": 0, "head_lr_mult": 1.0, "no_decay_keys": [],
         },
     },
 }
@@ -102,7 +108,13 @@ def check_recipe(cfg: Config) -> None:
     if "crop_size" in data and data.format == "ade":  # each image is padded to the crop: a batch that cannot fit
         check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
                            what=f"a batch of data.crop_size {data.crop_size} crops")
+    if not all(isinstance(key, str) and key for key in cfg.train.no_decay_keys):
+        raise ConfigError(f"train.no_decay_keys must be a list of parameter-name parts, got {cfg.train.no_decay_keys!r}")
     if cfg.task == "segment":
+        scale = data.test_scale
+        if scale and not (len(scale) == 2 and all(isinstance(side, int) and not isinstance(side, bool) and side > 0
+                                                  for side in scale)):
+            raise ConfigError(f"data.test_scale must be [long, short] in pixels or [], got {list(scale)!r}")
         channels = cfg.model.decoder_channels
         if cfg.model.decoder == "lightham" and channels % 32:
             raise ConfigError(f"model.decoder_channels must be a positive multiple of 32 for lightham (GroupNorm(32)), "

@@ -1,8 +1,10 @@
 """What ``polaformer detect`` and ``polaformer segment`` do: data from a recipe, train, evaluate, predict.
 
 Training is a task of the one engine (:mod:`polaformer.engine.loop`): AdamW with no weight decay
-on norms, biases and position tables (as the papers' mmdet/mmseg recipes), linear warm-up, then
-step decay (detection: x0.1 at the milestones) or polynomial decay (segmentation). The engine
+on norms, biases and position tables, or, where a recipe names ``train.no_decay_keys``, on exactly the
+parameters whose name holds one of them (mmcv's ``custom_keys``, as the official LightHam configs), linear
+warm-up, then step decay (detection: x0.1 at the milestones) or polynomial decay (segmentation). ADE20K-layout
+data is scored at mmseg's test scale (``data.test_scale``). The engine
 writes ``last.pth`` every ``save_every`` steps and at each evaluation, ``best.pth`` by the key
 metric (box AP, mIoU), and resumes exactly (``--resume``).
 """
@@ -24,6 +26,7 @@ from ...engine.device import place_model, resolve_device
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import param_groups, unwrap
 from ...engine.output import claim_outputs, distinct_names, write_image
+from .config import DEFAULTS
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss
@@ -69,6 +72,25 @@ def segmentation_data(data: dict, *, train: bool = True):
         val = AdeSegmentation(data["root"], "validation", **kwargs)
         return train, val, data["num_classes"], val.classes
     raise ConfigError(f"segmentation data.format must be 'digits' or 'ade', got {data['format']!r}")
+
+
+def _test_scale(data: dict):
+    """The scale ADE20K-layout validation images are rescaled within (mmseg's test pipeline); none for the
+    digit scenes."""
+    if data["format"] != "ade":
+        return ()
+    return tuple(data.get("test_scale", DEFAULTS["segment"]["data"]["test_scale"]))  # recipes older than the key
+
+
+def _decay_groups(model: nn.Module, weight_decay: float, no_decay_keys) -> list[dict]:
+    """With weight decay, then without: norms, biases and position tables, or the names holding a key."""
+    if not no_decay_keys:
+        return param_groups(model, weight_decay, NO_DECAY_NAMES)
+    decay, no_decay = [], []
+    for name, param in unwrap(model).named_parameters():
+        if param.requires_grad:
+            (no_decay if any(key in name for key in no_decay_keys) else decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _build(task: str, recipe: dict, num_classes: int, *, load_weights: bool = True):
@@ -154,7 +176,7 @@ class DenseTask(Task):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         wd = self.schedule.weight_decay
-        groups = param_groups(model, wd, NO_DECAY_NAMES)
+        groups = _decay_groups(model, wd, self.recipe["train"].get("no_decay_keys"))
         head_mult = self.recipe["train"].get("head_lr_mult", 1.0)
         if head_mult != 1.0:  # mmseg's paramwise 'head' lr_mult: the decoder learns faster than the encoder
             encoder = {id(p) for n, p in unwrap(model).named_parameters() if n.startswith("net.encoder.")}
@@ -173,7 +195,7 @@ class DenseTask(Task):
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
         if self.name == "detect":
             return evaluate_detector(model, self.val_loader, self.coco_gt, self.category_ids)
-        return evaluate_segmenter(model, self.val_loader, self.num_classes)
+        return evaluate_segmenter(model, self.val_loader, self.num_classes, _test_scale(self.recipe["data"]))
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         return {"step": engine.num_updates, "train_loss": train["loss"], "lr": train["lr"], **results["model"]}
@@ -229,7 +251,7 @@ def evaluate_checkpoint(task: str, path: str, data_overrides: dict | None = None
     _, val_set, num_classes, _ = segmentation_data(data, train=False)
     if num_classes != config["num_classes"]:
         raise ConfigError(f"the data has {num_classes} classes, the checkpoint {config['num_classes']}")
-    return evaluate_segmenter(model, DataLoader(val_set, **loader_kwargs), num_classes)
+    return evaluate_segmenter(model, DataLoader(val_set, **loader_kwargs), num_classes, _test_scale(data))
 
 
 def predict_images(path: str, images: list[str], out_dir: Path, *, score_threshold: float = 0.5,

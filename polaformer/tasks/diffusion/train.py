@@ -25,7 +25,7 @@ from ...engine.device import resolve_device
 from ...engine.limits import check_batch_memory
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
-from .gaussian import SAMPLERS, diffusion_loss, make_scheduler, sample
+from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
 __all__ = ["RULES", "DiffusionTask", "check_diffusion_config", "check_sample_request", "diffusion_config", "generate",
            "load_diffusion_model", "train_diffusion"]
@@ -61,7 +61,10 @@ def diffusion_config(path=None, opts=(), overrides=None) -> Config:
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
         "train": {"steps": 2000, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.0, "ema_decay": 0.999,
                   "clip_grad_norm": 1.0, "eval_every": 500, "eval_samples": 256, "seed": 0, "num_workers": 0},
-        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0},
+        # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
+        # the official first three output channels
+        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",
+                   "guide_all_channels": False},
     })
     cfg = configure(cfg, path, opts, overrides)
     check_diffusion_config(cfg)
@@ -83,6 +86,8 @@ def check_diffusion_config(cfg: Config) -> None:
                           f"got {cfg.model.attention!r}")
     if cfg.sample.sampler not in SAMPLERS:
         raise ConfigError(f"sample.sampler must be one of {', '.join(SAMPLERS)}, got {cfg.sample.sampler!r}")
+    if cfg.sample.variance not in VARIANCES:
+        raise ConfigError(f"sample.variance must be one of {', '.join(VARIANCES)}, got {cfg.sample.variance!r}")
     if cfg.data.latent and not cfg.data.vae:
         raise ConfigError("latent mode needs a local AutoencoderKL folder: set data.vae")
 
@@ -111,7 +116,7 @@ def build_model(cfg: Config, num_classes: int, input_size: int, in_channels: int
 
 def _scheduler(cfg: Config):
     d = cfg.diffusion
-    return make_scheduler("ddpm", d.train_timesteps, d.beta_start, d.beta_end, cfg.model.learn_sigma)
+    return make_scheduler(d.train_timesteps, d.beta_start, d.beta_end)
 
 
 class DiffusionTask(Task):
@@ -239,12 +244,14 @@ def check_sample_request(model: nn.Module, count: int, device="cpu") -> None:
 
 @torch.no_grad()
 def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, sampler: str | None = None,
-             steps: int | None = None, cfg_scale: float | None = None, seed: int = 0, batch_size: int = 256,
+             steps: int | None = None, cfg_scale: float | None = None, variance: str | None = None,
+             guide_all_channels: bool | None = None, seed: int = 0, batch_size: int = 256,
              device="cpu") -> torch.Tensor:
     """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample`` (given ones are
     checked against the same ranges, :data:`RULES`)."""
     s = cfg.sample.clone().defrost()
-    for key, value in (("sampler", sampler), ("steps", steps), ("cfg_scale", cfg_scale)):
+    for key, value in (("sampler", sampler), ("steps", steps), ("cfg_scale", cfg_scale), ("variance", variance),
+                       ("guide_all_channels", guide_all_channels)):
         if value is not None:
             s.merge({key: value}, source="the sampling options")
     for key in ("steps", "cfg_scale"):
@@ -253,6 +260,7 @@ def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, s
     device = resolve_device(device)
     check_sample_request(model, len(labels), device)
     sampler, steps, cfg_scale = s.sampler, s.steps, s.cfg_scale
+    variance, guide_all_channels = s.variance, s.guide_all_channels
     model = model.to(device)
     generator = torch.Generator().manual_seed(seed)
     shape = (model.in_channels, model.input_size, model.input_size)
@@ -260,10 +268,10 @@ def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, s
     progress = tqdm(total=len(labels) * steps, desc="sampling", unit="step", disable=None, leave=False)
     for part in labels.split(batch_size):
         try:
-            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale,
-                         clip_sample=vae is None, train_timesteps=cfg.diffusion.train_timesteps,
-                         beta_start=cfg.diffusion.beta_start, beta_end=cfg.diffusion.beta_end, generator=generator,
-                         device=device)
+            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale, variance=variance,
+                         guide_all_channels=guide_all_channels, clip_sample=vae is None,
+                         train_timesteps=cfg.diffusion.train_timesteps, beta_start=cfg.diffusion.beta_start,
+                         beta_end=cfg.diffusion.beta_end, generator=generator, device=device)
         except ValueError as e:  # a sampler setting the model or schedule cannot take, before any step ran
             raise ConfigError(str(e)) from None
         if vae is not None:

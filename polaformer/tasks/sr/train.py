@@ -1,10 +1,12 @@
 """Training and evaluation of the PaCS super-resolution model as a step-based task of the one engine
 (:mod:`polaformer.engine.loop`), with the official lightSR recipe as defaults: random aligned HR patches of 192
 pixels, L1 loss, Adam (2e-4, betas 0.9/0.99), the learning rate halved at 50/80/90/95 % of the steps. Every
-``eval_every`` steps the validation PSNR-Y/SSIM-Y (border = scale; tiled inference), ``best.pth`` (highest PSNR-Y)
-and ``last.pth``; ``metrics.json`` also holds bicubic upsampling's scores on the same images."""
+``eval_every`` steps the validation PSNR-Y/SSIM-Y (border = scale; the official test's partition of large
+images, or tiled inference with ``eval.mode tile``), ``best.pth`` (highest PSNR-Y) and ``last.pth``;
+``metrics.json`` also holds bicubic upsampling's scores on the same images."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
@@ -18,17 +20,21 @@ from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, Confi
                               fraction)
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
-from ...models.pola_sr import PolaSR, tiled_upscale
+from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
 
-__all__ = ["RULES", "SRTask", "bicubic_upscale", "build_sr_model", "check_sr_config", "evaluate_sr", "load_sr_model",
-           "model_upscaler", "sr_config", "sr_pairs", "train_sr"]
+__all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upscale", "build_sr_model", "check_sr_config",
+           "evaluate_sr", "load_sr_model", "model_upscaler", "official_state_dict", "sr_config", "sr_pairs", "train_sr"]
+
+log = logging.getLogger(__name__)
 
 LAST, BEST = "last.pth", "best.pth"
 PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
-# basicsr's checkpoint entries, EMA first
-OFFICIAL_ENTRIES = ("params_ema", "params")
+# basicsr's path.param_key_g: what the official test configs load (training also writes params_ema)
+OFFICIAL_PARAM_KEY = "params"
+# chop: the official test's partition of large images (MambaIRv2LightModel.test); tile: ours, tiles averaged
+EVAL_MODES = ("chop", "tile")
 # the range of every numeric setting (engine/config.py checks them, naming the key)
 RULES = {
     "model.scale": POSITIVE_INT, "model.embed_dim": POSITIVE_INT, "model.depths": POSITIVE_INT,
@@ -51,7 +57,8 @@ def sr_config(path=None, opts=(), overrides=None) -> Config:
                  "repeats": 100},
         "train": {"steps": 500000, "batch_size": 16, "lr": 2e-4, "milestones": [0.5, 0.8, 0.9, 0.95],
                   "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0},
-        "eval": {"tile": 192, "overlap": 16},
+        # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
+        "eval": {"mode": "chop", "tile": 192, "overlap": 16},
     })
     cfg = configure(cfg, path, opts, overrides)
     check_sr_config(cfg)
@@ -59,8 +66,10 @@ def sr_config(path=None, opts=(), overrides=None) -> Config:
 
 
 def check_sr_config(cfg: Config) -> None:
-    """Every setting in its range (:data:`RULES`), tiles that overlap less than their side."""
+    """Every setting in its range (:data:`RULES`), a known evaluation mode, tiles that overlap less than their side."""
     check_settings(cfg, RULES)
+    if cfg.eval.mode not in EVAL_MODES:
+        raise ConfigError(f"eval.mode must be one of {', '.join(EVAL_MODES)}, got {cfg.eval.mode!r}")
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
         raise ConfigError(f"eval.overlap must be in [0, eval.tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
 
@@ -102,21 +111,27 @@ def evaluate_sr(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> di
 
 
 def model_upscaler(model: nn.Module, cfg: Config, progress: bool = False):
-    """``model`` run tile by tile as the configuration's ``eval`` section says; ``progress``: a bar of tiles on a
-    terminal (a photo takes minutes on a CPU). An output larger than the memory available is refused first."""
-    scale, tile, overlap = cfg.model.scale, cfg.eval.tile, cfg.eval.overlap
+    """``model`` run on whole images as the configuration's ``eval`` section says: the official test's partition
+    (``chop``) or tile by tile (``tile``); ``progress``: a bar of model calls on a terminal (a photo takes minutes
+    on a CPU). An output larger than the memory available is refused first."""
+    e, scale = cfg.eval, cfg.model.scale
+
+    def run(lr):
+        if e.mode == "tile":
+            return tiled_upscale(model, lr, scale, tile=e.tile, overlap=e.overlap)
+        return chop_upscale(model, lr, scale)
 
     def upscale(lr):
         b, c, h, w = lr.shape
-        # the tiled sum, its count and their quotient: 2C + 1 float planes of the output's size
+        # at most the tiled sum, its count and their quotient: 2C + 1 float planes of the output's size
         check_allocation(f"the x{scale} output of a {w}x{h} image ({b} x {c} x {h * scale} x {w * scale})",
                          4 * b * (2 * c + 1) * h * scale * w * scale, lr.device, ConfigError, "upscale a smaller image")
         if not progress:
-            return tiled_upscale(model, lr, scale, tile=tile, overlap=overlap)
-        with tqdm(desc=f"upscaling {w}x{h}", unit="tile", leave=False, disable=None) as bar:
-            handle = model.register_forward_hook(lambda *_: bar.update())  # one call per tile
+            return run(lr)
+        with tqdm(desc=f"upscaling {w}x{h}", unit="call", leave=False, disable=None) as bar:
+            handle = model.register_forward_hook(lambda *_: bar.update())  # one call per tile or piece
             try:
-                return tiled_upscale(model, lr, scale, tile=tile, overlap=overlap)
+                return run(lr)
             finally:
                 handle.remove()
 
@@ -200,9 +215,32 @@ def train_sr(cfg: Config, output, *, resume=None, overwrite: bool = False, devic
     return train(SRTask(cfg), settings)
 
 
-def load_sr_model(path, *, official_scale: int | None = None) -> tuple[PolaSR, Config]:
+def official_state_dict(checkpoint, path, param_key: str = OFFICIAL_PARAM_KEY) -> dict:
+    """The weights basicsr's ``load_network`` takes from a file: its ``param_key`` entry (``params`` when that is
+    missing, as there), with a leading ``module.`` (a DDP model's) stripped; a plain state dict as it is."""
+    if not isinstance(checkpoint, dict):
+        raise CorruptCheckpointError(path, "expected a state dict or basicsr's dict of them")
+    if param_key not in checkpoint and OFFICIAL_PARAM_KEY in checkpoint:
+        log.warning("%s has no %r entry: loading %r, as basicsr does", path, param_key, OFFICIAL_PARAM_KEY)
+        param_key = OFFICIAL_PARAM_KEY
+    if param_key in checkpoint:
+        state_dict = checkpoint[param_key]
+    elif checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        state_dict = checkpoint
+    else:
+        held = ", ".join(sorted(map(str, checkpoint))) or "nothing"
+        raise CorruptCheckpointError(path, f"no {param_key!r} entry (it holds {held}); name the entry to load "
+                                           f"with --param-key")
+    if not isinstance(state_dict, dict):
+        raise CorruptCheckpointError(path, f"its {param_key!r} entry is not a state dict")
+    return {k.removeprefix("module."): v for k, v in state_dict.items()}
+
+
+def load_sr_model(path, *, official_scale: int | None = None,
+                  param_key: str = OFFICIAL_PARAM_KEY) -> tuple[PolaSR, Config]:
     """The model in a checkpoint of :func:`train_sr`, or, with ``official_scale``, the official lightSR model of
-    that scale loaded from the authors' basicsr file (``params_ema`` or ``params``) or a plain state dict."""
+    that scale loaded from the authors' basicsr file (:func:`official_state_dict`: ``params`` unless
+    ``param_key`` names another entry, such as ``params_ema``) or a plain state dict."""
     if official_scale is None:
         checkpoint = read_task_checkpoint(path, SRTask.name)
         try:
@@ -214,11 +252,7 @@ def load_sr_model(path, *, official_scale: int | None = None) -> tuple[PolaSR, C
         state_dict = checkpoint["model"]
     else:
         cfg = sr_config(opts=["model.scale", str(official_scale)])
-        checkpoint = read_checkpoint(path)
-        entry = next((k for k in OFFICIAL_ENTRIES if isinstance(checkpoint, dict) and k in checkpoint), None)
-        state_dict = checkpoint[entry] if entry else checkpoint
-        if not isinstance(state_dict, dict):
-            raise CorruptCheckpointError(path, f"expected a state dict or a dict with {' or '.join(OFFICIAL_ENTRIES)}")
+        state_dict = official_state_dict(read_checkpoint(path), path, param_key)
     model = build_sr_model(cfg)
     load_task_weights(model, state_dict, path)
     return model.eval(), cfg
