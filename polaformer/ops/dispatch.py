@@ -77,6 +77,10 @@ def capturing() -> bool:
 def exporting() -> bool:
     """True while a graph is captured for another runtime (torch.export, ONNX, TorchScript, FX symbolic
     tracing): these keep the plain torch formulation, which every runtime can run."""
+    if torch.compiler.is_compiling():
+        # under dynamo only torch.export can be exporting; the other checks need not be traced (torch 2.11's
+        # dynamo breaks the graph on some of them)
+        return torch.compiler.is_exporting()
     return (
         torch.compiler.is_exporting()
         or torch.onnx.is_in_onnx_export()
