@@ -4,7 +4,12 @@
 weights (the authors' released checkpoints included) into a model without running code
 from the file; :func:`accelerate` swaps a model's modules for their fused CPU versions.
 """
-from ._startup import interrupt_exits, is_command_line
+import sys
+
+from ._startup import interrupt_exits, is_command_line, prepare_environment
+
+if is_command_line():  # before torch (which imports triton) is imported below
+    prepare_environment(sys.argv[1:])
 
 with interrupt_exits(is_command_line()):  # these imports take seconds: Ctrl-C during them is one line
     from .backends.cpu.accelerate import accelerate

@@ -19,6 +19,16 @@ def is_command_line() -> bool:
     return first == "-m" or os.path.basename(first) == "polaformer"
 
 
+def prepare_environment(argv: list[str]) -> None:
+    """What must be in the environment before torch is imported. ``bench gpu --smoke`` runs the Triton kernels in
+    Triton's interpreter, which triton reads when it is imported (torch imports it), so the command sets
+    ``TRITON_INTERPRET=1`` here, called by the package's ``__init__`` before it imports torch; a value the user
+    set is kept."""
+    words = [word for word in argv if not word.startswith("-")]
+    if words[:2] == ["bench", "gpu"] and "--smoke" in argv:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @contextmanager
 def interrupt_exits(command: bool):
     """Inside, Ctrl-C ends the process with status 130 and one line when ``command``; else it propagates."""

@@ -8,6 +8,10 @@
 - our own training checkpoints (:mod:`polaformer.engine.checkpoint`) and timm's;
 - plain state dicts, pickled or in ``.safetensors`` files.
 
+Every file is opened through :func:`polaformer.files.open_regular` (a FIFO or a device is refused, not
+waited on; a file larger than the memory available is refused before it is read). Our own checkpoints
+carry a SHA-256 of their tensors (:data:`CHECKSUM_KEY`, written by :func:`with_checksum`), checked on every
+load: a file changed or damaged after it was written is refused instead of evaluated.
 Every ``.pth`` file goes through ``torch.load(weights_only=True)``: tensors and plain containers
 only. The one foreign object the official files hold, their yacs ``CfgNode`` configuration, is read
 as plain data through a stand-in allow-listed for the duration of the call (yacs itself is never
@@ -22,6 +26,7 @@ Errors are single lines, and the training engine raises the same classes.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import logging
 import os
 import pickle
@@ -38,6 +43,8 @@ import safetensors.torch
 import torch
 from torch import nn
 
+from .files import UnreadableFileError, open_regular
+
 __all__ = [
     "ArchitectureMismatchError",
     "CheckpointError",
@@ -50,6 +57,7 @@ __all__ = [
     "WriteError",
     "atomic_write",
     "build_model_with_cfg",
+    "CHECKSUM_KEY",
     "check_weight_values",
     "compare_state_dicts",
     "load_checkpoint",
@@ -57,6 +65,8 @@ __all__ = [
     "read_checkpoint",
     "select_weights",
     "strip_wrapper_prefixes",
+    "tensor_digest",
+    "with_checksum",
 ]
 
 _logger = logging.getLogger(__name__)
@@ -126,9 +136,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
         f = open(tmp, "xb")
     except OSError as e:
         raise WriteError(path, e) from e
+    recording = _RecordingFile(f)
     try:
         with f:
-            write(f)
+            write(recording)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -136,9 +147,29 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
         tmp.unlink(missing_ok=True)
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             raise WriteError(path, e) from e
+        if recording.error is not None and isinstance(e, Exception):  # a writer turned it into its own error
+            raise WriteError(path, recording.error) from e
         raise
     _fsync_dir(path.parent)
     return path
+
+
+class _RecordingFile:
+    """The temporary file, remembering a failed write: torch's zip writer reports a full disk met after its
+    first record as ``RuntimeError: ... unexpected pos``, and the reason would be lost."""
+
+    def __init__(self, f: BinaryIO):
+        self._file, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
 
 
 def _fsync_dir(folder: Path) -> None:
@@ -186,28 +217,79 @@ def official_checkpoint_globals() -> Iterator[None]:
         yield
 
 
+# --- checksums ---------------------------------------------------------------------------------
+
+CHECKSUM_KEY = "tensor_sha256"  # our checkpoints' entry: the SHA-256 of every tensor (name, dtype, shape, bytes)
+
+
+def tensor_digest(checkpoint: Mapping) -> str:
+    """SHA-256 over every tensor of ``checkpoint`` (its :data:`CHECKSUM_KEY` entry left out), each with its path
+    of keys, dtype and shape, in the order the file holds them (pickling keeps a dict's order)."""
+    digest = hashlib.sha256()
+
+    def visit(prefix: str, value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            tensor = value.detach().cpu().contiguous().reshape(-1)
+            digest.update(f"{prefix}|{tensor.dtype}|{tuple(value.shape)}\0".encode())
+            digest.update(tensor.view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        elif isinstance(value, Mapping):
+            for key, item in value.items():
+                if not (prefix == "" and key == CHECKSUM_KEY):
+                    visit(f"{prefix}/{key}", item)
+        elif isinstance(value, (list, tuple)):
+            for index, item in enumerate(value):
+                visit(f"{prefix}/{index}", item)
+
+    visit("", checkpoint)
+    return digest.hexdigest()
+
+
+def with_checksum(checkpoint: dict) -> dict:
+    """``checkpoint`` with the digest of its tensors under :data:`CHECKSUM_KEY` (checked by :func:`read_checkpoint`)."""
+    return {**checkpoint, CHECKSUM_KEY: tensor_digest(checkpoint)}
+
+
+def _verify_checksum(checkpoint: Any, path: Path) -> None:
+    if isinstance(checkpoint, Mapping) and CHECKSUM_KEY in checkpoint:
+        if checkpoint[CHECKSUM_KEY] != tensor_digest(checkpoint):
+            raise CorruptCheckpointError(path, "its tensors do not match the checksum saved with them: the file was "
+                                               "changed or damaged after it was written")
+
+
 def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = "cpu") -> Any:
     """Return the object stored in ``path`` (a ``.safetensors`` file or a ``torch.save`` file).
 
-    Raises :class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError`, or its subclass
-    :class:`UnsafeCheckpointError` when the file names code that loading would run.
+    Raises :class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError` (also for what is not a regular
+    file, a file larger than the memory available, and a checkpoint of ours whose tensors no longer match their
+    checksum), or its subclass :class:`UnsafeCheckpointError` when the file names code that loading would run.
     """
+    from .engine.limits import available_memory  # the engine imports this module
+
     path = Path(path)
-    if not path.exists():
-        raise CheckpointNotFoundError(path)
-    if path.is_file() and path.stat().st_size == 0:
-        raise CorruptCheckpointError(path, "empty file")
     try:
-        if path.suffix == ".safetensors":
-            return safetensors.torch.load_file(path, device=str(map_location))
-        with official_checkpoint_globals():
-            return torch.load(path, map_location=map_location, weights_only=True)
-    except Exception as e:  # torch raises many types here (RuntimeError, UnpicklingError, EOFError, ...)
-        # The weights-only unpickler's refusal names the code: "... GLOBAL posix.system ...".
-        code = re.search(r"\bGLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
-        if code:
-            raise UnsafeCheckpointError(path, code.group(1)) from e
-        raise CorruptCheckpointError(path, _reason(e)) from e
+        f = open_regular(path, available_memory("cpu"))
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(path) from None
+    except UnreadableFileError as e:
+        raise CorruptCheckpointError(path, e.reason) from None
+    with f:
+        if os.fstat(f.fileno()).st_size == 0:
+            raise CorruptCheckpointError(path, "empty file")
+        try:
+            if path.suffix == ".safetensors":
+                checkpoint = safetensors.torch.load(f.read())
+                checkpoint = {key: value.to(map_location) for key, value in checkpoint.items()}
+            else:
+                with official_checkpoint_globals():
+                    checkpoint = torch.load(f, map_location=map_location, weights_only=True)
+        except Exception as e:  # torch raises many types here (RuntimeError, UnpicklingError, EOFError, ...)
+            # The weights-only unpickler's refusal names the code: "... GLOBAL posix.system ...".
+            code = re.search(r"\bGLOBAL (\S+)", str(e)) if isinstance(e, pickle.UnpicklingError) else None
+            if code:
+                raise UnsafeCheckpointError(path, code.group(1)) from e
+            raise CorruptCheckpointError(path, _reason(e)) from e
+    _verify_checksum(checkpoint, path)
+    return checkpoint
 
 
 def _reason(error: Exception) -> str:

@@ -254,6 +254,12 @@ def export_onnx(
     _require_onnx()
     if batch_size < 1:
         raise ExportError(f"batch size must be >= 1, got {batch_size}")
+    if opset is not None:
+        import onnx.defs
+
+        newest = onnx.defs.onnx_opset_version()  # before exporting: onnx's converter fails with a traceback
+        if isinstance(opset, bool) or not isinstance(opset, int) or not 1 <= opset <= newest:
+            raise ExportError(f"opset must be in 1..{newest} (the installed onnx's), got {opset!r}")
     if not atol >= 0:
         raise ExportError(f"tolerance must be >= 0, got {atol}")
     path = Path(path)

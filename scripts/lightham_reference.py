@@ -6,11 +6,16 @@ beside small stand-ins for the mmcv/mmseg names it imports (mmcv's ``ConvModule`
 norm named by its abbreviation, ``gn``; mmseg's ``BaseDecodeHead``: ``conv_seg`` and ``Dropout2d``), and writes
 
 - ``lightham_manifest.json``: state_dict keys and shapes of the head in the official configs
-  ``configs/PolaPP/polapp_b{1,2,3}.py`` (150 classes);
+  ``configs/PolaPP/polapp_b{1,2,3}.py`` (150 classes), and the recipe those configs, their ``_base_`` files and
+  the README's / run.sh's launch lines state (images per GPU, GPUs, optimizer, parameter-wise keys, schedule,
+  the ADE20K test pipeline's scale and divisor);
 - ``lightham_tiny.safetensors``: a float64 head on a tiny config, its weights, inputs, NMF bases and outputs
   (eval mode, and train mode with the dropout removed), the config in the metadata.
 
     python scripts/lightham_reference.py [--mirror DIR] [--out tests/data]
+
+Last run on ZacharyMeng/PolaFormerPP fd26f5e1c1bcc3210f4d583294ebf9a4d01d62dc (the commit is written into the
+manifest).
 """
 from __future__ import annotations
 
@@ -18,6 +23,8 @@ import argparse
 import contextlib
 import io
 import json
+import re
+import runpy
 import subprocess
 import sys
 import tempfile
@@ -29,6 +36,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 HEAD = "downstream/segmentation/mmseg/models/decode_heads/ham_head.py"
+SEGMENTATION = "downstream/segmentation"
 # in_channels of the decode head in the official configs (stages 2-4 of PolaPP b1/b2/b3)
 CONFIGS = {"POLA_b1": [64, 192, 384], "POLA_b2": [128, 256, 512], "POLA_b3": [128, 320, 512]}
 TINY = dict(in_channels=[4, 8, 8], channels=32, ham_channels=32, rank=4, num_classes=3, batch=2, size=8)
@@ -103,6 +111,44 @@ def import_official(mirror: Path, folder: Path):
     return ham_head
 
 
+def _show(mirror: Path, path: str) -> str:
+    return subprocess.run(["git", "-C", str(mirror), "show", f"HEAD:{path}"], check=True, capture_output=True,
+                          text=True).stdout
+
+
+def _config(mirror: Path, path: str, folder: Path) -> dict:
+    """The variables of an official config file (dict literals; its ``_base_`` files are read apart)."""
+    file = folder / Path(path).name
+    file.write_text(_show(mirror, path))
+    return runpy.run_path(str(file))
+
+
+def official_recipe(mirror: Path, name: str, folder: Path) -> dict:
+    """What ``configs/PolaPP/polapp_bN.py``, its ``_base_`` files and the launch lines of the README and run.sh
+    say about training and evaluating the LightHam segmenter."""
+    number = name.removeprefix("POLA_b")
+    config = _config(mirror, f"{SEGMENTATION}/configs/PolaPP/polapp_b{number}.py", folder)
+    schedule = _config(mirror, f"{SEGMENTATION}/configs/_base_/schedules/schedule_160k_adamw.py", folder)
+    dataset = _config(mirror, f"{SEGMENTATION}/configs/_base_/datasets/ade20k_repeat.py", folder)
+    launches = set()
+    for path in (f"{SEGMENTATION}/README.md", f"{SEGMENTATION}/run.sh"):
+        launches |= {int(gpus) for gpus in re.findall(rf"dist_train\.sh configs/PolaPP/polapp_b{number}\.py (\d+)",
+                                                      _show(mirror, path))}
+    (gpus,) = launches  # one GPU count, stated alike everywhere
+    keys = config["optimizer"]["paramwise_cfg"]["custom_keys"]
+    flip_aug = next(step for step in dataset["test_pipeline"] if step["type"] == "MultiScaleFlipAug")
+    multiple = next(step for step in flip_aug["transforms"] if step["type"] == "ResizeToMultiple")
+    return {
+        "images_per_gpu": config["data"]["samples_per_gpu"], "gpus": gpus,
+        "lr": config["optimizer"]["lr"], "weight_decay": config["optimizer"]["weight_decay"],
+        "no_decay_keys": sorted(k for k, v in keys.items() if v.get("decay_mult") == 0),
+        "head_lr_mult": keys["head"]["lr_mult"], "warmup_iters": config["lr_config"]["warmup_iters"],
+        "power": config["lr_config"]["power"], "max_iters": schedule["runner"]["max_iters"],
+        "drop_path_rate": config["model"]["backbone"]["drop_path_rate"],
+        "test_scale": list(flip_aug["img_scale"]), "test_size_divisor": multiple["size_divisor"],
+    }
+
+
 def build(ham_head, in_channels, channels, ham_channels, rank, num_classes):
     with contextlib.redirect_stdout(io.StringIO()):  # the official NMF2D prints its settings
         return ham_head.LightHamHead(
@@ -126,6 +172,7 @@ def main() -> None:
             manifest["configs"][name] = {
                 "in_channels": in_channels, "channels": 512, "ham_channels": 512, "rank": 16, "num_classes": 150,
                 "state_dict": {k: list(v.shape) for k, v in head.state_dict().items()},
+                "recipe": official_recipe(args.mirror, name, Path(tmp)),
             }
         (args.out / "lightham_manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
 

@@ -1,13 +1,17 @@
 """What the CLI error tests share: running ``polaformer.cli.main`` in-process, the one-line error
-check, and snapshots that prove no existing file changed."""
+check, snapshots that prove no existing file changed, and a deadline for calls that could block on a FIFO."""
 import hashlib
 import io
+import os
 import re
+import threading
 from pathlib import Path
+
+import pytest
 
 from polaformer.cli import MAX_MESSAGE, main
 
-ERROR = re.compile(r"^polaformer( \w+)?: (error|interrupted)")
+ERROR = re.compile(r"^polaformer( [\w-]+)*: (error|interrupted)")
 
 
 class quiet:
@@ -53,3 +57,27 @@ def run_main(argv, capsys):
         code = e.code
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def within(seconds: float, fifo, call):
+    """``call()`` in a thread; if it still runs after ``seconds`` it is blocked on ``fifo``: a writer is opened to
+    release it and the test fails."""
+    result = {}
+
+    def target():
+        try:
+            result["value"] = call()
+        except BaseException as e:  # noqa: BLE001  (reported below)
+            result["error"] = e
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    if thread.is_alive():
+        fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # a reader is waiting: this succeeds and releases it
+        os.close(fd)
+        thread.join(30)
+        pytest.fail(f"blocked on the FIFO {fifo}")
+    if "error" in result:
+        raise result["error"]
+    return result["value"]

@@ -32,6 +32,9 @@ from ..ops import (
     relu_feature,
     softmax_attention_weights,
 )
+from ..engine.limits import check_allocation
+from ..engine.output import claim_outputs, write_output
+from ..files import UnreadableFileError, read_image
 from .rank import layer_ranks
 
 __all__ = [
@@ -54,6 +57,9 @@ ENTROPY_TOL = 1e-6  # a row "drops" when its PSE is lower by more than this (nat
 
 # The maps drawn and measured; the same list orders the figure panels.
 MAPS = ("softmax", "elu+1", "focused (p=3)", "pola same-sign", "pola opposite-sign")
+
+
+OUTPUT_FILES = ("attention_maps.png", "entropy.png", "gates.png", "rank.png", "analysis.json")
 
 
 class AnalyzeError(ValueError):
@@ -237,10 +243,11 @@ def load_image(path: str | None, size: int, channels: int) -> np.ndarray:
         pil = Image.fromarray(data.astronaut())
     else:
         try:
-            pil = Image.open(path)
-            pil.load()
-        except (OSError, ValueError) as e:
-            raise AnalyzeError(f"cannot read image {path}: {e}") from None
+            pil = read_image(path)
+        except FileNotFoundError:
+            raise AnalyzeError(f"cannot read image {path}: no such file") from None
+        except UnreadableFileError as e:
+            raise AnalyzeError(f"cannot read image {path}: {e.detail}") from None
     pil = pil.convert("RGB")
     w, h = pil.size
     side = min(w, h)
@@ -336,7 +343,7 @@ def _plot_maps(path, rgb, feat, query, weights, title, dpi):
         ax.axis("off")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_output(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def _plot_entropy(path, entropies, n_keys, title, dpi):
@@ -352,7 +359,7 @@ def _plot_entropy(path, entropies, n_keys, title, dpi):
     ax.legend(fontsize=8, loc="lower left")
     ax.set_title(title, fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_output(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def gate_halves(feat: LayerFeatures, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -387,7 +394,7 @@ def _plot_ranks(path, ranks, title, dpi):
     ax.set_title(title, fontsize=8)
     ax.legend(fontsize=7)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_output(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 def _plot_gates(path, same, opposite, r, title, dpi, max_points=20000):
@@ -401,7 +408,7 @@ def _plot_gates(path, same, opposite, r, title, dpi, max_points=20000):
     ax.set_ylabel("gate on the opposite-sign stream")
     ax.set_title(f"{title}\nPearson r = {r:.3f} ({len(same)} token-channel pairs)", fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_output(path, lambda f: fig.savefig(f, format="png", dpi=dpi))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,9 +427,15 @@ def analyze(
     max_rows: int = DEFAULT_MAX_ROWS,
     dpi: int = 60,
     model_kwargs: dict | None = None,
+    overwrite: bool = False,
 ) -> dict:
     """Write ``attention_maps.png``, ``entropy.png``, ``gates.png`` (with a gate), ``rank.png`` (with a layer
-    whose keys are its queries) and ``analysis.json`` to ``out``."""
+    whose keys are its queries) and ``analysis.json`` to ``out``; any of them already there is refused before
+    anything runs, unless ``overwrite``."""
+    # the largest figure (8 x 5.6 inches) as RGBA pixels, before any is drawn
+    check_allocation(f"a figure of 8 x 5.6 inches at --dpi {dpi}", 4 * int(8 * dpi) * int(5.6 * dpi), "cpu",
+                     AnalyzeError, "use a lower --dpi")
+    claim_outputs([Path(out) / name for name in OUTPUT_FILES], overwrite, "--out")
     torch.manual_seed(0)
     model, arch, trained = build_model(model_name, checkpoint, model_kwargs)
     cfg = getattr(model, "pretrained_cfg", {}) or {}
@@ -504,5 +517,6 @@ def analyze(
         "theorem1_digits_test_images": result_digits,
         "files": files,
     }
-    (out / "analysis.json").write_text(json.dumps(result, indent=2) + "\n")
+    text = json.dumps(result, indent=2) + "\n"
+    write_output(out / "analysis.json", lambda f: f.write(text.encode()))
     return result

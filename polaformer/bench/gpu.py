@@ -140,7 +140,8 @@ def _pacs_kernels_available() -> bool:
 def _pola_streams(attend, q, k, v, power):
     """Pola's two streams the way flash_bla and fla compose them: features, the swapped query and two calls of
     ``attend(phi_q, phi_k, v_half)`` (normalised linear attention)."""
-    q_pos, q_neg, k_pos, k_neg = (F.relu(x) ** power for x in (q, -q, k, -k))
+    # the fp32 exponent would promote the features: the peers' kernels take one dtype for every operand
+    q_pos, q_neg, k_pos, k_neg = ((F.relu(x) ** power).to(x.dtype) for x in (q, -q, k, -k))
     phi_k = torch.cat([k_pos, k_neg], dim=-1)
     v_same, v_opposite = v.chunk(2, dim=-1)
     same = attend(torch.cat([q_pos, q_neg], dim=-1), phi_k, v_same)

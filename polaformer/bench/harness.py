@@ -218,14 +218,11 @@ def machine_info(device: str = "cpu", allocator_reuse: bool | None = None) -> di
 # --------------------------------------------------------------------------- result files
 
 def write_text(path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a reader sees the old file or the whole new one."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        tmp.write_text(text)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    """Write ``text`` to ``path`` atomically (:func:`polaformer.engine.output.write_output`): a reader sees the old
+    file or the whole new one."""
+    from ..engine.output import write_output
+
+    write_output(path, lambda f: f.write(text.encode()))
 
 
 def write_json(path, data) -> None:
@@ -273,6 +270,8 @@ def log_log_axes(ax, xlabel: str, ylabel: str, title: str | None = None, x_base:
 
 
 def save_figure(fig, path, dpi: int) -> None:
+    from ..engine.output import write_output
+
     fig.tight_layout()
-    fig.savefig(path, dpi=dpi)
+    write_output(path, lambda f: fig.savefig(f, format=Path(path).suffix.lstrip(".") or "png", dpi=dpi))
     pyplot().close(fig)

@@ -103,13 +103,25 @@ def official_swin_t(root: Path):
         attn_type="LLSS"))
 
 
-def official_polapp_b0(root: Path):
+def official_polapp(root: Path, variant: str = "b0"):
+    """The official ``POLA_<variant>`` (PolaFormer++), stochastic depth off."""
     mod = _load_official_file(root / "polaformer++" / "models" / "pola.py", "official_polapp")
-    model = _quiet(mod.POLA_b0)
+    model = _quiet(getattr(mod, f"POLA_{variant}"))
     for m in model.modules():  # the factory hard-codes drop_path_rate=0.1; timing wants no randomness
         if type(m).__name__ == "DropPath":
             m.drop_prob = 0.0
     return model
+
+
+def official_polapp_b0(root: Path):
+    return official_polapp(root, "b0")
+
+
+def official_dit(root: Path, name: str = "DiT-S/2", input_size: int = 32):
+    """The official PolaDiT ``name`` (downstream/dit/models.py of the PolaFormer++ checkout) for latents of
+    ``input_size``²; its keys are ours (``pola_dit_*``)."""
+    mod = _load_official_file(root / "downstream" / "dit" / "models.py", "official_dit")
+    return _quiet(lambda: mod.DiT_models[name](input_size=input_size, num_classes=1000))
 
 
 # --- "official way" attention for the families without official code ---------------------------

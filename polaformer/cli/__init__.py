@@ -27,6 +27,7 @@ from importlib.metadata import PackageNotFoundError, version
 from ..data import UnknownDatasetError
 from ..data.folder import DatasetError
 from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
+from ..files import UnreadableFileError
 from ..tasks.classification.evaluation import EvalError
 from ..runtime import tune_cpu_allocator
 from .ablate import add_ablate_parser
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             return args.handler(args)
         except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
-                TrainingDivergedError, FloatingPointError) as e:  # the last: an op's overflow it refuses
+                UnreadableFileError, TrainingDivergedError, FloatingPointError) as e:  # the last: an op's overflow
             return usage_error(None, str(e))
         except OSError as e:  # the environment: a full disk, a file that cannot be written or read
             where = f": {e.filename}" if e.filename else ""

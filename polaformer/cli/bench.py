@@ -5,7 +5,7 @@ import argparse
 import os
 import sys
 
-from .common import positive_int, usage_error
+from .common import add_overwrite, positive_int, usage_error
 
 __all__ = ["add_bench_parser", "add_lra_bench_arguments"]
 
@@ -45,6 +45,7 @@ def add_bench_parser(commands) -> None:
     bench.add_argument("--no-op-memory", action="store_true",
                        help="skip the per-N peak-memory subprocesses of the fused op")
     bench.add_argument("--quick", action="store_true", help="fewer, smaller measurements (explicit options win)")
+    add_overwrite(bench, "results in --out")
     bench.set_defaults(handler=cmd_bench)
     families = bench.add_subparsers(dest="bench_family", metavar="FAMILY")
 
@@ -53,6 +54,7 @@ def add_bench_parser(commands) -> None:
         parser.add_argument("--csv", metavar="FILE", help="also write the rows as CSV (scalar fields)")
         if markdown:
             parser.add_argument("--markdown", metavar="FILE", help="also write the table as Markdown")
+        add_overwrite(parser)
 
     official = families.add_parser(
         "official", help="whole models against the authors' code: inference and training step, same weights",
@@ -121,7 +123,37 @@ def add_bench_parser(commands) -> None:
     gpu.add_argument("--time-limit", type=float, metavar="S",
                      help="start no row after S seconds (the CSV keeps every shape finished)")
     gpu.add_argument("--smoke", action="store_true", help="one tiny CPU run of every method (no timing)")
+    add_overwrite(gpu, "a file at --out")
     gpu.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu, seconds_flags=())
+
+    gpu_models = families.add_parser(
+        "gpu-models", help="whole models on a CUDA GPU: training step and inference, ours vs official vs softmax",
+        description="Every family (Pola-PVT-T, Pola-PVTv2-b0/b2, Pola-Swin-T, Pola-DeiT-T/S, PolaFormer++ b0/b2, "
+                    "PolaDiT-S/2, pola_lm_small at 4096 tokens), bf16 autocast, eager and torch.compile: images/s "
+                    "(tokens/s), median ms per step and peak memory, against the official code with the same "
+                    "weights (POLAFORMER_OFFICIAL_DIR, POLAFORMERPP_OFFICIAL_DIR; see scripts/prepare_official.sh) "
+                    "and the softmax model; --dense adds the backbones' features_only forward+backward at 512 and "
+                    "1024 px. A CSV row is written after every measurement. See docs/gpu_models.md.",
+    )
+    gpu_models.add_argument("--out", dest="gpu_models_csv", metavar="FILE", required=True,
+                            help="write the rows as CSV")
+    gpu_models.add_argument("--models", nargs="+", metavar="NAME",
+                            help="families, by our timm names (default: all, classification first)")
+    gpu_models.add_argument("--impls", nargs="+", metavar="IMPL", help="ours official softmax (default: all three)")
+    gpu_models.add_argument("--modes", nargs="+", metavar="MODE", help="train infer (default: both)")
+    gpu_models.add_argument("--variants", nargs="+", metavar="VARIANT", help="eager compile (default: both)")
+    gpu_models.add_argument("--dense", action="store_true",
+                            help="also the backbones with features_only at 512 and 1024 px, forward+backward")
+    gpu_models.add_argument("--steps", type=positive_int, default=10, help="timed steps per row (default: %(default)s)")
+    gpu_models.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
+    gpu_models.add_argument("--batch-scale", type=float, default=1.0, metavar="F",
+                            help="multiply every batch (64 images, DiT 32, LM 8, dense 2) by F in (0, 1]")
+    gpu_models.add_argument("--time-limit", type=float, metavar="S",
+                            help="start no row after S seconds (the CSV keeps every row finished)")
+    gpu_models.add_argument("--smoke", action="store_true",
+                            help="each row once on the CPU at tiny batch and size (checks the command; no timing)")
+    add_overwrite(gpu_models, "a file at --out")
+    gpu_models.set_defaults(handler=cmd_bench_family, run_family=_bench_gpu_models, seconds_flags=())
 
     dense = families.add_parser(
         "dense", help="backbone forward time and peak memory at detection resolutions, Pola vs softmax",
@@ -155,7 +187,9 @@ def add_bench_parser(commands) -> None:
                         help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take longer")
     deploy.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
-    deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy, seconds_flags=("--min-run-time", "--row-budget"))
+    add_overwrite(deploy, "results in --out")
+    deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy,
+                        seconds_flags=("--min-run-time", "--row-budget"), out_files=("results.json", "table.md"))
 
     lra = families.add_parser(
         "lra", help="the paper's Table 6: LRA training throughput and peak memory of every attention, vs softmax",
@@ -172,7 +206,9 @@ def add_lra_bench_arguments(parser) -> None:
     parser.add_argument("--batch-size", type=positive_int, help="fixed batch for every measurement (default: 4)")
     parser.add_argument("--steps", type=positive_int, help="timed training steps per measurement (default: 3)")
     parser.add_argument("--device", default="cpu")
-    parser.set_defaults(handler=cmd_bench_family, run_family=_bench_lra, seconds_flags=())
+    add_overwrite(parser, "results in --out")
+    parser.set_defaults(handler=cmd_bench_family, run_family=_bench_lra, seconds_flags=(),
+                        out_files=("results.json", "table.md", "bench_lra.png"))
 
 
 def _print_line(msg: str) -> None:
@@ -184,6 +220,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SIZES, DEFAULT_TOKENS, OP_METHODS, QUICK_SIZES, QUICK_TOKENS,
         BenchConfig, run_bench,
     )
+    from ..engine.output import claim_outputs
 
     if args.out is None:
         return usage_error("bench", "the following arguments are required: --out")
@@ -197,6 +234,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return usage_error("bench", f"unknown --methods {' '.join(unknown)}; known: {' '.join(OP_METHODS)}")
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         return usage_error("bench", f"--out {args.out!r} exists and is not a folder")
+    claim_outputs([os.path.join(args.out, name) for name in ("results.json", "bench_ops.png", "bench_models.png")],
+                  args.overwrite, "--out")
     config = BenchConfig(
         out=args.out,
         tokens=tuple(args.tokens or (QUICK_TOKENS if args.quick else DEFAULT_TOKENS)),
@@ -217,12 +256,18 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_family(args: argparse.Namespace) -> int:
-    """Checks the options every family shares, then runs it; its ValueError/RuntimeError is a one-line error."""
+    """Checks the options every family shares and claims its output files, then runs it; its ValueError/RuntimeError
+    is a one-line error."""
+    from ..engine.output import claim_outputs
+
     command = "lra bench" if args.command == "lra" else f"bench {args.bench_family}"
     for flag in args.seconds_flags:
         value = getattr(args, flag.lstrip("-").replace("-", "_"))
         if not value > 0:
             return usage_error(command, f"{flag} must be > 0, got {value}")
+    files = [getattr(args, name, None) for name in ("json", "csv", "markdown", "gpu_csv", "gpu_models_csv")]
+    files += [os.path.join(args.out, name) for name in getattr(args, "out_files", ())]
+    claim_outputs([path for path in files if path], args.overwrite, "--out")  # before any measurement
     try:
         return args.run_family(args)
     except (ValueError, RuntimeError) as e:
@@ -273,8 +318,10 @@ def _bench_pacs(args: argparse.Namespace) -> int:
 
 
 def _bench_gpu(args: argparse.Namespace) -> int:
-    if args.smoke:  # the kernels run in Triton's interpreter, which must be chosen before they are defined
-        os.environ.setdefault("TRITON_INTERPRET", "1")
+    if args.smoke and not _triton_interprets():
+        raise ValueError("--smoke needs Triton's interpreter, which triton reads when torch imports it: run the "
+                         "polaformer command (it sets TRITON_INTERPRET=1 first) or set TRITON_INTERPRET=1 before "
+                         "Python starts")
     from ..bench.gpu import run_gpu
     from ..bench.harness import write_csv
 
@@ -285,6 +332,32 @@ def _bench_gpu(args: argparse.Namespace) -> int:
                    on_shape_done=lambda rows: write_csv(args.gpu_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_csv}")
     return 0
+
+
+def _bench_gpu_models(args: argparse.Namespace) -> int:
+    from ..bench import gpu_models
+    from ..bench.harness import write_csv
+
+    if args.time_limit is not None and not args.time_limit > 0:
+        raise ValueError(f"--time-limit must be > 0, got {args.time_limit}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    rows = gpu_models.run_gpu_models(
+        models=args.models or tuple(gpu_models.FAMILIES), impls=args.impls or gpu_models.IMPLS,
+        modes=args.modes or gpu_models.MODES, variants=args.variants or gpu_models.VARIANTS, dense=args.dense,
+        steps=args.steps, warmup=args.warmup, batch_scale=args.batch_scale, smoke=args.smoke,
+        time_limit=args.time_limit, log=_print_line, on_row=lambda rows: write_csv(args.gpu_models_csv, rows))
+    print(f"{len(rows)} rows -> {args.gpu_models_csv}")
+    return 0
+
+
+def _triton_interprets() -> bool:
+    """Whether triton was imported in interpreter mode (its own library functions are then interpreted too)."""
+    try:
+        import triton.language.standard as standard
+    except ImportError:
+        return True  # no triton: the Triton rows report it themselves
+    return type(standard.sum).__name__ == "InterpretedFunction"
 
 
 def _bench_dense(args: argparse.Namespace) -> int:

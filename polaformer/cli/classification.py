@@ -9,7 +9,8 @@ from ..tasks.classification import DEFAULT_MODEL, evaluate_checkpoint, load_conf
 from ..engine.config import merge_opts
 from ..tasks.classification.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
 from ..data.folder import DatasetError
-from .common import is_main_process, parse_model_kwarg, positive_int, usage_error
+from .common import (add_allow_changed, add_overwrite, is_main_process, one_line, parse_model_kwarg, positive_int,
+                     usage_error)
 
 __all__ = ["add_classification_parsers"]
 
@@ -35,6 +36,7 @@ def add_classification_parsers(commands) -> None:
         help="start afresh in an output folder that holds a run, replacing its files (OVERWRITE); without it "
              "such a folder is refused unless --resume is given",
     )
+    add_allow_changed(train)
     train.add_argument(
         "--finetune", metavar="FILE",
         help="start from these weights (MODEL.PRETRAINED): position tables resized, classifier replaced if the "
@@ -167,6 +169,7 @@ def add_classification_parsers(commands) -> None:
         help="model constructor argument, e.g. the Table 3 switches local=dcn, polarity=false (repeatable)",
     )
     analyze.add_argument("--out", default="analysis", metavar="DIR", help="output folder (default: %(default)s)")
+    add_overwrite(analyze, "figures and analysis.json in --out")
     analyze.set_defaults(handler=cmd_analyze)
 
     export = commands.add_parser(
@@ -195,7 +198,8 @@ def add_classification_parsers(commands) -> None:
         help="batch of the first verification, and of the input when the batch is static (default: %(default)s)",
     )
     export.add_argument("--format", choices=("onnx",), default="onnx", help="output format (default: %(default)s)")
-    export.add_argument("--out", required=True, metavar="FILE", help="file to write (replaced atomically)")
+    export.add_argument("--out", required=True, metavar="FILE", help="file to write (atomically)")
+    add_overwrite(export, "a file at --out")
     export.add_argument("--opset", type=positive_int, metavar="N", help="ONNX opset (default: the exporter's)")
     export.add_argument(
         "--dynamic-batch", action=argparse.BooleanOptionalAction, default=True,
@@ -234,6 +238,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         extra += ["MODEL.RESUME", args.resume]
     if args.finetune:
         extra += ["MODEL.PRETRAINED", args.finetune]
+    if args.allow_changed:
+        extra += ["ALLOW_CHANGED", list(args.allow_changed)]
     if args.overwrite:
         extra += ["OVERWRITE", True]
     if args.amp is not None:
@@ -346,7 +352,7 @@ def cmd_analyze(args: argparse.Namespace) -> int:
         result = analyze(
             args.out, image=args.image, model_name=args.model, checkpoint=args.checkpoint,
             query=tuple(args.query) if args.query else None, layer=args.layer, img_size=args.img_size,
-            max_rows=args.max_rows, dpi=args.dpi, model_kwargs=dict(args.model_kwargs or []),
+            max_rows=args.max_rows, dpi=args.dpi, model_kwargs=dict(args.model_kwargs or []), overwrite=args.overwrite,
         )
     except AnalyzeError as e:
         return usage_error("analyze", str(e))
@@ -371,6 +377,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         return usage_error("export", f"--atol must be >= 0, got {args.atol}")
     if args.checkpoint is None and args.weights != "auto":
         return usage_error("export", "--weights needs --checkpoint FILE")
+    from ..engine.output import claim_outputs
+
+    claim_outputs([args.out], args.overwrite, "--out")
     try:
         result = export_model(
             args.model, args.out, checkpoint=args.checkpoint, weights=args.weights,
@@ -379,7 +388,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             atol=DEFAULT_ATOL if args.atol is None else args.atol,
         )
     except ExportVerificationError as e:
-        print(f"polaformer export: error: {e}", file=sys.stderr)
+        print(one_line(f"polaformer export: error: {e}"), file=sys.stderr)
         return VERIFICATION_FAILED
     except ExportError as e:
         return usage_error("export", str(e))

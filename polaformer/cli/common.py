@@ -50,6 +50,19 @@ def parse_model_kwarg(text: str) -> tuple[str, object]:
 
 
 
+def add_allow_changed(parser: argparse.ArgumentParser) -> None:
+    """``--allow-changed KEY ...`` of every training command (LoopSettings.allow_changed)."""
+    parser.add_argument(
+        "--allow-changed", nargs="+", default=[], metavar="KEY",
+        help="with --resume: settings (dotted config keys, or a whole section) this run may change from the "
+             "checkpoint's; any other difference is refused")
+
+
+def add_overwrite(parser: argparse.ArgumentParser, what: str = "output files") -> None:
+    """``--overwrite`` of every command that writes files (polaformer.engine.output.claim_outputs)."""
+    parser.add_argument("--overwrite", action="store_true", help=f"replace existing {what} (refused otherwise)")
+
+
 def usage_error(command: str | None, message: str) -> int:
     """Print ``polaformer COMMAND: error: MESSAGE`` on one line of stderr; returns the exit status."""
     prog = f"polaformer {command}" if command else "polaformer"

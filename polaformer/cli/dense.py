@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import parse_model_kwarg, positive_int
+from .common import add_allow_changed, add_overwrite, parse_model_kwarg, positive_int
 
 __all__ = ["add_dense_parsers"]
 
@@ -35,6 +35,7 @@ def _common_train(parser, task: str) -> None:
                         help="override recipe keys, e.g. --opts train.lr 1e-4 data.batch_size 4")
     parser.add_argument("--output", metavar="DIR", help=f"output folder (default: runs/{task}/BACKBONE)")
     parser.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    add_allow_changed(parser)
     parser.add_argument("--overwrite", action="store_true",
                         help="start afresh in an output folder that holds a run, replacing its files")
     parser.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
@@ -75,6 +76,7 @@ def add_dense_parsers(commands) -> None:
     predict.add_argument("--out", default="predictions", metavar="DIR", help="output folder (default: %(default)s)")
     predict.add_argument("--score-threshold", type=float, default=0.5, help="draw detections at least this sure")
     predict.add_argument("--device", default="auto")
+    add_overwrite(predict, "drawings in --out")
     predict.set_defaults(handler=cmd_detect_predict)
 
     segment = commands.add_parser(
@@ -115,7 +117,7 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
     recipe = load_recipe(task, args.config, overrides, opts=args.opts)
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
     summary = train_task(task, recipe, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                         progress=not args.no_progress)
+                         progress=not args.no_progress, allow_changed=args.allow_changed)
     print(json.dumps({**summary, "output": str(output)}))
     return 0
 
@@ -155,6 +157,6 @@ def cmd_detect_predict(args) -> int:
     from ..tasks.dense.runner import predict_images
 
     for path in predict_images(args.checkpoint, args.images, Path(args.out), score_threshold=args.score_threshold,
-                               device=args.device):
+                               device=args.device, overwrite=args.overwrite):
         print(path)
     return 0

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..engine.config import ConfigError
-from .common import positive_int
+from .common import add_allow_changed, add_overwrite, positive_int
 
 __all__ = ["add_diffusion_parser"]
 
@@ -34,6 +34,7 @@ def add_diffusion_parser(commands) -> None:
     train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/diffusion/MODEL-ATTENTION)")
     train.add_argument("--resume", metavar="auto|FILE")
+    add_allow_changed(train)
     train.add_argument("--overwrite", action="store_true")
     train.add_argument("--device", default="auto")
     train.set_defaults(handler=cmd_diffusion_train)
@@ -43,6 +44,7 @@ def add_diffusion_parser(commands) -> None:
     sample.add_argument("--output", required=True, metavar="FILE",
                         help="a .png grid (a row per class) or a .safetensors file of images and labels")
     sample.add_argument("--classes", type=int, nargs="+", help="class indices (default: all)")
+    add_overwrite(sample, "a file at --output")
     _sampling_flags(sample)
     sample.set_defaults(handler=cmd_diffusion_sample)
 
@@ -59,6 +61,11 @@ def _sampling_flags(parser) -> None:
     parser.add_argument("--sampler", help="ddpm or ddim (default: the checkpoint's sample.sampler)")
     parser.add_argument("--steps", type=positive_int, help="sampling steps (default: sample.steps)")
     parser.add_argument("--cfg-scale", type=float, help="classifier-free guidance (1: none; default: sample.cfg_scale)")
+    parser.add_argument("--guide-all-channels", action="store_true", default=None,
+                        help="guide every ε channel (default: the official first three output channels)")
+    parser.add_argument("--variance", choices=("fixed_large", "fixed_small"),
+                        help="variance of a model without a learned one (default: sample.variance, the official "
+                             "fixed_large)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu")
 
@@ -69,16 +76,13 @@ def cmd_diffusion_train(args: argparse.Namespace) -> int:
     opts = list(args.opts)
     if args.vae:
         opts += ["data.latent", "true", "data.vae", args.vae]
-    cfg = diffusion_config(args.config, opts)
-    flags = {"model": ("model", "name"), "attention": ("model", "attention"), "data": ("data", "name"),
-             "image_size": ("data", "image_size"), "channels": ("data", "channels"), "steps": ("train", "steps"),
-             "batch_size": ("train", "batch_size"), "lr": ("train", "lr"), "eval_every": ("train", "eval_every"),
-             "seed": ("train", "seed")}
-    for flag, (section, key) in flags.items():
-        if getattr(args, flag) is not None:
-            cfg[section].merge({key: getattr(args, flag)}, source="the command line")
+    flags = {"model": "model.name", "attention": "model.attention", "data": "data.name",
+             "image_size": "data.image_size", "channels": "data.channels", "steps": "train.steps",
+             "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed"}
+    cfg = diffusion_config(args.config, opts, {key: getattr(args, flag) for flag, key in flags.items()})
     output = Path(args.output or f"runs/diffusion/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_diffusion(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
+    summary = train_diffusion(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                              allow_changed=args.allow_changed)
     print(f"valid loss (EMA): {summary['best_valid_loss']:.4f} ({cfg.model.name}, {cfg.model.attention}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
     return 0
@@ -87,25 +91,31 @@ def cmd_diffusion_train(args: argparse.Namespace) -> int:
 def _generate(args, loaded):
     import torch
 
+    from ..engine.device import resolve_device
     from ..tasks.diffusion import generate
+    from ..tasks.diffusion.train import check_sample_request
 
     model, cfg, vae = loaded
     classes = getattr(args, "classes", None) or list(range(model.num_classes))
     bad = [c for c in classes if not 0 <= c < model.num_classes]
     if bad:
         raise ConfigError(f"classes must be in 0..{model.num_classes - 1}, got {bad}")
+    check_sample_request(model, len(classes) * args.per_class, resolve_device(args.device))  # before the labels
     labels = torch.tensor(classes).repeat_interleave(args.per_class)
     images = generate(model, cfg, labels, vae, sampler=args.sampler, steps=args.steps, cfg_scale=args.cfg_scale,
-                      seed=args.seed, device=args.device)
+                      variance=args.variance, guide_all_channels=args.guide_all_channels, seed=args.seed,
+                      device=args.device)
     return images, labels, cfg
 
 
 def cmd_diffusion_sample(args: argparse.Namespace) -> int:
+    from ..engine.output import claim_outputs
     from ..tasks.diffusion.data import save_samples
 
     output = Path(args.output)
     if output.suffix not in (".png", ".safetensors"):
         raise ConfigError(f"--output must end in .png or .safetensors, got {output.name}")
+    claim_outputs([output], args.overwrite)
     from ..tasks.diffusion import load_diffusion_model
 
     images, labels, _ = _generate(args, load_diffusion_model(args.checkpoint))

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-from .common import positive_int
+from .common import add_allow_changed, positive_int
 
 __all__ = ["add_lm_parser"]
 
@@ -29,6 +30,7 @@ def add_lm_parser(commands) -> None:
     train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lm/MODEL-ATTENTION)")
     train.add_argument("--resume", metavar="auto|FILE")
+    add_allow_changed(train)
     train.add_argument("--overwrite", action="store_true")
     train.add_argument("--device", default="auto")
     train.set_defaults(handler=cmd_lm_train)
@@ -43,33 +45,39 @@ def add_lm_parser(commands) -> None:
                                         "bytes: past that the window restarts from its newest half.")
     sample.add_argument("--checkpoint", required=True, metavar="FILE")
     sample.add_argument("--prompt", type=_prompt, default="def ", help="text to continue")
-    sample.add_argument("--length", type=positive_int, default=200, help="bytes to generate")
+    sample.add_argument("--length", type=int, default=200, help="bytes to generate (1 to 1048576)")
     sample.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     sample.add_argument("--top-k", type=int, default=0)
     sample.add_argument("--seed", type=int, default=0)
     sample.set_defaults(handler=cmd_lm_sample)
 
 
-def _prompt(text: str) -> str:
+def _prompt(text: str) -> bytes:
+    # the bytes as given: a byte-level model takes any, and os.fsencode undoes Python's decoding of argv
     if not text:
         raise argparse.ArgumentTypeError("the prompt needs at least one byte")
-    return text
+    return os.fsencode(text)
+
+
+def _check_options(args: argparse.Namespace, names) -> None:
+    from ..tasks.lm import SAMPLING
+
+    for name in names:
+        SAMPLING[name].check(f"--{name.replace('_', '-')}", getattr(args, name))
 
 
 def cmd_lm_train(args: argparse.Namespace) -> int:
     from ..tasks.lm import lm_config, train_lm
 
-    cfg = lm_config(args.config, args.opts)
-    flags = {"model": ("model", "name"), "attention": ("model", "attention"), "context": ("model", "context"),
-             "steps": ("train", "steps"), "batch_size": ("train", "batch_size"), "lr": ("train", "lr"),
-             "eval_every": ("train", "eval_every"), "max_bytes": ("data", "max_bytes"), "seed": ("train", "seed")}
-    for flag, (section, key) in flags.items():
-        if getattr(args, flag) is not None:
-            cfg[section].merge({key: getattr(args, flag)}, source="the command line")
+    flags = {"model": "model.name", "attention": "model.attention", "context": "model.context",
+             "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
+             "eval_every": "train.eval_every", "max_bytes": "data.max_bytes", "seed": "train.seed"}
+    cfg = lm_config(args.config, args.opts, {key: getattr(args, flag) for flag, key in flags.items()})
     if cfg.train.warmup_steps >= cfg.train.steps:
         cfg.train.warmup_steps = max(1, cfg.train.steps // 10)
     output = Path(args.output or f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_lm(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
+    summary = train_lm(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                       allow_changed=args.allow_changed)
     print(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
           f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} steps, "
           f"{summary['wall_time_s']:.0f}s) -> {output}")
@@ -79,19 +87,21 @@ def cmd_lm_train(args: argparse.Namespace) -> int:
 def _loader(cfg):
     from torch.utils.data import DataLoader
 
-    from ..tasks.lm import ByteWindows, stdlib_corpus
+    from ..tasks.lm import stdlib_corpus
+    from ..tasks.lm.train import byte_windows
 
     train_bytes, valid_bytes = stdlib_corpus(cfg.data.max_bytes, cfg.data.valid_fraction, cfg.data.seed)
-    return DataLoader(ByteWindows(valid_bytes, cfg.model.context), batch_size=cfg.train.batch_size), train_bytes, \
+    return DataLoader(byte_windows(valid_bytes, cfg, "validation"), batch_size=cfg.train.batch_size), train_bytes, \
         valid_bytes
 
 
 def cmd_lm_eval(args: argparse.Namespace) -> int:
     from ..tasks.lm import evaluate_bits_per_byte, load_lm_model, unigram_bits_per_byte
 
+    _check_options(args, ["batches"])
     model, cfg = load_lm_model(args.checkpoint)
     loader, train_bytes, valid_bytes = _loader(cfg)
-    result = evaluate_bits_per_byte(model, loader, "cpu", args.batches)
+    result = evaluate_bits_per_byte(model, loader, "cpu", args.batches, progress=True)
     print(f"valid bits/byte: {result['bits_per_byte']:.4f} over {result['bytes']} bytes "
           f"(unigram {unigram_bits_per_byte(train_bytes, valid_bytes):.4f})")
     return 0
@@ -100,11 +110,15 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 def cmd_lm_sample(args: argparse.Namespace) -> int:
     import torch
 
+    from tqdm import tqdm
+
     from ..tasks.lm import load_lm_model
 
+    _check_options(args, ["length", "temperature", "top_k", "seed"])
     model, cfg = load_lm_model(args.checkpoint)
-    prompt = torch.tensor([list(args.prompt.encode())], dtype=torch.long)
-    out = model.generate(prompt, args.length, args.temperature, args.top_k,
-                         generator=torch.Generator().manual_seed(args.seed))
+    prompt = torch.tensor([list(args.prompt)], dtype=torch.long)
+    with tqdm(total=args.length, desc="sampling", unit="byte", leave=False, disable=None) as bar:
+        out = model.generate(prompt, args.length, args.temperature, args.top_k,
+                             generator=torch.Generator().manual_seed(args.seed), on_token=lambda: bar.update())
     sys.stdout.write(bytes(out[0].tolist()).decode("utf-8", errors="replace") + "\n")
     return 0

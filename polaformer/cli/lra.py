@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from .bench import add_lra_bench_arguments
-from .common import parse_model_kwarg, positive_int
+from .common import add_allow_changed, add_overwrite, parse_model_kwarg, positive_int, usage_error
 
 __all__ = ["add_lra_parser"]
 
@@ -51,6 +50,7 @@ def add_lra_parser(commands) -> None:
                        help="override config keys, e.g. --opts train.lr 2e-4 model.num_layers 4")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lra/TASK-ATTENTION)")
     train.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    add_allow_changed(train)
     train.add_argument("--overwrite", action="store_true",
                        help="start afresh in an output folder that holds a run, replacing its files")
     train.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
@@ -83,6 +83,7 @@ def add_lra_parser(commands) -> None:
     curves.add_argument("runs", nargs="+", metavar="RUN_DIR", help="output folders of 'lra train'")
     curves.add_argument("--out", required=True, metavar="PNG", help="figure to write")
     curves.add_argument("--title", help="figure title")
+    add_overwrite(curves, "a figure at --out")
     curves.set_defaults(handler=cmd_lra_curves)
 
     bench = sub.add_parser(
@@ -100,8 +101,7 @@ def _errors():
 
 
 def _fail(message: str) -> int:
-    print(f"polaformer lra: error: {message}", file=sys.stderr)
-    return 2
+    return usage_error("lra", message)
 
 
 def cmd_lra_train(args: argparse.Namespace) -> int:
@@ -127,7 +127,8 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
             cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
         check_lra_config(cfg)
         output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
-        summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
+        summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                            allow_changed=args.allow_changed)
     except _errors() as e:
         return _fail(str(e))
     print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at step "
@@ -189,8 +190,10 @@ def _listops_report_text(report: dict, out: str) -> str:
 
 def cmd_lra_curves(args: argparse.Namespace) -> int:
     from ..tasks.lra.config import LRAConfigError
+    from ..engine.output import claim_outputs
     from ..tasks.lra.curves import plot_curves
 
+    claim_outputs([args.out], args.overwrite, "--out")
     try:
         result = plot_curves(args.runs, args.out, title=args.title)
     except LRAConfigError as e:

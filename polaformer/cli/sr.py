@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import positive_int
+from .common import add_allow_changed, add_overwrite, positive_int
 
 __all__ = ["add_sr_parser"]
 
@@ -32,6 +32,7 @@ def add_sr_parser(commands) -> None:
     train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/sr/xSCALE)")
     train.add_argument("--resume", metavar="auto|FILE")
+    add_allow_changed(train)
     train.add_argument("--overwrite", action="store_true")
     train.add_argument("--device", default="auto")
     train.set_defaults(handler=cmd_sr_train)
@@ -41,12 +42,15 @@ def add_sr_parser(commands) -> None:
     evaluate.add_argument("--hr", default="photos", metavar="DIR", help="HR folder or 'photos' (held-out photos)")
     evaluate.add_argument("--lr", default="", metavar="DIR", help="LR folder (default: bicubic from HR)")
     evaluate.add_argument("--json", metavar="FILE", help="also write the scores of every image here")
+    add_overwrite(evaluate, "a --json file")
     evaluate.set_defaults(handler=cmd_sr_eval)
 
     upscale = sub.add_parser("upscale", help="upscale image files, written as PNG")
     _add_weights(upscale)
     upscale.add_argument("images", nargs="+", metavar="IMAGE", help="low-resolution image files")
-    upscale.add_argument("--output", required=True, metavar="DIR", help="folder for NAME_xSCALE.png")
+    upscale.add_argument("--output", required=True, metavar="DIR",
+                         help="folder for NAME_xSCALE.png (NAME_xSCALE-2.png... for later images of the same name)")
+    add_overwrite(upscale, "images in --output")
     upscale.set_defaults(handler=cmd_sr_upscale)
 
 
@@ -54,9 +58,14 @@ def _add_weights(parser) -> None:
     weights = parser.add_mutually_exclusive_group(required=True)
     weights.add_argument("--checkpoint", metavar="FILE", help="a checkpoint of 'polaformer sr train'")
     weights.add_argument("--official", metavar="FILE",
-                         help="the authors' basicsr file (params_ema/params) or a state dict; needs --scale")
+                         help="the authors' basicsr file or a state dict; needs --scale")
     parser.add_argument("--scale", type=positive_int, help="the scale of --official (checked against --checkpoint)")
-    parser.add_argument("--tile", type=positive_int, help="LR tile side of tiled inference (eval.tile)")
+    parser.add_argument("--param-key", default="params", metavar="KEY",
+                        help="the entry of --official to load (default: params, what the official test configs "
+                             "load; params_ema for the EMA weights)")
+    parser.add_argument("--tile", type=positive_int,
+                        help="tiled inference with LR tiles of this side (eval.mode tile, eval.tile; default: the "
+                             "official test's partition of images of 200 pixels and more)")
     parser.add_argument("--overlap", type=int, help="LR pixels shared by neighbouring tiles (eval.overlap)")
 
 
@@ -66,13 +75,14 @@ def _model(args: argparse.Namespace):
 
     if args.official and args.scale is None:
         raise ConfigError("--official needs --scale (2, 3 or 4 for the authors' lightSR models)")
-    model, cfg = load_sr_model(args.checkpoint or args.official, official_scale=args.scale if args.official else None)
+    model, cfg = load_sr_model(args.checkpoint or args.official, official_scale=args.scale if args.official else None,
+                               param_key=args.param_key)
     if args.checkpoint and args.scale is not None and args.scale != cfg.model.scale:
         raise ConfigError(f"scale mismatch: {args.checkpoint} is a x{cfg.model.scale} model, --scale asks for "
                           f"x{args.scale}")
     for flag, key in (("tile", "tile"), ("overlap", "overlap")):
         if getattr(args, flag) is not None:
-            cfg.eval.merge({key: getattr(args, flag)}, source="the command line")
+            cfg.eval.merge({key: getattr(args, flag), "mode": "tile"}, source="the command line")
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
         raise ConfigError(f"--overlap must be in [0, tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
     return model, cfg
@@ -81,17 +91,14 @@ def _model(args: argparse.Namespace):
 def cmd_sr_train(args: argparse.Namespace) -> int:
     from ..tasks.sr import sr_config, train_sr
 
-    cfg = sr_config(args.config, args.opts)
-    flags = {"scale": ("model", "scale"), "train_hr": ("data", "train_hr"), "train_lr": ("data", "train_lr"),
-             "valid_hr": ("data", "valid_hr"), "valid_lr": ("data", "valid_lr"),
-             "patch_size": ("data", "patch_size"), "steps": ("train", "steps"),
-             "batch_size": ("train", "batch_size"), "lr": ("train", "lr"), "eval_every": ("train", "eval_every"),
-             "seed": ("train", "seed")}
-    for flag, (section, key) in flags.items():
-        if getattr(args, flag) is not None:
-            cfg[section].merge({key: getattr(args, flag)}, source="the command line")
+    flags = {"scale": "model.scale", "train_hr": "data.train_hr", "train_lr": "data.train_lr",
+             "valid_hr": "data.valid_hr", "valid_lr": "data.valid_lr", "patch_size": "data.patch_size",
+             "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
+             "eval_every": "train.eval_every", "seed": "train.seed"}
+    cfg = sr_config(args.config, args.opts, {key: getattr(args, flag) for flag, key in flags.items()})
     output = Path(args.output or f"runs/sr/x{cfg.model.scale}")
-    summary = train_sr(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device)
+    summary = train_sr(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
+                       allow_changed=args.allow_changed)
     print(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
           f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
@@ -99,31 +106,35 @@ def cmd_sr_train(args: argparse.Namespace) -> int:
 
 
 def cmd_sr_eval(args: argparse.Namespace) -> int:
+    from ..engine.output import claim_outputs, write_output
     from ..tasks.sr import bicubic_upscale, evaluate_sr, model_upscaler, sr_pairs
 
+    if args.json:
+        claim_outputs([args.json], args.overwrite, "--json")
     model, cfg = _model(args)
     scale = cfg.model.scale
     pairs = sr_pairs(args.hr, args.lr, scale, "valid")
-    result = evaluate_sr(model_upscaler(model, cfg), pairs, scale)
+    result = evaluate_sr(model_upscaler(model, cfg, progress=True), pairs, scale)
     bicubic = evaluate_sr(lambda lr: bicubic_upscale(lr, scale), pairs, scale)
     images = f"{len(pairs)} image" + ("s" if len(pairs) > 1 else "")
     print(f"x{scale} on {images}: PSNR-Y {result['psnr_y']:.2f} dB, SSIM-Y {result['ssim_y']:.4f} "
           f"(bicubic {bicubic['psnr_y']:.2f} dB, {bicubic['ssim_y']:.4f})")
     if args.json:
-        Path(args.json).write_text(json.dumps({"scale": scale, "model": result, "bicubic": bicubic}, indent=1) + "\n")
+        text = json.dumps({"scale": scale, "model": result, "bicubic": bicubic}, indent=1) + "\n"
+        write_output(args.json, lambda f: f.write(text.encode()))
     return 0
 
 
 def cmd_sr_upscale(args: argparse.Namespace) -> int:
+    from ..engine.output import claim_outputs, distinct_names
     from ..tasks.sr import model_upscaler, read_image, save_image, to_uint8
 
     model, cfg = _model(args)
-    upscale = model_upscaler(model, cfg)
+    upscale = model_upscaler(model, cfg, progress=True)
     images = [(Path(path), read_image(Path(path))) for path in args.images]  # every input read before any output
-    output = Path(args.output)
-    output.mkdir(parents=True, exist_ok=True)
-    for path, lr in images:
-        target = output / f"{path.stem}_x{cfg.model.scale}.png"
+    stems = [f"{path.stem}_x{cfg.model.scale}" for path, _ in images]
+    targets = claim_outputs(distinct_names(stems, args.output, ".png"), args.overwrite)
+    for (path, lr), target in zip(images, targets):
         save_image(to_uint8(upscale(lr[None].float() / 255)[0]), target)
         print(f"{path} ({lr.shape[-1]}x{lr.shape[-2]}) -> {target}")
     return 0

@@ -38,6 +38,8 @@ from PIL import Image
 from torch.utils.data import Dataset, default_collate
 from torchvision import transforms
 
+from ..files import read_image
+
 __all__ = [
     "IMG_EXTENSIONS",
     "DatasetError",
@@ -258,10 +260,8 @@ class ImageFolderDataset(Dataset):
             return None
 
     def _read(self, index: int) -> Image.Image:
-        with open(self.path(index), "rb") as f:
-            image = Image.open(f)
-            image.load()  # decode now: truncated or corrupt data fails here, not in the transform
-            return to_rgb(image)
+        # decoded now (truncated or corrupt data fails here, not in the transform), through the one reader
+        return to_rgb(read_image(self.path(index)))
 
     def check_readable(self, samples: int = 32) -> None:
         """Raise ``DatasetError`` unless one of ``samples`` images spread evenly over the set decodes.
@@ -276,7 +276,8 @@ class ImageFolderDataset(Dataset):
                 self._read(index)
                 return
             except Exception as err:  # PIL's messages repeat the path: name the error, or the system's reason
-                reason = err.strerror if isinstance(err, OSError) and err.strerror else type(err).__name__
+                reason = err.strerror if isinstance(err, OSError) and err.strerror else getattr(
+                    err, "detail", type(err).__name__)
                 first_error = first_error or f"{self.path(index)}: {reason}"
         which = f"none of its {len(self)} images" if len(indices) == len(self) else (
             f"none of {len(indices)} images sampled across its {len(self)}")

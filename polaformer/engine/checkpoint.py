@@ -3,10 +3,11 @@
 A checkpoint is a plain dict (so it loads with ``weights_only=True``). The engine's
 (:mod:`.loop`) hold the training state::
 
-    {'task': 'classification' | 'lra' | 'detect' | 'segment', 'model': state_dict, 'model_ema'?,
-     'optimizer', 'lr_scheduler', 'scaler', 'epoch', 'step' (batches into the epoch),
+    {'task': 'classification' | 'lra' | 'detect' | 'segment' | 'lm' | 'sr' | 'diffusion', 'model': state_dict,
+     'model_ema'?, 'optimizer', 'lr_scheduler', 'scaler', 'epoch', 'step' (batches into the epoch),
      'num_updates', 'window', 'history', 'best', 'best_at', 'metrics', 'world_size',
-     'batch_size', 'rng', ...the task's entries that rebuild its model}
+     'batch_size', 'rng', 'config' (the run's settings, compared on resume),
+     'tensor_sha256' (the checksum of every tensor, checked on load), ...the task's entries that rebuild its model}
 
 Classification adds ``'arch'`` + ``'num_classes'`` + ``'model_kwargs'`` (enough to rebuild the
 model with ``timm.create_model``, see :func:`polaformer.engine.factory.create_model_from_checkpoint`),
@@ -37,6 +38,7 @@ from ..checkpoint import (  # noqa: F401  (re-exported)
     check_weight_values,
     compare_state_dicts,
     read_checkpoint,
+    with_checksum,
 )
 
 REQUIRED_KEYS = ("model", "arch", "model_kwargs", "num_classes")
@@ -65,7 +67,7 @@ def save_checkpoint(
         "metrics": dict(metrics),
         **extra,
     }
-    return atomic_write(path, lambda f: torch.save(checkpoint, f))
+    return atomic_write(path, lambda f: torch.save(with_checksum(checkpoint), f))
 
 
 def load_checkpoint(path: str | os.PathLike) -> dict:
@@ -133,7 +135,9 @@ def load_task_weights(model: nn.Module, state_dict: dict, path: str | os.PathLik
 # --- the engine's training state ---------------------------------------------------------------
 
 def save_training_state(folder: Path, names: list[str], state: dict) -> Path:
-    """Write ``state`` to ``folder/names[0]`` atomically, then copy it to the other names; returns the first."""
+    """Write ``state`` (with the checksum of its tensors) to ``folder/names[0]`` atomically, then copy it to the
+    other names; returns the first."""
+    state = with_checksum(state)
     first = atomic_write(folder / names[0], lambda f: torch.save(state, f))
     for name in names[1:]:
         atomic_write(folder / name, lambda f: f.write(first.read_bytes()))

@@ -6,23 +6,125 @@ Values are decoded and type-checked as yacs does (``5e-4``, which YAML reads as 
 float; ``None`` clears a value; ints may become floats), unknown keys are an error naming the valid keys
 at that level, nodes made with ``new_allowed=True`` take any keys (model keyword arguments), and YAML
 aliases are refused. The classification task's tree is the official PolaFormer ``config.py``
-(:mod:`polaformer.tasks.classification.config`); LRA's and the dense tasks' trees live beside their tasks.
+(:mod:`polaformer.tasks.classification.config`); the other tasks' trees live beside their tasks.
+
+Every task declares the range of each setting beside its defaults (a :class:`Range` per dotted key: a
+positive integer, a finite number > 0, a probability in [0, 1), a seed...); :func:`check_settings` checks
+them all, once, after the file, the overrides and the command-line flags are merged, and names the key in
+its one-line error. Settings that are not keys (a sampling flag) are checked with :meth:`Range.check`.
+Files are read through :func:`polaformer.files.read_text` (regular files of a bounded size only).
 """
 from __future__ import annotations
 
 import ast
 import copy
+import math
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-__all__ = ["Config", "ConfigError", "coerce_value", "configure", "decode_value", "load_yaml", "merge_file", "merge_opts"]
+from ..files import MAX_CONFIG_BYTES, UnreadableFileError, read_text
+
+__all__ = ["COUNT", "FINITE", "NON_NEGATIVE", "POSITIVE", "POSITIVE_INT", "SEED", "Config", "ConfigError", "Range",
+           "check_settings", "coerce_value", "configure", "decode_value", "fraction", "load_yaml", "merge_file",
+           "merge_opts", "unit"]
+
 
 class ConfigError(ValueError):
     """An unknown key, a value of the wrong type, or an unusable setting (one line)."""
+
+
+# --- declared ranges ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Range:
+    """The values a setting may take: integers or finite numbers between optional bounds (``None``: unbounded),
+    ``optional`` adds None (YAML null); a list value is checked item by item. ``text`` replaces the generated
+    description, ``note`` follows it in parentheses (what a special value means)."""
+
+    integer: bool = False
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+    optional: bool = False
+    note: str = ""
+    text: str = ""
+
+    def accepts(self, value: Any) -> bool:
+        if value is None:
+            return self.optional
+        if isinstance(value, (list, tuple)):
+            return all(self.accepts(item) for item in value)
+        if isinstance(value, bool) or not isinstance(value, int if self.integer else (int, float)):
+            return False
+        if isinstance(value, float) and not math.isfinite(value):
+            return False
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        return self.high is None or (value < self.high or (not self.high_open and value == self.high))
+
+    def describe(self) -> str:
+        """What follows "must" in the error: ``be a positive integer``, ``lie in [0, 1)``..."""
+        def show(bound: float) -> str:
+            return str(int(bound)) if self.integer else f"{bound:g}"
+
+        if self.text:
+            text = self.text
+        elif self.low is not None and self.high is not None:
+            interval = (f"{'(' if self.low_open else '['}{show(self.low)}, {show(self.high)}"
+                        f"{')' if self.high_open else ']'}")
+            text = f"be an integer in {interval}" if self.integer else f"lie in {interval}"
+        elif self.integer:
+            text = "be a positive integer" if self.low == 1 and not self.low_open else (
+                "be an integer" + (f" {'>' if self.low_open else '>='} {show(self.low)}" if self.low is not None
+                                   else ""))
+        else:
+            bound = f" {'>' if self.low_open else '>='} {show(self.low)}" if self.low is not None else (
+                f" {'<' if self.high_open else '<='} {show(self.high)}" if self.high is not None else "")
+            text = f"be a finite number{bound}"
+        text += " or null" if self.optional else ""
+        return f"{text} ({self.note})" if self.note else text
+
+    def check(self, name: str, value: Any, error: type[Exception] = ConfigError) -> None:
+        if not self.accepts(value):
+            raise error(f"{name} must {self.describe()}, got {value!r}")
+
+    def but(self, **changes) -> Range:
+        """This range with some fields changed (a note, null allowed)."""
+        return Range(**{**self.__dict__, **changes})
+
+
+POSITIVE_INT = Range(integer=True, low=1)
+COUNT = Range(integer=True, low=0)  # an integer >= 0
+POSITIVE = Range(low=0, low_open=True)  # a finite number > 0
+NON_NEGATIVE = Range(low=0)
+FINITE = Range()
+SEED = Range(integer=True, low=-2**63, high=2**63, high_open=True,
+             text="be an integer in [-2**63, 2**63)")  # what the random generators take
+
+
+def unit(high_open: bool = True, low_open: bool = False) -> Range:
+    """A number in [0, 1) (probabilities of dropping, decays), or another side of the unit interval."""
+    return Range(low=0, high=1, low_open=low_open, high_open=high_open)
+
+
+def fraction() -> Range:
+    """A number strictly inside (0, 1): a share of a split, a point of a schedule."""
+    return unit(high_open=True, low_open=True)
+
+
+def check_settings(cfg: Config, rules: Mapping[str, Range], error: type[Exception] = ConfigError) -> None:
+    """Check every dotted key of ``rules`` in ``cfg`` against its range; the first failure names the key."""
+    for dotted, rule in rules.items():
+        node: Any = cfg
+        for part in dotted.split("."):
+            node = node[part]
+        rule.check(dotted, node, error)
 
 
 _MAX_NESTING = 64  # levels of lists and mappings in a configuration file
@@ -267,9 +369,11 @@ def merge_file(cfg: Config, path: str | os.PathLike, _seen: tuple = ()) -> Confi
     if path.resolve() in _seen:
         raise ConfigError(f"config file {path} includes itself through BASE")
     try:
-        text = path.read_text(encoding="utf-8")
+        text = read_text(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
+    except UnreadableFileError as e:
+        raise ConfigError(f"config file {e}") from None
     except OSError as e:
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
@@ -309,10 +413,18 @@ def merge_opts(cfg: Config, opts: Sequence[str]) -> Config:
     return cfg
 
 
-def configure(defaults: Config, path: str | os.PathLike | None = None, opts: Sequence[str] = ()) -> Config:
+def configure(defaults: Config, path: str | os.PathLike | None = None, opts: Sequence[str] = (),
+              overrides: Mapping[str, Any] | None = None, rules: Mapping[str, Range] | None = None) -> Config:
     """``defaults`` (changed in place and returned), then the YAML file at ``path``, then ``opts``
-    (a flat ``['TRAIN.EPOCHS', '10', ...]`` list, each value read as YAML)."""
+    (a flat ``['TRAIN.EPOCHS', '10', ...]`` list, each value read as YAML), then ``overrides``
+    (``{'train.lr': 1e-4}`` from command-line flags; None values are skipped); then every key of
+    ``rules`` is checked (:func:`check_settings`)."""
     if path is not None:
         merge_file(defaults, path)
     merge_opts(defaults, opts)
+    for dotted, value in (overrides or {}).items():
+        if value is not None:
+            defaults.set_path(dotted, value, source="the command line")
+    if rules:
+        check_settings(defaults, rules)
     return defaults

@@ -74,15 +74,21 @@ def check_model_kwargs(arch: str, kwargs: Mapping, error: type[Exception] = Valu
         )
 
 
+def check_allocation(what: str, needed: int, device: torch.device | str = "cpu", error: type[Exception] = ValueError,
+                     hint: str = "use a smaller size or batch") -> None:
+    """Refuse, before allocating, ``needed`` bytes (a lower bound of what ``what`` takes) beyond the memory
+    available on ``device``."""
+    free = available_memory(device)
+    if needed > free:
+        raise error(f"{what} needs {_gib(needed)}, more than the {_gib(free)} of memory available on "
+                    f"{torch.device(device)}; {hint}")
+
+
 def check_batch_memory(batch_size: int, channels: int, height: int, width: int, device: torch.device | str,
                        error: type[Exception] = ValueError, what: str = "the input batch") -> None:
     """Refuse a float32 ``batch_size x channels x height x width`` batch larger than the memory available."""
-    needed, free = 4 * batch_size * channels * height * width, available_memory(device)
-    if needed > free:
-        raise error(
-            f"{what} ({batch_size} x {channels} x {height} x {width}) needs {_gib(needed)}, more than the "
-            f"{_gib(free)} of memory available on {torch.device(device)}; use a smaller size or batch"
-        )
+    check_allocation(f"{what} ({batch_size} x {channels} x {height} x {width})",
+                     4 * batch_size * channels * height * width, device, error)
 
 
 def largest_layer_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:

@@ -6,6 +6,10 @@ batch and its evaluation; :class:`Engine` does everything else, once for all tas
 - the output folder: an exclusive lock (:class:`~.output.OutputLock`), leftovers of a killed
   write removed, a finished run never replaced unless asked (``overwrite``) or continued
   (``resume``);
+- resuming continues the run the checkpoint was started as: every setting of the task's configuration
+  (:meth:`Task.settings`) must equal the checkpoint's, except those the task lets change
+  (:attr:`Task.resume_may_change`: the length of the run, how often it evaluates, its workers) and those
+  named in ``allow_changed`` (``--allow-changed KEY``);
 - the loop: epochs of a :class:`~.distributed.TrainSampler` (the same order for every process
   count), gradient accumulation, device and autocast (:mod:`.device`), a GradScaler for float16,
   gradient clipping (by norm or by value), DDP under torchrun, a weight EMA, the schedule stepped
@@ -29,9 +33,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import random
 import re
 import time
+from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -45,7 +51,7 @@ from tqdm import tqdm
 
 from ..checkpoint import CorruptCheckpointError
 from .checkpoint import atomic_write, load_task_weights, read_training_state, save_training_state
-from .config import ConfigError
+from .config import SEED, ConfigError
 from .device import amp_dtype, autocast, place_model, resolve_device
 from .distributed import DistContext, TrainSampler, all_gather_object, all_reduce_sum, barrier, init_distributed, shutdown
 from .optim import unwrap
@@ -125,6 +131,7 @@ class LoopSettings:
     pin_memory: bool = True
     device: str = "auto"
     resume: str | None = None  # 'auto' (the output folder's last checkpoint, if any) or a file
+    allow_changed: tuple[str, ...] = ()  # settings (dotted keys, or a section) a resumed run may change
     overwrite: bool = False  # start afresh in a folder holding a run, replacing its files
     last_name: str = "last.pth"
     find_unused_parameters: bool = False
@@ -134,11 +141,20 @@ class LoopSettings:
     on_update: Callable[[int], None] | None = None  # called after each update (and its checkpoint)
 
 
-def refuse_changed_settings(saved: dict, ours: dict, keys, path: Path, error: type = ConfigError) -> None:
-    """For ``Task.check_resume``: one line when a checkpoint's settings under ``keys`` differ from this run's."""
-    for key in keys:
-        if saved.get(key) != ours[key]:
-            raise error(f"{path} was trained with {key} = {saved.get(key)!r}, this run asks for {ours[key]!r}")
+def flat_settings(settings: Mapping, prefix: str = "") -> dict:
+    """``{'train': {'lr': 1e-3}}`` as ``{'train.lr': 1e-3}`` (lists are values)."""
+    flat = {}
+    for key, value in settings.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping) and value:
+            flat.update(flat_settings(value, f"{name}."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _covered(key: str, names) -> bool:
+    return any(key == name or key.startswith(f"{name}.") for name in names)
 
 
 class Task:
@@ -146,6 +162,8 @@ class Task:
 
     name = "task"  # stored in checkpoints as 'task'
     best_files: dict[str, str] = {"best.pth": "metric"}  # checkpoint name -> record key it maximises
+    # settings (dotted keys of settings(), or sections) a resumed run may change without --allow-changed
+    resume_may_change: tuple[str, ...] = ()
     ties_improve = False  # whether an equal value replaces the best checkpoint
     resume_hint = "use another --output"  # how to start from a checkpoint the task cannot resume
     train_set: Dataset
@@ -155,8 +173,18 @@ class Task:
         """Build data and model (the model on the CPU); ``resuming``: weights will be loaded."""
         raise NotImplementedError
 
+    def settings(self) -> dict | None:
+        """This run's configuration as plain nested data: the engine stores it in every checkpoint as ``'config'``
+        and compares it with the checkpoint's on resume (None: nothing to compare)."""
+        return None
+
+    def saved_settings(self, checkpoint: dict) -> dict | None:
+        """The configuration a checkpoint was trained with (a task may fill in what older files left out)."""
+        saved = checkpoint.get("config")
+        return saved if isinstance(saved, Mapping) else None
+
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        """Refuse a checkpoint of another task or setting, one line."""
+        """Refuse a checkpoint of another task or of a model this run cannot continue, one line."""
 
     def load_weights(self, model: nn.Module, checkpoint: dict, path: Path) -> None:
         load_task_weights(model, checkpoint["model"], path)
@@ -235,6 +263,15 @@ def set_rng_state(state: dict, device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The file at ``path`` (device, inode): an atomic write replaces it with another."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return info.st_dev, info.st_ino
+
+
 def _tuples(value):
     return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
 
@@ -267,8 +304,7 @@ class Engine:
     def __init__(self, task: Task, settings: LoopSettings):
         if (settings.epochs is None) == (settings.steps is None):
             raise ConfigError("give a number of epochs or of steps, not both")
-        if not -2**63 <= settings.seed < 2**63:  # what the random generators take
-            raise ConfigError(f"the seed must be an integer in [-2**63, 2**63), got {settings.seed}")
+        SEED.check("the seed", settings.seed)
         self.task, self.settings = task, settings
         self.device = resolve_device(settings.device)
         self.lock: OutputLock | None = None
@@ -297,6 +333,7 @@ class Engine:
         self._check_no_finished_run()
         if resume is not None:
             task.check_resume(resume, self.resume_path)
+            self._check_same_settings(resume)
             task.load_weights(model, resume, self.resume_path)
         place_model(model, self.device)
 
@@ -424,13 +461,33 @@ class Engine:
                 "continues it, --overwrite replaces it, or choose another --output"
             )
 
+    def _check_same_settings(self, checkpoint: dict) -> None:
+        """Continuing a run with another learning rate, batch size or model would silently mix two runs:
+        every setting must be the checkpoint's, except those the task lets change and those the user names
+        (``allow_changed``). Keys a checkpoint of an earlier version lacks are not compared."""
+        ours, saved = self.task.settings(), self.task.saved_settings(checkpoint)
+        if ours is None or saved is None:
+            return
+        ours, saved = flat_settings(ours), flat_settings(saved)
+        allowed = self.settings.allow_changed
+        unknown = [name for name in allowed if not any(_covered(key, [name]) for key in ours)]
+        if unknown:
+            raise ConfigError(f"--allow-changed {unknown[0]}: no setting of a {self.task.name} run has this name "
+                              f"(settings: {', '.join(ours)})")
+        for key, value in ours.items():
+            if key in saved and saved[key] != value and not _covered(key, (*self.task.resume_may_change, *allowed)):
+                raise ConfigError(
+                    f"{self.resume_path} was trained with {key} = {saved[key]!r}, this run asks for {value!r}: "
+                    f"--allow-changed {key} continues the run with the new value")
+
     def _check_updates_left(self) -> None:
-        """A resumed run with nothing left writes nothing: refuse, unless it is this folder's own run."""
+        """A resumed run with nothing left writes nothing: refuse, unless it is ``--resume auto`` (a job script
+        rerunning the same command on a finished folder)."""
         if not self.finished:
             return
         unit, done, total = ("epochs", self.epoch, self.settings.epochs) if self.epoch_mode else (
             "steps", self.num_updates, self.total_updates)
-        if self.resume_path.resolve() != self.last_path.resolve():
+        if self.settings.resume != "auto":
             raise ConfigError(
                 f"nothing to train: {self.resume_path} has completed {done} {unit} and the run has {total}; "
                 f"give more {unit} to continue it"
@@ -554,6 +611,7 @@ class Engine:
             "world_size": self.ctx.world_size,
             "batch_size": self.settings.batch_size,
             "rng": [p["rng"] for p in per_process],  # per process
+            **({"config": settings} if (settings := self.task.settings()) is not None else {}),
             **self.task.metadata(self),
         }
 
@@ -562,7 +620,14 @@ class Engine:
         per_process = all_gather_object({"rng": rng_state(self.device), "window": self.window.to_dict()}, self.ctx)
         if not self.ctx.is_main or not names:
             return
-        self.last_saved = save_training_state(self.output, names, self._state(per_process))
+        first = self.output / names[0]
+        before = _identity(first)
+        try:
+            self.last_saved = save_training_state(self.output, names, self._state(per_process))
+        except KeyboardInterrupt:
+            if _identity(first) != before:  # Ctrl-C while the copies were made: the first file is complete
+                self.last_saved = first
+            raise
 
     # the run
 

@@ -1,16 +1,27 @@
-"""The training output folder: one run at a time, and no finished run replaced by accident.
+"""What commands write: no file replaced by accident, every file written whole.
 
-:class:`OutputLock` holds an exclusive ``fcntl.flock`` on ``OUTPUT/.polaformer.lock`` for the whole
-run. The kernel drops the lock when its process dies, however it dies, so a killed run never
+:class:`OutputLock` holds an exclusive ``fcntl.flock`` on ``OUTPUT/.polaformer.lock`` for a training's
+whole run. The kernel drops the lock when its process dies, however it dies, so a killed run never
 leaves the folder locked; the file holds the owner's pid for the error message of the next comer.
 Creating the lock file is also the check that the folder is writable, before any epoch runs.
+
+The other commands' files (pictures, samples, exported models, tables, benchmark rows) go through
+:func:`claim_outputs` before any work starts, then :func:`write_output`: a file that exists already is
+refused in one line unless ``overwrite`` (``--overwrite``), several outputs that would share a name get
+distinct ones (:func:`distinct_names`: ``x.png``, ``x-2.png``...), and each is written atomically
+(:func:`polaformer.checkpoint.atomic_write`: a reader, or a crash, sees the old file or the new one whole).
 """
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any, BinaryIO
 
+from ..checkpoint import atomic_write
 from .config import ConfigError
+
+__all__ = ["LOCK_NAME", "OutputLock", "claim_outputs", "distinct_names", "write_image", "write_output"]
 
 LOCK_NAME = ".polaformer.lock"
 
@@ -77,3 +88,56 @@ def _read_pid(fd: int) -> int | None:
 
 def _reason(error: OSError) -> str:
     return (error.strerror or str(error)).lower()
+
+
+# --- the files of other commands -------------------------------------------------------------------
+
+def distinct_names(stems: Iterable[str], folder: str | os.PathLike, suffix: str) -> list[Path]:
+    """``folder/STEM{suffix}`` for each stem; a stem already used by an earlier one gets ``-2``, ``-3``... so that
+    two inputs of the same name (``a/x.png b/x.png``) never write one output."""
+    taken: set[str] = set()
+    paths = []
+    for stem in stems:
+        name, copy = stem, 1
+        while name in taken:
+            copy += 1
+            name = f"{stem}-{copy}"
+        taken.add(name)
+        paths.append(Path(folder) / f"{name}{suffix}")
+    return paths
+
+
+def claim_outputs(paths: Iterable[str | os.PathLike], overwrite: bool = False, option: str = "--output") -> list[Path]:
+    """Check, before any work, that ``paths`` can be written: none is a folder, and none exists unless
+    ``overwrite``; their folders are created. A refusal is one :class:`ConfigError` line naming the file and
+    what to do (``option`` names the command's output option). Returns the paths."""
+    paths = [Path(p) for p in paths]
+    folders = [p for p in paths if p.is_dir()]
+    if folders:
+        raise ConfigError(f"{folders[0]} is a folder, not a file {option} can write")
+    existing = [p for p in paths if os.path.lexists(p)]
+    if existing and not overwrite:
+        more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
+        raise ConfigError(f"{existing[0]} already exists{more}: --overwrite replaces it, or choose another {option}")
+    for folder in {p.parent for p in paths}:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"cannot create the output folder {folder}: {_reason(e)}") from None
+    return paths
+
+
+def write_output(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Write a claimed output atomically (``write`` gets the open temporary file)."""
+    return atomic_write(path, write)
+
+
+def write_image(path: str | os.PathLike, image) -> Path:
+    """Write a PIL image (or an (H, W[, C]) uint8 array) atomically, in the format its suffix names."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(image)
+    path = Path(path)
+    kind = Image.registered_extensions().get(path.suffix.lower(), "PNG")
+    return atomic_write(path, lambda f: image.save(f, format=kind))

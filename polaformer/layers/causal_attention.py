@@ -27,6 +27,7 @@ from ..ops import (
     pacs_temperature,
     rope_1d,
 )
+from .pola_attention import check_heads
 from .sequence_attention import GATE_INITS
 
 __all__ = ["CausalCache", "EluCausalSelfAttention", "PacsCausalSelfAttention", "PolaCausalSelfAttention",
@@ -46,8 +47,7 @@ class _CausalSelfAttention(nn.Module):
     def __init__(self, dim, num_heads, *, qkv_bias, proj_drop, kernel_size, gate_init, eps, chunk_size,
                  conv_channels):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        check_heads(dim, num_heads)
         self.head_dim = dim // num_heads
         if self.head_dim % 2:
             raise ValueError(f"head_dim = dim / num_heads = {self.head_dim} must be even (two polarity streams)")
@@ -94,6 +94,8 @@ class _CausalSelfAttention(nn.Module):
         if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
                                              or key_padding_mask.shape != x.shape[:2]):
             raise ValueError(f"key_padding_mask must be a bool (batch, tokens) = {tuple(x.shape[:2])} tensor")
+        if x.shape[1] == 0:  # no token: nothing to attend, the cache unchanged (the ops' chunking divides by N)
+            return x.new_zeros(x.shape), cache and cache.attention, cache and cache.conv_tail
         q, g = self.qg(x).chunk(2, dim=-1)
         k, v = self.kv(x).chunk(2, dim=-1)
         if key_padding_mask is not None:
@@ -151,6 +153,7 @@ class PolaCausalSelfAttention(_CausalSelfAttention):
     def __init__(self, dim: int, num_heads: int = 8, *, qkv_bias: bool = True, proj_drop: float = 0.0,
                  kernel_size: int = 4, alpha: float = 4.0, gate_init: str = "kaiming_uniform", eps: float = 1e-6,
                  chunk_size: int = 64):
+        check_heads(dim, num_heads)  # before dim // num_heads below
         super().__init__(dim, num_heads, qkv_bias=qkv_bias, proj_drop=proj_drop, kernel_size=kernel_size,
                          gate_init=gate_init, eps=eps, chunk_size=chunk_size, conv_channels=dim // num_heads)
         self.alpha = alpha
@@ -203,8 +206,7 @@ class _PlainCausalSelfAttention(nn.Module):
 
     def __init__(self, dim: int, num_heads: int = 8, *, qkv_bias: bool = True, proj_drop: float = 0.0):
         super().__init__()
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        check_heads(dim, num_heads)
         self.dim, self.num_heads, self.head_dim = dim, num_heads, dim // num_heads
         self.qkv = nn.Linear(dim, 3 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
@@ -231,6 +233,8 @@ class EluCausalSelfAttention(_PlainCausalSelfAttention):
         self.eps, self.chunk_size = eps, chunk_size
 
     def step(self, x, cache=None):
+        if x.shape[1] == 0:  # no token: the cache unchanged (the op's chunking divides by N)
+            return x.new_zeros(x.shape), cache
         q, k, v = self._qkv(x)
         out, state = causal_linear_attention(elu_feature(q), elu_feature(k), v, self.eps, self.chunk_size,
                                              initial_state=cache, recurrent=x.shape[1] == 1 and cache is not None)

@@ -56,6 +56,16 @@ def check_ablation_switches(polarity, polarity_coefficients, local) -> None:
         raise ValueError(f"local must be one of {', '.join(LOCAL_BRANCHES)}, got {local!r}")
 
 
+def check_heads(dim, num_heads) -> None:
+    """``dim`` channels split into ``num_heads`` heads: both positive integers, the split whole (a zero would be
+    a ZeroDivisionError, a remainder a reshape error deep in the forward pass)."""
+    for name, value in (("dim", dim), ("num_heads", num_heads)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if dim % num_heads:
+        raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+
+
 def check_alpha(alpha) -> None:
     """The power map's range ``alpha``: NaN would make every logit NaN, a negative one a power below 1."""
     if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 0):

@@ -22,7 +22,7 @@ from torch import nn
 
 from ..ops import learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention, power_linear_attention
 from .deformable import DeformableDepthwiseConv1d
-from .pola_attention import check_ablation_switches, check_alpha
+from .pola_attention import check_ablation_switches, check_alpha, check_heads
 
 __all__ = ["PolaSequenceAttention", "PacsSequenceAttention", "PolaMultiheadAttention", "GATE_INITS"]
 
@@ -71,8 +71,7 @@ class _SequenceAttention(nn.Module):
                  polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_ablation_switches(True, polarity_coefficients, local)
-        if dim % num_heads:
-            raise ValueError(f"dim {dim} is not divisible by num_heads {num_heads}")
+        check_heads(dim, num_heads)
         head_dim = dim // num_heads
         if head_dim % 2:
             raise ValueError(
@@ -224,6 +223,7 @@ class PolaSequenceAttention(_SequenceAttention):
         local: str = "dwc",
     ):
         check_ablation_switches(polarity, polarity_coefficients, local)
+        check_heads(dim, num_heads)  # before dim // num_heads below
         super().__init__(dim, num_heads, kdim=kdim, vdim=vdim, qkv_bias=qkv_bias, proj_drop=proj_drop,
                          gate_init=gate_init, dwc_channels=dim // num_heads, kernel_size=kernel_size,
                          polarity_coefficients=polarity_coefficients, local=local)
@@ -345,8 +345,7 @@ class PolaMultiheadAttention(nn.Module):
         **layer_kwargs,
     ):
         super().__init__()
-        if isinstance(num_heads, bool) or not isinstance(num_heads, int) or num_heads < 1:
-            raise ValueError(f"num_heads must be a positive integer, got {num_heads!r}")
+        check_heads(embed_dim, num_heads)
         if add_bias_kv or add_zero_attn:
             raise ValueError("add_bias_kv and add_zero_attn are not supported by PolaMultiheadAttention")
         layers = {"pola": PolaSequenceAttention, "pacs": PacsSequenceAttention}

@@ -101,16 +101,33 @@ def _first_rows(out, rows: int):
     return out
 
 
-def check_architecture(drop_path_rate: float, **sizes) -> None:
-    """Refuse what ``timm.create_model`` would otherwise build into a broken model (a 0-block model, a
-    division by zero heads, NaN stochastic depth), one ValueError naming the argument. ``sizes``: counts
-    (depth, num_heads, sr_ratios...), each a positive integer or a sequence of them."""
+def check_architecture(drop_path_rate: float = 0.0, *, rate_name: str = "drop_path_rate", num_classes: int | None = None,
+                       **sizes) -> None:
+    """Refuse what a constructor would otherwise build into a broken model (a 0-block model, a division by zero
+    heads, 0 input channels, NaN stochastic depth, -1 classes), one ValueError naming the argument. ``sizes``:
+    counts (depth, num_heads, in_chans, sr_ratios, window_size...), each a positive integer or a sequence of
+    them; ``num_classes`` an integer >= 0 (0: no head); the rate (``rate_name``) a number in [0, 1)."""
     for name, value in sizes.items():
-        for item in value if isinstance(value, (list, tuple)) else [value]:
+        for item in value if isinstance(value, (list, tuple)) and value else [value]:
             if isinstance(item, bool) or not isinstance(item, int) or item < 1:
                 raise ValueError(f"{name} must be a positive integer (or a sequence of them), got {value!r}")
+    if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
+                                    or num_classes < 0):
+        raise ValueError(f"num_classes must be an integer >= 0 (0: no classifier), got {num_classes!r}")
     if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or not 0 <= drop_path_rate < 1:
-        raise ValueError(f"drop_path_rate must be a number in [0, 1), got {drop_path_rate!r}")
+        raise ValueError(f"{rate_name} must be a number in [0, 1), got {drop_path_rate!r}")
+
+
+def check_grid(img_size, patch_size) -> None:
+    """An image side of at least one patch: a 7-pixel image of 16-pixel patches has no token at all (sizes that
+    are no multiple of the patch are refused by the forward pass, which names the input)."""
+    for image, patch in zip(_pair(img_size), _pair(patch_size)):
+        if isinstance(image, bool) or not isinstance(image, int) or image < patch:
+            raise ValueError(f"img_size must be an integer of at least patch_size {patch_size}, got {img_size!r}")
+
+
+def _pair(value) -> tuple:
+    return tuple(value) if isinstance(value, (list, tuple)) else (value, value)
 
 
 @register_notrace_function  # reason: Python control flow on the input's shape

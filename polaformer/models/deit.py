@@ -34,7 +34,7 @@ from ..checkpoint import build_model_with_cfg  # timm's, also reading the author
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+    check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
 )
 
 __all__ = ["PolaDeiT"]
@@ -82,7 +82,10 @@ class PolaDeiT(nn.Module):
                  drop_path_rate=0.0, alpha=4.0, kernel_size=5, key_pos_encoding=False,
                  norm_layer=partial(nn.LayerNorm, eps=1e-6), polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
-        check_architecture(drop_path_rate, depth=depth, num_heads=num_heads, embed_dim=embed_dim)
+        check_architecture(drop_path_rate, depth=depth, num_heads=num_heads, embed_dim=embed_dim, in_chans=in_chans,
+                           patch_size=patch_size, num_classes=num_classes)
+        check_architecture(drop_rate, rate_name="drop_rate")
+        check_grid(img_size, patch_size)
         _check_global_pool(global_pool)
         self.num_classes = num_classes
         self.in_chans = in_chans

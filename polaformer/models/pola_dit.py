@@ -19,7 +19,8 @@ from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
 from ..layers.dit_attention import PacsGridAttention
-from ._helpers import refuse_unknown_kwargs
+from ..ops.dispatch import capturing
+from ._helpers import check_architecture, refuse_unknown_kwargs
 
 __all__ = ["ATTENTIONS", "PolaDiT", "sincos_pos_table", "timestep_frequencies"]
 
@@ -140,6 +141,8 @@ class PolaDiT(nn.Module):
                  num_classes: int = 1000, learn_sigma: bool = True, attention: str = "pacs", **kwargs):
         super().__init__()
         refuse_unknown_kwargs(kwargs, "PolaDiT")
+        check_architecture(input_size=input_size, patch_size=patch_size, in_channels=in_channels,
+                           hidden_size=hidden_size, depth=depth, num_heads=num_heads, num_classes=num_classes)
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
         if patch_size < 1 or input_size % patch_size:
@@ -194,6 +197,12 @@ class PolaDiT(nn.Module):
                              f"got {tuple(x.shape)}")
         if t.shape != (x.shape[0],) or y.shape != (x.shape[0],):
             raise ValueError(f"timesteps and labels must be ({x.shape[0]},), got {tuple(t.shape)} and {tuple(y.shape)}")
+        if not capturing() and y.device.type == "cpu" and len(y):  # a value check: no device sync on accelerators
+            top = self.num_classes if self.null_class is not None else self.num_classes - 1
+            if int(y.min()) < 0 or int(y.max()) > top:
+                raise ValueError(f"labels must be in [0, {top}], got {int(y.min()) if y.min() < 0 else int(y.max())}")
+            if float(t.min()) < 0:
+                raise ValueError(f"timesteps must be >= 0, got {float(t.min()):g}")
         tokens = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, drop=self.training)
         for block in self.blocks:

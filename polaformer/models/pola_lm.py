@@ -8,6 +8,9 @@ recurrent form for the linear attentions, a KV cache for softmax.
 """
 from __future__ import annotations
 
+import math
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp
@@ -20,7 +23,8 @@ from ..layers import (
     PolaCausalSelfAttention,
     SoftmaxCausalSelfAttention,
 )
-from ._helpers import refuse_unknown_kwargs
+from ..ops.dispatch import capturing
+from ._helpers import check_architecture, refuse_unknown_kwargs
 
 __all__ = ["ATTENTIONS", "PolaLM"]
 
@@ -67,6 +71,10 @@ class PolaLM(nn.Module):
                  attention_kwargs: dict | None = None, **kwargs):
         super().__init__()
         refuse_unknown_kwargs(kwargs, "PolaLM")
+        check_architecture(drop_rate, vocab_size=vocab_size, context=context, dim=dim, depth=depth,
+                           num_heads=num_heads, rate_name="drop_rate")
+        if not (isinstance(mlp_ratio, (int, float)) and 0 < mlp_ratio < math.inf):
+            raise ValueError(f"mlp_ratio must be a finite number > 0, got {mlp_ratio!r}")
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
         self.vocab_size, self.context, self.attention = vocab_size, context, attention
@@ -88,9 +96,19 @@ class PolaLM(nn.Module):
             if isinstance(m, nn.Linear) and m.bias is not None:
                 nn.init.zeros_(m.bias)
 
+    def _check_tokens(self, tokens):
+        # an id past the vocabulary would fail deep in the embedding; checked where it costs no device sync
+        if tokens.device.type == "cpu" and not capturing() and tokens.numel():
+            low, high = int(tokens.min()), int(tokens.max())
+            if low < 0 or high >= self.vocab_size:
+                raise ValueError(f"token ids must be in [0, {self.vocab_size}), got {low if low < 0 else high}")
+
     def _embed(self, tokens, start):
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be (batch, length), got {tuple(tokens.shape)}")
+        if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+            raise ValueError(f"tokens must be integer ids, got {tokens.dtype}")
+        self._check_tokens(tokens)
         end = start + tokens.shape[1]
         if end > self.context:
             raise ValueError(f"sequence of {end} tokens is longer than the model's context {self.context}")
@@ -116,13 +134,21 @@ class PolaLM(nn.Module):
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, new_tokens: int, temperature: float = 1.0, top_k: int = 0,
-                 generator: torch.Generator | None = None) -> torch.Tensor:
+                 generator: torch.Generator | None = None, on_token: Callable[[], None] | None = None) -> torch.Tensor:
         """Continue ``prompt`` (B, T) by ``new_tokens`` sampled tokens (greedy at ``temperature`` 0); one
-        layer ``step`` per token. The model sees a window of at most ``context`` tokens (its positions): a longer
-        prompt is read from its last ``context`` tokens, and when the window is full it restarts from its newest
-        half (one parallel pass), so any length can be generated. Returns (B, T + new_tokens)."""
+        layer ``step`` per token (``on_token`` is called after each: a progress bar). The model sees a window of
+        at most ``context`` tokens (its positions): a longer prompt is read from its last ``context`` tokens, and
+        when the window is full it restarts from its newest half (one parallel pass), so any length can be
+        generated. Returns (B, T + new_tokens)."""
         if prompt.dim() != 2 or prompt.shape[1] == 0:
             raise ValueError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(prompt.shape)}")
+        if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
+            raise ValueError(f"new_tokens must be an integer >= 0, got {new_tokens!r}")
+        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0: all), got {top_k!r}")
+        self._check_tokens(prompt)
         window = prompt[:, -self.context:]
         logits, caches = self.step(window)
         out = [prompt]
@@ -138,6 +164,8 @@ class PolaLM(nn.Module):
                     last = last.masked_fill(last < kth, float("-inf"))
                 token = torch.multinomial(F.softmax(last, dim=-1), 1, generator=generator)
             out.append(token)
+            if on_token is not None:
+                on_token()
             if i + 1 == new_tokens:
                 break
             if position == self.context:  # no position left: restart the window from its newest half

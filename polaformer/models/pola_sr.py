@@ -9,13 +9,16 @@ step. Module names follow the official checkpoints (``layers.i.residual_group.la
 so they load strictly; the ×3 and ×4 models have the official 930,347 and 939,440 parameters.
 
 The input is mirrored at its bottom/right edges up to whole windows and the output cropped back, as in the
-official forward; :func:`tiled_upscale` runs large images tile by tile.
+official forward. Large images: :func:`chop_upscale` is the official test's partition (pieces of about 200
+pixels with a 10% overlap that is cut away), :func:`tiled_upscale` our alternative (any tile size, overlaps
+averaged).
 """
 from __future__ import annotations
 
 import math
 
 import torch
+import torch.nn.functional as F
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
@@ -23,12 +26,13 @@ from ..layers import PacsLinearAttention, RoPE2d
 from ..layers.qkv_window_attention import QKVWindowAttention
 from ..layers.window_attention import relative_position_index
 from ..ops import tokens_to_map
-from ._helpers import without_timm_extras
+from ._helpers import check_architecture, without_timm_extras
 from .swin import hard_window_mask, shifted_window_mask, window_partition, window_reverse
 
-__all__ = ["PolaSR", "tiled_upscale"]
+__all__ = ["PolaSR", "chop_upscale", "tiled_upscale"]
 
 ATTENTION_HEADS = 4  # fixed in the official attentive module
+CHOP_SIDE = 200  # the official test cuts a side into side // 200 + 1 pieces
 DIV2K_RGB_MEAN = (0.4488, 0.4371, 0.4040)
 
 
@@ -176,8 +180,10 @@ class PolaSR(nn.Module):
     def __init__(self, upscale: int = 4, in_chans: int = 3, embed_dim: int = 48, depths=(5, 5, 5, 5),
                  num_heads=(4, 4, 4, 4), window_size: int = 16, mlp_ratio: float = 1.0, img_range: float = 1.0):
         super().__init__()
-        if not isinstance(upscale, int) or upscale < 1:
-            raise ValueError(f"upscale must be a positive integer, got {upscale!r}")
+        check_architecture(upscale=upscale, in_chans=in_chans, embed_dim=embed_dim, depths=list(depths),
+                           num_heads=list(num_heads), window_size=window_size)
+        if not (isinstance(mlp_ratio, (int, float)) and 0 < mlp_ratio < math.inf):
+            raise ValueError(f"mlp_ratio must be a finite number > 0, got {mlp_ratio!r}")
         if embed_dim % 8:  # four PaCS heads whose RoPE tables span twice their width in quarter-turn pairs
             raise ValueError(f"embed_dim must be divisible by 8, got {embed_dim}")
         if len(depths) != len(num_heads):
@@ -242,6 +248,38 @@ class PolaSR(nn.Module):
         x = self.conv_after_body(self.forward_features(x)) + x
         x = self.upsample(x) / self.img_range + self.mean
         return x[..., :h * self.upscale, :w * self.upscale]
+
+
+@torch.no_grad()
+def chop_upscale(model: nn.Module, lr: torch.Tensor, scale: int) -> torch.Tensor:
+    """Upscale (B, C, H, W) ``lr`` as the official lightSR test does (``MambaIRv2LightModel.test``).
+
+    Each side of ``n`` pixels is cut into ``n // 200 + 1`` equal pieces, after reflect-padding the bottom and
+    right edges to a multiple of that count; every piece is run with a tenth of its side of context from each
+    neighbour, which is cut from its output, and the outputs are put side by side and cropped back. An image
+    under 200 pixels on both sides is one call of ``model``.
+    """
+    if lr.dim() != 4:
+        raise ValueError(f"expected a (B, C, H, W) batch, got shape {tuple(lr.shape)}")
+    h, w = lr.shape[-2:]
+    rows, cols = h // CHOP_SIDE + 1, w // CHOP_SIDE + 1
+    padded = F.pad(lr, (0, -w % cols, 0, -h % rows), mode="reflect")
+    piece_h, piece_w = padded.shape[-2] // rows, padded.shape[-1] // cols
+    context_h, context_w = piece_h // 10, piece_w // 10
+    out = None
+    for i in range(rows):
+        before_h = context_h if i > 0 else 0
+        after_h = context_h if i < rows - 1 else 0
+        for j in range(cols):
+            before_w = context_w if j > 0 else 0
+            after_w = context_w if j < cols - 1 else 0
+            piece = model(padded[..., i * piece_h - before_h:(i + 1) * piece_h + after_h,
+                                 j * piece_w - before_w:(j + 1) * piece_w + after_w])
+            if out is None:
+                out = piece.new_zeros(*piece.shape[:2], padded.shape[-2] * scale, padded.shape[-1] * scale)
+            out[..., i * piece_h * scale:(i + 1) * piece_h * scale, j * piece_w * scale:(j + 1) * piece_w * scale] = \
+                piece[..., before_h * scale:(before_h + piece_h) * scale, before_w * scale:(before_w + piece_w) * scale]
+    return out[..., :h * scale, :w * scale]
 
 
 @torch.no_grad()

@@ -195,7 +195,8 @@ class PolaFormerPP(nn.Module):
                  drop_rate=0.0, drop_path_rate=0.1, projection=1024, layerscales=(False,) * 4,
                  layer_init_values=(1e-6,) * 4, global_pool="avg", img_size=None):
         super().__init__()
-        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims))
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims),
+                           in_chans=in_chans, projection=projection, num_classes=num_classes)
         num_stages = len(depths)
         for name, values in (("embed_dims", embed_dims), ("num_heads", num_heads), ("mlp_ratios", mlp_ratios),
                              ("layerscales", layerscales), ("layer_init_values", layer_init_values)):

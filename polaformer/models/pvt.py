@@ -42,7 +42,7 @@ from .official import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+    check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
 )
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
@@ -195,7 +195,9 @@ class PolaPVT(PyramidBase):
                  attn_type="LLLL", global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), sr_ratios=list(sr_ratios),
-                           embed_dims=list(embed_dims))
+                           embed_dims=list(embed_dims), in_chans=in_chans, patch_size=patch_size,
+                           num_classes=num_classes)
+        check_grid(img_size, patch_size)
         lists = dict(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios, depths=depths,
                      sr_ratios=sr_ratios, attn_type=attn_type, la_sr_ratios=str(la_sr_ratios))
         short = [name for name, values in lists.items() if len(values) < num_stages]

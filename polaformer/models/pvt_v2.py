@@ -77,7 +77,8 @@ class PolaPVTv2(PyramidBase):
                  drop_path_rate=0.0, norm_layer=partial(nn.LayerNorm, eps=1e-6), alpha=4, kernel_size=5,
                  global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
-        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims))
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims),
+                           in_chans=in_chans, img_size=img_size, num_classes=num_classes)
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         self.num_classes = num_classes

@@ -59,7 +59,7 @@ from ..checkpoint import build_model_with_cfg  # timm's, also reading the author
 from .official import register_official
 from ..layers import PolaLinearAttention, WindowAttention
 from ._helpers import (
-    check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+    check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
 )
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
@@ -289,7 +289,10 @@ class PolaSwinTransformer(nn.Module):
                  attn_drop_rate=0.0, drop_path_rate=0.1, norm_layer=nn.LayerNorm, ape=False, patch_norm=True,
                  alpha=4, kernel_size=5, attn_type="LLLL", global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
-        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dim=embed_dim)
+        check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dim=embed_dim,
+                           in_chans=in_chans, patch_size=patch_size, window_size=window_size,
+                           num_classes=num_classes)
+        check_grid(img_size, patch_size)
         if global_pool not in ("avg", ""):
             raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
         if len(num_heads) != len(depths):

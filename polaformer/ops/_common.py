@@ -3,10 +3,12 @@ autocast turned off, the swap of a feature vector's halves, and the reduction of
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
 __all__ = [
+    "check_eps",
     "check_float",
     "check_key_padding_mask",
     "check_qkv",
@@ -54,6 +56,12 @@ def check_qkv(q, k, v, *, split_values: bool = True, even_head_dim: bool = False
                          f"got {v.shape[-1]}")
 
 
+def check_eps(eps) -> None:
+    """A NaN normaliser offset makes every output NaN, a negative one can divide by zero."""
+    if isinstance(eps, (int, float)) and not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
+
+
 def check_key_padding_mask(key_padding_mask: torch.Tensor, k: torch.Tensor) -> None:
     if key_padding_mask.dtype != torch.bool:
         raise ValueError(f"key_padding_mask must be a bool tensor (True = padding), got {key_padding_mask.dtype}")
@@ -88,7 +96,8 @@ def half_precision(*tensors: torch.Tensor) -> bool:
 
 def full_precision(device_type: str):
     """Autocast off for the block (meta tensors, used for FLOP counting, have no autocast)."""
-    if torch.amp.is_autocast_available(device_type):
+    # dynamo before torch 2.14 cannot trace the availability query; a compiled call is on a real device
+    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
 

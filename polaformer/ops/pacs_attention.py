@@ -19,6 +19,7 @@ from .causal import causal_pacs_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
 from .feature_maps import _expm1
 from ._common import (
+    check_eps,
     check_float,
     check_key_padding_mask,
     check_qkv,
@@ -527,6 +528,7 @@ def pacs_linear_attention(
                                             key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
     check_qkv(q, k, v, even_head_dim=True)
     check_float(temp_same=temp_same, temp_opposite=temp_opposite)
+    check_eps(eps)
     two_d = 2 * q.shape[-1]
     for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
         if t.shape[-1] != two_d:

@@ -34,6 +34,7 @@ from torch.autograd.function import once_differentiable
 
 from . import varlen
 from ._common import (
+    check_eps,
     check_float,
     check_key_padding_mask,
     check_qkv,
@@ -58,12 +59,6 @@ def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
         raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
     return power
-
-
-def _check_eps(eps) -> None:
-    """A NaN normaliser offset makes every output NaN, a negative one can divide by zero."""
-    if isinstance(eps, (int, float)) and not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
 
 
 def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor):
@@ -436,7 +431,7 @@ def pola_linear_attention(
         return causal_pola_linear_attention(q, k, v, power, eps, key_padding_mask=key_padding_mask,
                                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
     check_qkv(q, k, v)
-    _check_eps(eps)
+    check_eps(eps)
     graph = capturing()
     power = _as_power(power, q)
     packed = cu_seqlens is not None or cu_seqlens_k is not None

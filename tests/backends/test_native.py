@@ -1,6 +1,7 @@
 """The fused CPU kernels (polaformer/backends/cpu/csrc/) against the torch-op versions they replace."""
 import logging
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -304,42 +305,107 @@ def test_failed_build_falls_back_with_a_warning(monkeypatch, caplog, tmp_path):
         assert "build failed" in caplog.text
 
 
-def test_every_source_is_built_under_a_name_that_changes_with_any_header(monkeypatch, tmp_path):
+@pytest.fixture
+def fake_builds(monkeypatch, tmp_path):
+    """cpp_extension.load replaced by a stand-in that writes a library file where it is told (and counts the
+    calls); loading a library returns its path. The build root is tmp_path/build."""
     from torch.utils import cpp_extension
 
     if torch.backends.cpu.get_cpu_capability() not in native_mod._FLAGS:
         pytest.skip("no native build for this CPU")
+    calls = []
+
+    def load(**kwargs):
+        calls.append(kwargs)
+        library = Path(kwargs["build_directory"]) / f"{kwargs['name']}.so"
+        library.write_bytes(b"a library")
+        return library
+
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build" / name))
+    monkeypatch.setattr(native_mod, "_load_library", lambda name, path: path)
+    return calls
+
+
+def test_every_source_is_built_under_a_name_that_changes_with_any_header(monkeypatch, tmp_path, fake_builds):
     for name in ("b.cpp", "a.cpp", "shared.h"):
         (tmp_path / name).write_text(f"// {name}\n")
-    calls = []
     monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path)
-    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build" / name))
-    assert native_mod._build() == "built"
+    native_mod._build()
     (tmp_path / "shared.h").write_text("// shared.h, edited\n")
-    assert native_mod._build() == "built"
-    staged = tmp_path / "build" / calls[0]["name"] / "src"
-    assert calls[0]["sources"] == [str(staged / "a.cpp"), str(staged / "b.cpp")]
+    native_mod._build()
+    first, second = fake_builds
+    private = Path(first["build_directory"])
+    assert private.name.startswith(f"{first['name']}.build-")  # built aside, then renamed into place
+    assert first["sources"] == [str(private / "src" / "a.cpp"), str(private / "src" / "b.cpp")]
+    staged = tmp_path / "build" / first["name"] / "src"
     assert (staged / "shared.h").read_text() == "// shared.h\n"
-    assert calls[0]["name"] != calls[1]["name"]
-    assert calls[0]["name"].startswith(calls[1]["name"].rsplit("_", 1)[0])
+    assert first["name"] != second["name"]
+    assert first["name"].startswith(second["name"].rsplit("_", 1)[0])
 
 
-def test_two_checkouts_of_the_same_sources_build_from_the_same_paths(monkeypatch, tmp_path):
-    """The build is keyed by the sources' content: a second checkout reuses the first one's build."""
-    from torch.utils import cpp_extension
-
-    if torch.backends.cpu.get_cpu_capability() not in native_mod._FLAGS:
-        pytest.skip("no native build for this CPU")
-    calls = []
-    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: calls.append(kwargs) or "built")
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path / "build" / name))
+def test_two_checkouts_of_the_same_sources_share_one_build(monkeypatch, tmp_path, fake_builds):
+    """The build is keyed by the sources' content: a second checkout loads the first one's build."""
     for checkout in ("one", "two"):
         (tmp_path / checkout).mkdir()
         (tmp_path / checkout / "a.cpp").write_text("// a.cpp\n")
         monkeypatch.setattr(native_mod, "_SOURCE_DIR", tmp_path / checkout)
-        assert native_mod._build() == "built"
-    assert calls[0]["name"] == calls[1]["name"] and calls[0]["sources"] == calls[1]["sources"]
+        library = native_mod._build()
+    assert len(fake_builds) == 1 and library == tmp_path / "build" / fake_builds[0]["name"] / library.name
+
+
+def test_two_environments_build_once_each_and_never_into_a_loaded_library(monkeypatch, tmp_path, fake_builds):
+    """Two virtual environments with the same torch but other paths (here: another include path) used to
+    build into one folder with different commands, each recompiling the other's objects and relinking the
+    library a process had loaded. Now the key holds every input, each builds once into its own folder, and a
+    folder, once renamed into place, is never written again."""
+    from torch.utils import cpp_extension
+
+    real_include_paths = cpp_extension.include_paths
+    environments = {"one": real_include_paths(), "two": ["/other/venv/site-packages/torch/include"]}
+    capability = torch.backends.cpu.get_cpu_capability()
+    names = {}
+    for environment, paths in environments.items():
+        monkeypatch.setattr(cpp_extension, "include_paths", lambda *args, paths=paths, **kwargs: list(paths))
+        names[environment] = native_mod.build_name(capability, cpp_extension)
+        assert paths[0] in native_mod.build_inputs(capability, cpp_extension)["include_paths"]
+    assert names["one"] != names["two"]
+
+    libraries = {}
+    for round_ in range(2):
+        for environment, paths in environments.items():
+            monkeypatch.setattr(cpp_extension, "include_paths", lambda *args, paths=paths, **kwargs: list(paths))
+            loaded = native_mod._build()
+            library = tmp_path / "build" / names[environment] / f"{names[environment]}.so"
+            stat = library.stat()
+            if round_ == 0:
+                libraries[environment] = (stat.st_ino, stat.st_mtime_ns)
+            else:  # loaded from its folder as built: not rebuilt, not rewritten
+                assert loaded == library and (stat.st_ino, stat.st_mtime_ns) == libraries[environment]
+    assert [call["name"] for call in fake_builds] == [names["one"], names["two"]]
+    assert all(Path(call["build_directory"]).name.startswith(f"{call['name']}.build-") for call in fake_builds)
+    assert sorted(p.name for p in (tmp_path / "build").iterdir()) == sorted(
+        [*names.values(), *(f"{name}.lock" for name in names.values())])  # no private folder left
+
+
+def test_a_build_killed_midway_leaves_nothing_that_is_loaded(monkeypatch, tmp_path, fake_builds, caplog):
+    """A failed build removes its private folder; the next process builds afresh (a leftover of a killed one is
+    removed under the lock) and nothing half-built is ever in the folder that processes load from."""
+    from torch.utils import cpp_extension
+
+    name = native_mod.build_name(torch.backends.cpu.get_cpu_capability(), cpp_extension)
+    leftover = tmp_path / "build" / f"{name}.build-0123456789ab"
+    leftover.mkdir(parents=True)
+    (leftover / "half.o").write_bytes(b"")
+
+    def failing(**kwargs):
+        raise RuntimeError("Error building extension")
+
+    monkeypatch.setattr(cpp_extension, "load", failing)
+    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
+        assert native_mod._build() is None
+    assert "build failed (Error building extension)" in caplog.text
+    assert sorted(p.name for p in (tmp_path / "build").iterdir()) == [f"{name}.lock"]
 
 
 def test_the_shipped_sources_include_every_kernel_family():
@@ -524,49 +590,6 @@ def test_fused_pacs_kernels_reject_malformed_inputs(native):
         native.pacs_fused_forward(q, q[:, :1], q[:, :1], temps)
     with pytest.raises(RuntimeError, match="dtypes differ"):
         native.pacs_fused_forward(q, q.double(), q, temps)
-
-
-def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
-    import os
-    import time
-
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    assert not native_mod.clear_stale_build_lock(tmp_path)  # a build may be running
-    assert lock.exists()
-    old = time.time() - 2 * native_mod._STALE_LOCK_SECONDS
-    os.utime(lock, (old, old))
-    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
-        assert native_mod.clear_stale_build_lock(tmp_path)
-    assert not lock.exists() and "did not finish" in caplog.text
-    assert not native_mod.clear_stale_build_lock(tmp_path)  # nothing to remove
-
-
-@pytest.mark.parametrize("existence_lock", [True, False])
-def test_the_build_lock_is_cleared_only_where_its_existence_blocks(existence_lock, tmp_path, monkeypatch, caplog):
-    """torch's FileBaton (older torch) blocks while the lock file exists; torch 2.14's advisory lock keeps
-    the file after every build, and removing it would let two builds run at once."""
-    import os
-    import time
-
-    from torch.utils import cpp_extension
-
-    if torch.backends.cpu.get_cpu_capability() not in native_mod._FLAGS:
-        pytest.skip("no native build for this CPU")
-    lock = tmp_path / "lock"
-    lock.write_text("")
-    old = time.time() - 2 * native_mod._STALE_LOCK_SECONDS
-    os.utime(lock, (old, old))
-    monkeypatch.setattr(cpp_extension, "_get_build_directory", lambda name, verbose: str(tmp_path))
-    monkeypatch.setattr(cpp_extension, "load", lambda **kwargs: "built")
-    if existence_lock:
-        monkeypatch.setattr(cpp_extension, "FileBaton", object, raising=False)
-    else:
-        monkeypatch.delattr(cpp_extension, "FileBaton", raising=False)
-    with caplog.at_level(logging.WARNING, logger="polaformer.backends.cpu.native"):
-        assert native_mod._build() == "built"
-    assert lock.exists() is not existence_lock
-    assert ("did not finish" in caplog.text) is existence_lock
 
 
 @pytest.mark.parametrize("dtype", [F64, torch.float32])

@@ -21,6 +21,7 @@ import torch
 from PIL import Image
 
 import polaformer.checkpoint
+from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
 from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
@@ -78,14 +79,18 @@ def work(tmp_path_factory):
     torch.save({**good, "model_kwargs": {**DEIT_KWARGS, "depth": 10**9}}, root / "deep.pth")
 
     digits = torch.load(run / "checkpoint.pth", weights_only=True)
-    torch.save({**digits, "arch": 42}, root / "arch42.pth")
-    torch.save({**digits, "model_kwargs": [1, 2]}, root / "kwargs_list.pth")
-    torch.save({**digits, "epoch": "three"}, root / "bad_epoch.pth")
-    torch.save({**digits, "optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, root / "bad_optimizer.pth")
-    torch.save({**digits, "rng": [{"python": 5, "numpy": {}, "torch": torch.zeros(3)}]}, root / "bad_rng.pth")
+
+    def tampered(changes, name):  # saved with a checksum of its own: the tampering is what is under test
+        torch.save(with_checksum({**digits, **changes}), root / name)
+
+    tampered({"arch": 42}, "arch42.pth")
+    tampered({"model_kwargs": [1, 2]}, "kwargs_list.pth")
+    tampered({"epoch": "three"}, "bad_epoch.pth")
+    tampered({"optimizer": {"state": {}, "param_groups": [{"params": [0]}]}}, "bad_optimizer.pth")
+    tampered({"rng": [{"python": 5, "numpy": {}, "torch": torch.zeros(3)}]}, "bad_rng.pth")
     moments = {**digits["optimizer"]["state"][0], "exp_avg": torch.zeros(3, 3)}
     optimizer = {**digits["optimizer"], "state": {**digits["optimizer"]["state"], 0: moments}}
-    torch.save({**digits, "optimizer": optimizer}, root / "bad_exp_avg.pth")
+    tampered({"optimizer": optimizer}, "bad_exp_avg.pth")
     (root / "model.onnx").write_bytes(b"an earlier export")
 
     configs = root / "configs"
@@ -107,7 +112,7 @@ R = "{root}"  # replaced by the fixture folder
 TRAIN_DIGITS = ["train", *TINY, "--epochs", "1", "--output", f"{R}/new"]
 TRAIN_FOLDER = ["train", "--data-path", f"{R}/data", "--output", f"{R}/new"]
 EVAL_FOLDER = ["eval", "--checkpoint", f"{R}/deit.pth", "--data-path", f"{R}/data", "--workers", "0"]
-RESUME = ["train", *TINY, "--output", f"{R}/new", "--epochs", "3", "--resume"]
+RESUME = ["train", *TINY, "--batch-size", "128", "--output", f"{R}/new", "--epochs", "3", "--resume"]
 
 CASES = [
     # settings
@@ -135,8 +140,8 @@ CASES = [
     ("finished run, no --resume", ["train", *TINY, "--epochs", "1", "--output", f"{R}/run"],
      "already holds a run (checkpoint.pth"),
     ("output under a file", [*TRAIN_DIGITS[:-1], f"{R}/a_file/out"], "cannot create the output folder"),
-    ("resume, no epoch left", ["train", *TINY, "--output", f"{R}/new", "--epochs", "1", "--resume",
-                               f"{R}/run/checkpoint.pth"], "nothing to train: "),
+    ("resume, no epoch left", ["train", *TINY, "--batch-size", "128", "--output", f"{R}/new", "--epochs", "1",
+                               "--resume", f"{R}/run/checkpoint.pth"], "nothing to train: "),
     # checkpoints
     ("NaN weights", ["eval", "--checkpoint", f"{R}/nan.pth", "--data-path", f"{R}/data"],
      "weight 'head.weight' holds NaN or infinite values"),
@@ -161,8 +166,10 @@ CASES = [
      "--atol must be >= 0, got -1.0"),
     ("export --weights ema, no checkpoint", ["export", "--model", DEIT, "--out", f"{R}/model.onnx", "--weights", "ema"],
      "--weights needs --checkpoint FILE"),
-    ("export, NaN weights", ["export", "--model", DEIT, "--checkpoint", f"{R}/nan.pth", "--out", f"{R}/model.onnx"],
-     "weight 'head.weight' holds NaN or infinite values"),
+    ("export, NaN weights", ["export", "--model", DEIT, "--checkpoint", f"{R}/nan.pth", "--out", f"{R}/model.onnx",
+                             "--overwrite"], "weight 'head.weight' holds NaN or infinite values"),
+    ("export over an existing file", ["export", "--model", DEIT, "--out", f"{R}/model.onnx"],
+     "model.onnx already exists: --overwrite replaces it, or choose another --out"),
     # sizes and memory
     ("depth=1e9 in a checkpoint", [*EVAL_FOLDER[:2], f"{R}/deep.pth", *EVAL_FOLDER[3:]], "for its weights"),
     ("eval --img-size 100000", [*EVAL_FOLDER, "--img-size", "100000"], "more than the"),
@@ -292,7 +299,8 @@ def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
         deadline = time.monotonic() + 90
         while not (output / "checkpoint.pth").exists():
             if process.poll() is not None or time.monotonic() > deadline:
-                pytest.fail(f"the training ended or saved nothing: {process.stderr.read()[-2000:]}")
+                process.kill()  # reading the stderr of a live child would wait for it forever
+                pytest.fail(f"the training ended or saved nothing: {process.communicate()[1][-2000:]}")
             time.sleep(0.2)
         code, _, err = run_main([*TRAIN_DIGITS[:-1], output], capsys)
         assert code == 2 and f"is in use by process {process.pid}" in error_line(err)

@@ -14,10 +14,11 @@ import torch
 from PIL import Image
 
 import polaformer.checkpoint
+from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
 from polaformer.tasks.lra.listops import generate_listops
-from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
+from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot, within
 from dense_helpers import write_ade, write_coco
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
@@ -48,10 +49,11 @@ def segment_train(*extra):
 
 
 def with_nan(source, target, key=None):
+    """A copy of ``source`` with NaN weights, as a diverged run saves it (with its checksum)."""
     checkpoint = torch.load(source, weights_only=True)
     key = key or next(k for k, v in checkpoint["model"].items() if v.is_floating_point())
     checkpoint["model"][key] = torch.full_like(checkpoint["model"][key], float("nan"))
-    torch.save(checkpoint, target)
+    torch.save(with_checksum(checkpoint), target)
     return key
 
 
@@ -68,6 +70,8 @@ def runs(tmp_path_factory):
     for task in ("lra", "detect", "segment"):
         with_nan(root / task / "last.pth", root / f"nan_{task}.pth")
     Image.new("RGB", (40, 32), (90, 30, 200)).save(root / "x.png")
+    (root / "drawn").mkdir()
+    Image.new("RGB", (4, 4)).save(root / "drawn" / "x.png")
     for folder in ("a", "b"):
         (root / folder).mkdir()
         Image.new("RGB", (40, 32), (10, 10, 10)).save(root / folder / "x.png")
@@ -76,10 +80,11 @@ def runs(tmp_path_factory):
         assert main(["train", *TINY, "--epochs", "1", "--batch-size", "256", "--output", str(root / "digits")]) == 0
     good = torch.load(root / "digits" / "checkpoint.pth", weights_only=True)
     head = good["model"]["head.weight"]
-    torch.save({**good, "model": {**good["model"], "head.weight": torch.full_like(head, float("inf"))}},
+    torch.save(with_checksum({**good, "model": {**good["model"], "head.weight": torch.full_like(head, float("inf"))}}),
                root / "inf_head.pth")
     bias = good["model"]["head.bias"]
-    torch.save({**good, "model": {**good["model"], "head.bias": torch.zeros_like(bias, dtype=torch.int64)}},
+    torch.save(with_checksum({**good, "model": {**good["model"],
+                                                "head.bias": torch.zeros_like(bias, dtype=torch.int64)}}),
                root / "int64_head.pth")
     torch.save({**good, "epoch": -5}, root / "minus5.pth")
     configs = root / "configs"
@@ -115,6 +120,7 @@ COCO_EDITS = {
     "no_annotations": _set(["annotations"], []),
     "duplicate_id": _set(["images", 1, "id"], 10),
     "traversal": _set(["images", 0, "file_name"], "../../../../etc/passwd"),
+    "segmentation_empty": _set(["annotations", 0, "segmentation"], []),
 }
 
 
@@ -170,7 +176,7 @@ CASES = [
                                                                  "--output", r / "new"),
      "a batch of data.crop_size 100000 crops (1 x 3 x 100000 x 100000) needs"),
     ("train --seed 1e20", lambda r: ["train", *TINY, "--epochs", "1", "--seed", "99999999999999999999", "--output",
-                                     r / "new"], "the seed must be an integer in [-2**63, 2**63)"),
+                                     r / "new"], "SEED must be an integer in [-2**63, 2**63), got 99999999999999999999"),
     ("COCO bbox 1e30", lambda r: coco_train(r, "bbox_1e30"), "bbox [1e+30, 2, 5, 5] lies outside its 48x64 image"),
     ("COCO bbox outside the image", lambda r: coco_train(r, "bbox_outside"), "lies outside its 48x64 image"),
     ("COCO RLE of 1e6 x 1e6", lambda r: coco_train(r, "rle_huge"), "RLE size must be [height, width] of at most"),
@@ -180,11 +186,30 @@ CASES = [
     ("COCO duplicate image id", lambda r: coco_train(r, "duplicate_id"), "has the id 10 of an earlier image"),
     ("COCO file_name leaving the folder", lambda r: coco_train(r, "traversal"),
      "file_name '../../../../etc/passwd' leaves the image folder"),
+    ("COCO \"segmentation\": []", lambda r: coco_train(r, "segmentation_empty"),
+     "segmentation is an empty list; give polygons or an RLE, or leave the key out"),
+    ("detect predict over an existing drawing", lambda r: ["detect", "predict", "--checkpoint", r / "detect" / "last.pth",
+                                                           r / "x.png", "--out", r / "drawn", "--device", "cpu"],
+     "drawn/x.png already exists: --overwrite replaces it, or choose another --out"),
+    ("lra train --resume, another learning rate", lambda r: lra_train(r, "--output", r / "new", "--steps", "4",
+                                                                      "--resume", r / "lra" / "last.pth", "--lr",
+                                                                      "0.5"),
+     "was trained with train.lr = 0.0001, this run asks for 0.5: --allow-changed train.lr continues the run"),
+    ("lra train --resume, another batch size", lambda r: lra_train(r, "--output", r / "new", "--steps", "4",
+                                                                   "--resume", r / "lra" / "last.pth",
+                                                                   "--batch-size", "4"),
+     "was trained with train.batch_size = 8, this run asks for 4: --allow-changed train.batch_size continues"),
+    ("detect train --resume, another learning rate", lambda r: detect_train("--output", r / "new", "--steps", "2",
+                                                                            "--resume", r / "detect" / "last.pth",
+                                                                            "--lr", "0.5"),
+     "this run asks for 0.5: --allow-changed train.lr continues the run with the new value"),
+    ("lra train model.num_layers 0", lambda r: lra_train(r, "--output", r / "new", "--opts", "model.num_layers", "0"),
+     "model.num_layers must be a positive integer, got 0"),
     ("lra train --attention-option alpha=-3", lambda r: lra_train(r, "--output", r / "new", "--attention", "pola",
                                                                   "--attention-option", "alpha=-3"),
      "alpha must be a finite number >= 0, got -3"),
     ("lra train --workers -1", lambda r: lra_train(r, "--output", r / "new", "--workers", "-1"),
-     "train.num_workers must be >= 0, got -1"),
+     "train.num_workers must be an integer >= 0, got -1"),
     ("detect predict --score-threshold nan", lambda r: ["detect", "predict", "--checkpoint", r / "detect" / "last.pth",
                                                         r / "x.png", "--out", r / "new", "--score-threshold", "nan"],
      "the score threshold must be a number in [0, 1], got nan"),
@@ -192,7 +217,9 @@ CASES = [
 
 
 # Cases that fail after an info line was logged.
-AFTER_LOGS = {"train --finetune, inf weights", "train --finetune, int64 head.bias"}
+AFTER_LOGS = {"train --finetune, inf weights", "train --finetune, int64 head.bias",
+              "lra train --resume, another learning rate", "lra train --resume, another batch size",
+              "detect train --resume, another learning rate"}
 
 
 @pytest.mark.parametrize("name, argv, fragment", CASES, ids=[case[0] for case in CASES])
@@ -239,6 +266,17 @@ def test_detect_predict_gives_same_named_images_distinct_outputs(runs, tmp_path,
     assert len({Image.open(tmp_path / name).getpixel((0, 0)) for name in ("x.png", "x-2.png", "x-3.png")}) == 2
 
 
+def test_detect_predict_refuses_a_fifo(runs, tmp_path, capsys):
+    """An image that is a FIFO blocked the command forever; now one line, and no drawing."""
+    fifo = tmp_path / "x.png"
+    os.mkfifo(fifo)
+    code, _, err = within(60, fifo, lambda: run_main(["detect", "predict", "--checkpoint", runs / "detect" / "last.pth",
+                                                       fifo, "--out", tmp_path / "out", "--device", "cpu"], capsys))
+    assert code == 2
+    assert f"{fifo}: a FIFO (named pipe), not a regular file" in error_line(err)
+    assert not list((tmp_path / "out").iterdir())
+
+
 def test_detect_predict_refuses_a_decompression_bomb(runs, tmp_path, capsys):
     """A 40000x40000 PNG (only its header is real) is one line, not PIL's DecompressionBombError."""
     def chunk(kind, data):
@@ -255,8 +293,8 @@ def test_detect_predict_refuses_a_decompression_bomb(runs, tmp_path, capsys):
 
 def test_resume_refuses_a_negative_epoch(runs, capsys):
     before = snapshot(runs)
-    code, _, err = run_main(["train", *TINY, "--epochs", "3", "--output", runs / "new", "--resume",
-                             runs / "minus5.pth"], capsys)
+    code, _, err = run_main(["train", *TINY, "--epochs", "3", "--batch-size", "256", "--output", runs / "new",
+                             "--resume", runs / "minus5.pth"], capsys)
     assert code == 2
     assert "training state cannot be restored: ValueError: epoch -5 is negative" in error_line(err)
     assert_unchanged(before, runs)

@@ -1,5 +1,6 @@
 """The training engine: checkpoints, model creation, the loop, configuration."""
 import json
+import re
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from polaformer.tasks.classification import (
     run_training,
 )
 from polaformer.engine.config import ConfigError
-from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings
+from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task
 from polaformer.tasks.classification.train import model_kwargs_for
 
 # A ViT small enough to train for an epoch on digits in about a second.
@@ -487,9 +488,12 @@ def test_resume_auto_extends_a_finished_run(tmp_path):
 
 def test_resume_refuses_another_architecture(tmp_path):
     run_training(tiny_config(tmp_path, "TRAIN.EPOCHS", "1"), data=random_data())
-    with pytest.raises(ArchitectureMismatchError, match="does not fit"):
-        build_trainer(tiny_config(tmp_path, "MODEL.RESUME", str(tmp_path / "last.pth"), "MODEL.KWARGS.embed_dim", "32"),
-                data=random_data())
+    other = tiny_config(tmp_path, "MODEL.RESUME", str(tmp_path / "last.pth"), "MODEL.KWARGS.embed_dim", "32")
+    with pytest.raises(ConfigError, match="was trained with MODEL.KWARGS.embed_dim = "):
+        build_trainer(other, data=random_data())
+    with pytest.raises(ArchitectureMismatchError, match="does not fit"):  # allowed, the weights still cannot fit
+        build_trainer(tiny_config(tmp_path, "MODEL.RESUME", str(tmp_path / "last.pth"), "MODEL.KWARGS.embed_dim", "32",
+                                  "ALLOW_CHANGED", "[MODEL.KWARGS.embed_dim]"), data=random_data())
 
 
 def test_a_batch_of_unreadable_images_is_skipped_and_counted(tmp_path):
@@ -566,10 +570,45 @@ def test_train_on_an_image_folder_from_the_command_line(tmp_path, capsys):
     assert last["model_kwargs"]["img_size"] == 32 and last["num_updates"] == 2 * (16 // 4)
 
 
-def test_resume_refuses_a_checkpoint_of_other_settings_in_one_line(tmp_path):
-    settings = {"model": {"dim": 32}, "data": {"root": "a"}}
-    refuse_changed_settings(settings, {"model": {"dim": 32}, "data": {"root": "a"}}, ("model", "data"), tmp_path)
-    with pytest.raises(ConfigError, match=r"x\.pth was trained with model = \{'dim': 32\}, this run asks for "
-                                          r"\{'dim': 64\}$"):
-        refuse_changed_settings(settings, {"model": {"dim": 64}, "data": {"root": "a"}}, ("model", "data"),
-                                tmp_path / "x.pth")
+class SettingsTask(LinearTask):
+    """The linear task with a configuration: a learning rate, a batch size, and a length that may change."""
+
+    resume_may_change = ("train.steps",)
+
+    def __init__(self, settings, *args):
+        super().__init__(*args)
+        self.config = settings
+
+    def settings(self):
+        return self.config
+
+
+def test_resume_compares_every_setting_and_allows_what_is_named(tmp_path):
+    x, y = torch.randn(32, 4), torch.randint(0, 3, (32,))
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=0.1)  # noqa: E731
+    constant = lambda optimizer, per_epoch: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # noqa: E731
+
+    def run(folder, settings, steps, **loop):
+        engine = Engine(SettingsTask(settings, x, y, sgd, constant),
+                        LoopSettings(output=folder, device="cpu", show_progress=False, batch_size=8, steps=steps, **loop))
+        try:
+            engine.fit()
+        finally:
+            engine.close()
+
+    first = {"train": {"lr": 0.1, "batch_size": 8, "steps": 2}, "model": {"dims": [4, 3]}}
+    run(tmp_path / "a", first, 2)
+    last = tmp_path / "a" / "last.pth"
+    longer = {**first, "train": {**first["train"], "steps": 4}}
+    run(tmp_path / "b", longer, 4, resume=str(last))  # the length may change
+    changed = {**first, "train": {**first["train"], "lr": 0.5, "steps": 4}}
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(last))} was trained with train.lr = 0.1, this run asks for "
+                                          r"0.5: --allow-changed train.lr continues the run with the new value$"):
+        run(tmp_path / "c", changed, 4, resume=str(last))
+    run(tmp_path / "d", changed, 4, resume=str(last), allow_changed=("train.lr",))
+    model = {**first, "model": {"dims": [4, 5]}}
+    with pytest.raises(ConfigError, match=r"model.dims = \[4, 3\], this run asks for \[4, 5\]"):
+        run(tmp_path / "e", model, 4, resume=str(last))
+    run(tmp_path / "f", model, 4, resume=str(last), allow_changed=("model",))  # a section allows its keys
+    with pytest.raises(ConfigError, match="--allow-changed train.lrr: no setting of a linear run has this name"):
+        run(tmp_path / "g", changed, 4, resume=str(last), allow_changed=("train.lrr",))

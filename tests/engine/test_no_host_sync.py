@@ -252,7 +252,7 @@ def test_the_diffusion_loss_reads_no_value_off_the_cpu():
     # the variational bound's tables are made on the device, and the drawn steps and noise copied without a wait
     from polaformer.tasks.diffusion.gaussian import diffusion_loss, make_scheduler
 
-    scheduler = make_scheduler("ddpm", learn_sigma=True)
+    scheduler = make_scheduler()
     with torch.device("meta"):
         model = PolaDiT(input_size=8, patch_size=2, in_channels=4, hidden_size=32, depth=1, num_heads=2,
                         num_classes=3)

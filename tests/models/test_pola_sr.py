@@ -1,5 +1,6 @@
 """pola_sr_light_x*: the official PolaFormer++ SR class's keys, shapes and parameter counts, its float64 outputs on a
-tiny configuration, and tiled inference. The data files come from scripts/make_sr_reference.py."""
+tiny configuration, the official test's partition of large images, and tiled inference. The data files come from
+scripts/make_sr_reference.py."""
 from __future__ import annotations
 
 import json
@@ -12,10 +13,11 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from polaformer.models.pola_sr import PolaSR, tiled_upscale
+from polaformer.models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 MANIFEST = json.loads((DATA / "pola_sr_manifest.json").read_text())
+CHOP = json.loads((DATA / "pola_sr_chop.json").read_text())["cases"]
 
 
 @pytest.mark.parametrize("scale", [2, 3, 4])
@@ -40,6 +42,57 @@ def test_float64_outputs_equal_the_official_class():
     assert x.shape[-1] % config["window_size"]  # the mirror padding and the crop are exercised
     with torch.no_grad():
         torch.testing.assert_close(model(x), reference["output"], rtol=1e-10, atol=1e-10)
+
+
+class PieceProbe(torch.nn.Module):
+    """A stand-in network, as the reference script's: records each piece (where it was cut, from its first
+    pixel, its size, and the sums of what it holds) and answers with its number and each output pixel's row and
+    column within the piece."""
+
+    def __init__(self, scale: int):
+        super().__init__()
+        self.scale, self.reads = scale, []
+
+    def forward(self, piece):
+        self.reads.append([int(piece[0, 0, 0, 0]), int(piece[0, 1, 0, 0]), *piece.shape[-2:],
+                           float(piece[0, 0].sum()), float(piece[0, 1].sum())])
+        h, w = piece.shape[-2] * self.scale, piece.shape[-1] * self.scale
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        return torch.stack([torch.full((h, w), len(self.reads) - 1), rows, cols])[None].to(piece.dtype)
+
+
+def coordinates(h: int, w: int) -> torch.Tensor:
+    """A (1, 3, h, w) image whose pixels hold their row and column."""
+    rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    return torch.stack([rows, cols, torch.zeros_like(rows)])[None].double()
+
+
+@pytest.mark.parametrize("case", CHOP, ids=lambda c: "{}x{}-x{}".format(*c["size"], c["scale"]))
+def test_chop_partitions_as_the_official_test(case):
+    """Pieces read from the same windows of the same reflect-padded image, in the same order, and the merged
+    output takes the same pixels of each (the official MambaIRv2LightModel.test, recorded in
+    tests/data/pola_sr_chop.json)."""
+    (h, w), scale = case["size"], case["scale"]
+    probe = PieceProbe(scale)
+    out = chop_upscale(probe, coordinates(h, w), scale)[0]
+    assert probe.reads == case["reads"]
+    expected = torch.full((3, h * scale, w * scale), -1.0, dtype=torch.float64)
+    for number, write in enumerate(case["writes"]):
+        (top, left, height, width), (row, col) = write["window"], write["from"]
+        expected[0, top:top + height, left:left + width] = number
+        expected[1, top:top + height, left:left + width] = torch.arange(row, row + height)[:, None].double()
+        expected[2, top:top + height, left:left + width] = torch.arange(col, col + width).double()
+    assert torch.equal(out, expected)
+
+
+def test_chop_keeps_a_small_image_whole_and_runs_the_model_on_pieces():
+    model = PolaSR(upscale=2, embed_dim=8, depths=(1,), num_heads=(2,), window_size=4).eval()
+    lr = torch.rand(1, 3, 9, 6)
+    with torch.no_grad():
+        torch.testing.assert_close(chop_upscale(model, lr, 2), model(lr))
+    upsample = torch.nn.Upsample(scale_factor=2, mode="nearest")
+    lr = torch.rand(2, 3, 203, 17)
+    torch.testing.assert_close(chop_upscale(upsample, lr, 2), upsample(lr))
 
 
 def test_tiles_reassemble_a_pixelwise_model_exactly():

@@ -130,6 +130,15 @@ def test_bad_eps_is_refused(eps, grad):
         pola_linear_attention(q, k, v, 2.0, eps)
 
 
+@pytest.mark.parametrize("eps", [float("nan"), -1.0])
+def test_bad_eps_is_refused_by_pacs_too(eps):
+    """The docs promised it of both ops; PaCS computed with it (a NaN output, or a negative normaliser)."""
+    q, k, v = _qkv(torch.float32)
+    temps = torch.rand(1, 3, 1, 2 * q.shape[-1])
+    with pytest.raises(ValueError, match=f"eps must be a finite number >= 0, got {eps}"):
+        pacs_linear_attention(q, k, v, temps, temps, eps=eps)
+
+
 @pytest.mark.parametrize("power", [float("nan"), float("inf")])
 def test_non_finite_power_is_refused_on_the_native_path(power):
     q, k, v = _qkv(torch.float32)

@@ -1,5 +1,6 @@
-"""The diffusion task: the loss against the official Gaussian diffusion (float64 vectors of
-scripts/dit_reference.py), classifier-free guidance, 'polaformer diffusion train|sample|fid' end to end on digits
+"""The diffusion task: the loss and the samplers against the official Gaussian diffusion (float64 vectors of
+scripts/dit_reference.py: its loss terms, a respaced step, whole DDPM/DDIM/guided chains of a tiny official DiT
+with fixed noise), classifier-free guidance, 'polaformer diffusion train|sample|fid' end to end on digits
 (pixels) and on an image folder through a local AutoencoderKL (latents), and one-line errors for bad inputs."""
 from __future__ import annotations
 
@@ -10,20 +11,24 @@ from pathlib import Path
 import pytest
 import torch
 from cli_helpers import error_line, run_main
+from dit_helpers import use_recorded_embedding
 from PIL import Image
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from polaformer.models.pola_dit import PolaDiT
-from polaformer.tasks.diffusion import diffusion_loss, make_scheduler, sample
+from polaformer.tasks.diffusion import RespacedDiffusion, diffusion_config, diffusion_loss, make_scheduler, sample
+from polaformer.tasks.diffusion.gaussian import respaced_timesteps
 
 REFERENCE = Path(__file__).resolve().parent.parent / "data" / "pola_dit" / "tiny_float64.safetensors"
+SAMPLING = REFERENCE.with_name("sampling_float64.safetensors")
 TINY = ["--opts", "model.hidden_size", "16", "model.depth", "1", "model.num_heads", "2", "train.eval_samples", "16"]
 
 
 def test_loss_matches_official_mse_and_variational_bound():
     ref = load_file(str(REFERENCE))
     prediction = ref["diffusion.prediction"]
-    terms = diffusion_loss(lambda x, t, y: prediction, make_scheduler("ddpm"), ref["diffusion.x_start"], None,
+    terms = diffusion_loss(lambda x, t, y: prediction, make_scheduler(), ref["diffusion.x_start"], None,
                            t=ref["diffusion.t"], noise=ref["diffusion.noise"])
     torch.testing.assert_close(terms["mse"], ref["diffusion.mse"], rtol=1e-12, atol=0)
     # diffusers keeps its noise schedule in float32: x_t carries float32 rounding
@@ -32,14 +37,100 @@ def test_loss_matches_official_mse_and_variational_bound():
 
 def test_ddpm_step_matches_the_official_respaced_sampler():
     ref = load_file(str(REFERENCE))
-    scheduler = make_scheduler("ddpm")
-    scheduler.set_timesteps(250)
-    assert sorted(scheduler.timesteps.tolist()) == ref["step.timestep_map"].tolist()
-    t = int(ref["step.t"][0])
-    out = scheduler.step(ref["step.prediction"], t, ref["step.x_t"], generator=torch.Generator().manual_seed(3))
-    noise = torch.randn(ref["step.x_t"].shape, generator=torch.Generator().manual_seed(3), dtype=torch.float64)
-    expected = ref["step.mean"] + torch.exp(0.5 * ref["step.log_variance"]) * noise
-    torch.testing.assert_close(out.prev_sample, expected, rtol=0, atol=1e-6)  # float32 schedule
+    diffusion = RespacedDiffusion(250)
+    assert diffusion.timesteps == ref["step.timestep_map"].tolist()
+    index = 100
+    assert diffusion.timesteps[index] == int(ref["step.t"][0])
+    mean, log_variance, _ = diffusion.p_mean_variance(ref["step.prediction"], index, ref["step.x_t"])
+    # the official rounds its tables to float32 even for float64 samples
+    torch.testing.assert_close(mean, ref["step.mean"], rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(log_variance, ref["step.log_variance"], rtol=1e-6, atol=1e-7)
+
+
+class _EpsOnly(torch.nn.Module):
+    """A model without a learned variance: the ε half of a learned-variance PolaDiT's outputs (as the reference
+    script samples the official one)."""
+
+    learn_sigma = False
+
+    def __init__(self, model: PolaDiT):
+        super().__init__()
+        self.model, self.null_class = model, model.null_class
+
+    def forward(self, x, t, y):
+        return self.model(x, t, y)[:, :x.shape[1]]
+
+
+def _official_chains():
+    with safe_open(str(SAMPLING), "pt") as f:
+        meta = f.metadata()
+    return load_file(str(SAMPLING)), json.loads(meta["config"]), json.loads(meta["chains"]), float(meta["cfg_scale"])
+
+
+def _run_chain(ref, config, chain, name, cfg_scale, dtype, **options):
+    model = PolaDiT(**config).eval()
+    model.load_state_dict({k.removeprefix("weights."): v for k, v in ref.items() if k.startswith("weights.")})
+    model = model.to(dtype)
+    noise = torch.cat([ref[f"{name}.start"][None], ref[f"{name}.noise"]]).to(dtype)
+    return sample(model if chain["guided"] else _EpsOnly(model), ref["labels"], tuple(noise.shape[2:]),
+                  sampler="ddim" if chain["ddim"] else "ddpm", steps=len(ref[f"{name}.timesteps"]),
+                  cfg_scale=cfg_scale if chain["guided"] else 1.0, clip_sample=chain["clip"], noise=noise, **options)
+
+
+def _assert_relative(out, expected, tolerance):
+    """Every element within ``tolerance`` of the sample's largest magnitude."""
+    error = (out.double() - expected).abs().max() / expected.abs().max()
+    assert error <= tolerance, f"relative error {error:.2e} (tolerance {tolerance:.0e})"
+
+
+# the defaults must give the official chain; the options, where there is one, that of the official option
+CHAINS = {
+    "ddpm_fixed_large": {},  # a model without a learned variance: the official fixed-large default
+    "ddpm_fixed_small": {"variance": "fixed_small"},  # the official sigma_small
+    "ddim": {},  # the official 'ddimN' respacing, ending at alpha-bar 1
+    "ddpm_learned_guided": {},  # forward_with_cfg: the first three output channels guided
+}
+
+
+@pytest.mark.parametrize("name", sorted(CHAINS))
+def test_sampling_chains_equal_the_official(monkeypatch, name):
+    """Whole 10-step chains of a tiny 4-channel official DiT with the official noise, in float64 and in float32
+    (1e-5 of the sample's scale); the timestep embedding is the recorded official one (tests/dit_helpers.py)."""
+    ref, config, chains, cfg_scale = _official_chains()
+    use_recorded_embedding(monkeypatch, ref["embedding.t"], ref["embedding.table"])
+    chain = chains[name]
+    diffusion = RespacedDiffusion(len(ref[f"{name}.timesteps"]), ddim=chain["ddim"])
+    assert diffusion.timesteps == ref[f"{name}.timesteps"].tolist()
+    expected = ref[f"{name}.sample"]
+    _assert_relative(_run_chain(ref, config, chain, name, cfg_scale, torch.float64, **CHAINS[name]), expected, 1e-6)
+    _assert_relative(_run_chain(ref, config, chain, name, cfg_scale, torch.float32, **CHAINS[name]), expected, 1e-5)
+
+
+@pytest.mark.parametrize("name, other", [
+    ("ddpm_fixed_large", {"variance": "fixed_small"}),
+    ("ddpm_learned_guided", {"guide_all_channels": True}),
+])
+def test_the_alternatives_are_options_that_differ(monkeypatch, name, other):
+    """The posterior variance and guidance on every channel are options: with the same noise they move the
+    official chain by a hundred times the fixture's tolerance or more."""
+    ref, config, chains, cfg_scale = _official_chains()
+    use_recorded_embedding(monkeypatch, ref["embedding.t"], ref["embedding.table"])
+    out = _run_chain(ref, config, chains[name], name, cfg_scale, torch.float64, **other)
+    expected = ref[f"{name}.sample"]
+    assert (out - expected).abs().max() > 1e-3 * expected.abs().max()
+
+
+def test_respacing_is_the_official_one():
+    assert respaced_timesteps(250)[:3] == [0, 4, 8] and respaced_timesteps(250)[-2:] == [995, 999]
+    assert respaced_timesteps(10) == [0, 111, 222, 333, 444, 555, 666, 777, 888, 999]
+    assert respaced_timesteps(50, ddim=True) == list(range(0, 1000, 20))
+    assert respaced_timesteps(30, ddim=True) == list(range(0, 1000, 34))  # the smallest stride giving 30
+    with pytest.raises(ValueError, match=r"no integer stride gives 45 of 1000 steps \(nearest: 44, 46\)"):
+        respaced_timesteps(45, ddim=True)
+    # DDIM's last step lands on x_0 itself (alpha-bar 1 before the first kept step)
+    assert RespacedDiffusion(10, ddim=True).tables["sqrt_prev"][0] == 1
+    cfg = diffusion_config()
+    assert cfg.sample.variance == "fixed_large" and cfg.sample.guide_all_channels is False
 
 
 class _Oracle(torch.nn.Module):
@@ -49,7 +140,7 @@ class _Oracle(torch.nn.Module):
     target = torch.linspace(-0.9, 0.9, 16).reshape(1, 1, 4, 4)
 
     def forward(self, x, t, y):
-        a = make_scheduler("ddpm").alphas_cumprod[t].reshape(-1, 1, 1, 1)
+        a = make_scheduler().alphas_cumprod[t].reshape(-1, 1, 1, 1)
         return torch.cat([(x - a.sqrt() * self.target) / (1 - a).sqrt(), torch.zeros_like(x)], dim=1)
 
 
@@ -64,7 +155,7 @@ def test_bound_trains_only_the_variance_output():
     model = PolaDiT(input_size=4, patch_size=2, in_channels=1, hidden_size=8, depth=1, num_heads=2, num_classes=2)
     torch.nn.init.normal_(model.final_layer.linear.weight)
     x = torch.rand(3, 1, 4, 4) * 2 - 1
-    terms = diffusion_loss(model, make_scheduler("ddpm"), x, torch.tensor([0, 1, 0]),
+    terms = diffusion_loss(model, make_scheduler(), x, torch.tensor([0, 1, 0]),
                            generator=torch.Generator().manual_seed(0))
     terms["vb"].sum().backward()
     grad = model.final_layer.linear.weight.grad.reshape(2, 2, 2, 8)  # (p, q, channel, dim): channel 1 is v
@@ -191,7 +282,8 @@ def test_sample_and_fid_refuse_bad_requests(tmp_path, capsys):
     assert code == 0, err
     for extra, message in ((["--classes", "10"], "classes must be in 0..9, got [10]"),
                            (["--output", tmp_path / "s.jpg"], "--output must end in .png or .safetensors"),
-                           (["--sampler", "euler"], "unknown sampler 'euler' (known: ddpm, ddim)")):
+                           (["--sampler", "euler"], "unknown sampler 'euler' (known: ddpm, ddim)"),
+                           (["--sampler", "ddim", "--steps", "45"], "no integer stride gives 45 of 1000 steps")):
         argv = ["diffusion", "sample", "--checkpoint", out / "last.pth", "--output", tmp_path / "s.png", *extra]
         code, _, err = run_main(argv, capsys)
         assert code == 2 and message in error_line(err), err

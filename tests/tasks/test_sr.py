@@ -1,13 +1,15 @@
 """The super-resolution task: the Y-channel metrics against the protocol's formulas, image pairs from folders and
-the embedded photos, aligned training patches, and 'polaformer sr train|eval|upscale' end to end with its
-one-line errors."""
+the embedded photos, aligned training patches, the official evaluation protocol and checkpoint entry, and
+'polaformer sr train|eval|upscale' end to end with its one-line errors."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from scipy.ndimage import correlate
 
@@ -17,14 +19,18 @@ from polaformer.tasks.sr import (
     RandomPatches,
     bicubic_downscale,
     folder_pairs,
+    load_sr_model,
+    model_upscaler,
     photo_pairs,
     rgb_to_y,
+    sr_config,
     sr_metrics,
 )
 from polaformer.tasks.sr.data import ImagePair, embedded_photo
 
 TINY = ["--opts", "model.embed_dim", "8", "model.depths", "[1]", "model.num_heads", "[2]", "model.window_size", "8",
-        "data.repeats", "4", "eval.tile", "24", "eval.overlap", "4"]
+        "data.repeats", "4"]
+CHOP = json.loads((Path(__file__).resolve().parents[1] / "data" / "pola_sr_chop.json").read_text())["cases"]
 
 
 def embedded_photo_crop(name: str, height: int, width: int) -> torch.Tensor:
@@ -145,8 +151,11 @@ def test_train_eval_upscale_end_to_end(tmp_path, capsys):
                              "--json", tmp_path / "scores.json"], capsys)
     assert code == 0 and out.startswith("x2 on 3 images: PSNR-Y")
     scores = json.loads((tmp_path / "scores.json").read_text())
-    assert scores["model"]["psnr_y"] == pytest.approx(metrics["best_psnr_y"])  # the same images, tiles and weights
+    assert scores["model"]["psnr_y"] == pytest.approx(metrics["best_psnr_y"])  # the same images, pieces and weights
 
+    code, out, _ = run_main(["sr", "eval", "--checkpoint", run / "best.pth", "--hr", hr_dir, "--lr", lr_dir,
+                             "--tile", "16", "--overlap", "4"], capsys)
+    assert code == 0 and out.startswith("x2 on 3 images: PSNR-Y")
     code, out, _ = run_main(["sr", "upscale", "--checkpoint", run / "best.pth", lr_dir / "0001x2.png",
                              "--output", tmp_path / "up"], capsys)
     assert code == 0 and Image.open(tmp_path / "up" / "0001x2_x2.png").size == (56, 40)
@@ -160,7 +169,7 @@ def test_train_eval_upscale_end_to_end(tmp_path, capsys):
 
 def test_official_weights_load_by_scale(tmp_path, capsys):
     official = PolaSR(upscale=2).state_dict()
-    torch.save({"params_ema": official}, tmp_path / "official_x2.pth")
+    torch.save({"params": official}, tmp_path / "official_x2.pth")
     hr_dir, _ = write_folders(tmp_path, size=(32, 32), photos=("astronaut",))
     code, out, _ = run_main(["sr", "eval", "--official", tmp_path / "official_x2.pth", "--scale", "2",
                              "--hr", hr_dir], capsys)
@@ -170,6 +179,47 @@ def test_official_weights_load_by_scale(tmp_path, capsys):
     assert code == 2 and "upsample.0.weight" in error_line(err)
     code, _, err = run_main(["sr", "eval", "--official", tmp_path / "official_x2.pth", "--hr", hr_dir], capsys)
     assert code == 2 and "--official needs --scale" in error_line(err)
+
+
+def test_official_loads_what_the_official_test_config_loads(tmp_path, capsys):
+    """basicsr's test loads 'params' (path.param_key_g) even where the file also holds 'params_ema', and strips a
+    DDP model's 'module.' prefix; --param-key picks another entry."""
+    raw = PolaSR(upscale=2).state_dict()
+    ema = {k: v + 1 if v.is_floating_point() else v for k, v in raw.items()}
+    torch.save({"params": raw, "params_ema": ema}, tmp_path / "both.pth")
+    torch.save({"params": {f"module.{k}": v for k, v in raw.items()}}, tmp_path / "ddp.pth")
+    torch.save({"params_ema": ema}, tmp_path / "ema_only.pth")
+    for path, key, expected in (("both.pth", "params", raw), ("ddp.pth", "params", raw),
+                                ("both.pth", "params_ema", ema), ("ema_only.pth", "params_ema", ema)):
+        model, _ = load_sr_model(tmp_path / path, official_scale=2, param_key=key)
+        loaded = model.state_dict()
+        assert all(torch.equal(loaded[k], v) for k, v in expected.items()), (path, key)
+    hr_dir, _ = write_folders(tmp_path, size=(32, 32), photos=("astronaut",))
+    code, out, err = run_main(["sr", "eval", "--official", tmp_path / "ddp.pth", "--scale", "2", "--hr", hr_dir],
+                              capsys)
+    assert code == 0 and "x2 on 1 image:" in out, err
+    code, _, err = run_main(["sr", "eval", "--official", tmp_path / "ema_only.pth", "--scale", "2", "--hr", hr_dir],
+                            capsys)
+    assert code == 2 and "no 'params' entry (it holds params_ema); name the entry to load with --param-key" in \
+        error_line(err)
+
+
+def test_evaluation_is_the_official_partition_by_default():
+    """Images of 200 pixels and more run in the pieces of the official test (tests/data/pola_sr_chop.json);
+    eval.mode tile (or --tile) runs our overlapping tiles instead."""
+    case = next(c for c in CHOP if c["size"] == [431, 90])
+    shapes = []
+
+    def model(piece):
+        shapes.append(list(piece.shape[-2:]))
+        return F.interpolate(piece, scale_factor=case["scale"], mode="nearest")
+
+    lr = torch.rand(1, 3, *case["size"])
+    model_upscaler(model, sr_config(opts=["model.scale", str(case["scale"])]))(lr)
+    assert shapes == [read[2:4] for read in case["reads"]]
+    shapes.clear()
+    model_upscaler(model, sr_config(opts=["model.scale", str(case["scale"]), "eval.mode", "tile"]))(lr)
+    assert shapes == [[192, 90], [192, 90], [192, 90]]
 
 
 def test_bad_settings_are_one_line_errors(tmp_path, capsys):

@@ -2,10 +2,18 @@
 
 The attention's elementwise stages (the power features, their backward, the two streams'
 normalisation and its gradient) are each one pass over memory there instead of a chain of 4-8
-torch ops. They are built once per machine with ``torch.utils.cpp_extension`` (about 30 s; torch
-caches the build under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``), for the
-vector width torch itself uses on this CPU (AVX2 or AVX-512). The build is named by a hash of the
-sources and compiled from a copy of them inside it, so every checkout of the same sources shares it.
+torch ops. They are built once per machine and build environment with ``torch.utils.cpp_extension``
+(about a minute on 2 cores), for the vector width torch itself uses on this CPU (AVX2 or AVX-512), under
+``TORCH_EXTENSIONS_DIR`` (by default ``~/.cache/torch_extensions``).
+
+The build is named by a hash of everything that goes into it (:func:`build_inputs`): the sources and
+headers, the compiler (its path and binary), the flags, the include and library paths of this environment's
+torch and Python, torch's version and build. Two virtual environments on one machine (the same torch, other
+paths) therefore build once each, into two folders, instead of rebuilding over each other on every start;
+two checkouts of the same sources share one build. A build runs in a private folder under an exclusive lock
+(``NAME.lock``, ``fcntl.flock``: the kernel releases it when its process dies) and is renamed into place
+complete, so a library a process has loaded is never rewritten under it; later processes load the finished
+library without running the compiler or ninja at all.
 
 Where they cannot be built (no C++ compiler or ninja, another CPU architecture, a build error) the
 torch-op versions run instead, with one warning in the log. ``POLAFORMER_NATIVE=0`` turns them off;
@@ -14,19 +22,22 @@ the results agree with the torch-op versions to rounding (tests/test_native.py, 
 from __future__ import annotations
 
 import hashlib
+import importlib.util
+import json
 import logging
 import os
-import re
 import shutil
+import sys
+import sysconfig
 import threading
-import time
+import uuid
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
 
-__all__ = ["native_kernels", "native_enabled"]
+__all__ = ["build_inputs", "build_name", "native_kernels", "native_enabled"]
 
 _SOURCE_DIR = Path(__file__).resolve().parent / "csrc"
 _FLAGS = {
@@ -35,35 +46,11 @@ _FLAGS = {
 }
 _lock = threading.Lock()
 _state: dict = {}
-# In older torch the build lock is a file that only the building process removes (FileBaton): a build
-# killed outright leaves it behind and every later load would wait on it forever. No build of this file
-# takes this long. Newer torch (2.14) holds an OS advisory lock on a file that stays after every build;
-# removing that file would only let two builds run at once, so it is left alone.
-_STALE_LOCK_SECONDS = 30 * 60
-
-
-def _lock_blocks_while_the_file_exists(cpp_extension) -> bool:
-    return hasattr(cpp_extension, "FileBaton")
 
 
 def native_enabled() -> bool:
     """Whether the environment allows the native kernels (``POLAFORMER_NATIVE`` is not 0/false/off)."""
     return os.environ.get("POLAFORMER_NATIVE", "1").strip().lower() not in ("0", "false", "off", "no")
-
-
-def clear_stale_build_lock(build_dir: str | os.PathLike, max_age: float = _STALE_LOCK_SECONDS) -> bool:
-    """Remove ``build_dir/lock`` if it is older than ``max_age`` seconds; returns whether it did."""
-    lock = Path(build_dir) / "lock"
-    try:
-        age = time.time() - lock.stat().st_mtime
-    except FileNotFoundError:
-        return False
-    if age <= max_age:
-        return False
-    log.warning("polaformer native kernels: removing the build lock %s, left %.0f minutes ago by a build that "
-                "did not finish", lock, age / 60)
-    lock.unlink(missing_ok=True)
-    return True
 
 
 def _sources() -> list[Path]:
@@ -82,19 +69,53 @@ def _sources_digest() -> str:
 
 
 def _staged_sources(folder: Path) -> list[Path]:
-    """The sources copied into ``folder`` (inside the build folder, which the digest names): two checkouts of
-    the same sources then build from the same paths, and share one build instead of redoing each other's."""
-    if not folder.is_dir():
-        staging = folder.with_name(f"{folder.name}.{os.getpid()}.tmp")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        for path in [*_SOURCE_DIR.glob("*.cpp"), *_SOURCE_DIR.glob("*.h")]:
-            shutil.copyfile(path, staging / path.name)
-        try:
-            staging.rename(folder)
-        except OSError:  # another process staged the same sources first
-            shutil.rmtree(staging, ignore_errors=True)
+    """The sources copied into the private build folder: the compiler never reads a checkout that may change
+    while it builds."""
+    folder.mkdir(parents=True)
+    for path in [*_SOURCE_DIR.glob("*.cpp"), *_SOURCE_DIR.glob("*.h")]:
+        shutil.copyfile(path, folder / path.name)
     return sorted(folder.glob("*.cpp"))
+
+
+def _flags(capability: str) -> tuple[list[str], list[str]]:
+    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
+    cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_FLAGS[capability], *openmp]
+    return cflags, openmp
+
+
+def build_inputs(capability: str, cpp_extension) -> dict:
+    """Everything that goes into the library (and so into its name): a change of any makes another build."""
+    compiler = shutil.which(os.environ.get("CXX", "c++")) or os.environ.get("CXX", "c++")
+    try:  # the binary itself: an upgraded compiler at the same path is another compiler
+        info = os.stat(os.path.realpath(compiler))
+        binary = [os.path.realpath(compiler), info.st_size, info.st_mtime_ns]
+    except OSError:
+        binary = [compiler]
+    cflags, ldflags = _flags(capability)
+    return {
+        "sources": _sources_digest(), "compiler": binary, "cflags": cflags, "ldflags": ldflags,
+        "include_paths": [*cpp_extension.include_paths(), sysconfig.get_paths()["include"]],
+        "library_paths": cpp_extension.library_paths(), "torch": [torch.__version__, torch.version.git_version],
+        "python": [sys.version, sysconfig.get_config_var("EXT_SUFFIX")],
+    }
+
+
+def build_name(capability: str, cpp_extension) -> str:
+    """The module's (and its folder's) name: a hash of :func:`build_inputs`."""
+    key = hashlib.sha256(json.dumps(build_inputs(capability, cpp_extension), sort_keys=True).encode())
+    return f"polaformer_native_{capability.lower()}_{key.hexdigest()[:16]}"
+
+
+def _load_library(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _library(folder: Path, name: str) -> Path | None:
+    found = sorted(folder.glob(f"{name}*.so")) if folder.is_dir() else []
+    return found[0] if found else None
 
 
 def _build():
@@ -114,29 +135,50 @@ def _build():
         from torch.utils import cpp_extension
     finally:
         cpp_logger.setLevel(level)
-    openmp = ["-fopenmp"] if torch.backends.openmp.is_available() else []
-    cflags = ["-O3", f"-DCPU_CAPABILITY={capability}", f"-DCPU_CAPABILITY_{capability}", *_FLAGS[capability], *openmp]
-    log.info("polaformer native kernels: loading the %s build (the first use on a machine compiles it, ~30 s)",
-             capability)
     try:
-        # torch's build cache is keyed by the name and the .cpp sources, not by torch's version or the headers:
-        # a module built against another libtorch or from other headers must not be loaded, hence both in the name
-        version = re.sub(r"\W", "_", torch.__version__)
-        name = f"polaformer_native_{capability.lower()}_torch{version}_{_sources_digest()}"
-        build_dir = cpp_extension._get_build_directory(name, False)
-        if _lock_blocks_while_the_file_exists(cpp_extension):
-            clear_stale_build_lock(build_dir)
-        return cpp_extension.load(
-            name=name,
-            sources=[str(path) for path in _staged_sources(Path(build_dir) / "src")],
-            extra_cflags=cflags,
-            extra_ldflags=openmp,
-            verbose=False,
-        )
+        name = build_name(capability, cpp_extension)
+        final = Path(cpp_extension._get_build_directory(name, False))
+        library = _library(final, name)
+        if library is not None:  # the usual case: built before, by this or another process
+            return _load_library(name, library)
+        return _build_once(cpp_extension, name, final, capability)
     except Exception as err:  # no compiler, no ninja, a failed build: the torch ops still work
         reason = str(err).splitlines()[0] if str(err) else type(err).__name__
         log.warning("polaformer native kernels: build failed (%s); using torch ops", reason)
         return None
+
+
+def _build_once(cpp_extension, name: str, final: Path, capability: str):
+    """The module ``name``, built into ``final`` unless another process does: the build runs in a private folder
+    under the lock ``NAME.lock`` and is renamed over ``final`` (empty until then) once complete; the module
+    loaded from the private folder stays loaded (a rename keeps the file)."""
+    import fcntl
+
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(f"{name}.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("polaformer native kernels: waiting for another process building %s", final)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        library = _library(final, name)
+        if library is not None:  # built by the process we waited for
+            return _load_library(name, library)
+        for leftover in final.parent.glob(f"{name}.build-*"):  # of a build killed midway
+            shutil.rmtree(leftover, ignore_errors=True)
+        private = final.with_name(f"{name}.build-{uuid.uuid4().hex[:12]}")
+        log.info("polaformer native kernels: compiling the %s build (once per machine and environment, about a "
+                 "minute)", capability)
+        cflags, ldflags = _flags(capability)
+        try:
+            module = cpp_extension.load(name=name, sources=[str(p) for p in _staged_sources(private / "src")],
+                                        extra_cflags=cflags, extra_ldflags=ldflags, build_directory=str(private),
+                                        verbose=False)
+            os.rename(private, final)  # replaces the empty folder: readers see no library, then a complete one
+        except BaseException:
+            shutil.rmtree(private, ignore_errors=True)
+            raise
+        return module
 
 
 def native_kernels():

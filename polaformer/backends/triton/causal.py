@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, padded_width
+from .common import accumulator_dtype, dot_precision, expm1, padded_width
 
 __all__ = ["FEATURES", "causal_attention", "kernel_chunk"]
 
@@ -68,18 +68,14 @@ def _features(x, channel, D, param, flip, FEATURE: tl.constexpr):
     """Features of a (rows × channels) block whose entry at feature ``channel`` is input channel
     ``channel % D``: the identity (FEATURE 0), Pola ``relu(±x)ᵖ`` (1) or PaCS ``exp(relu(±x)·T) − 1`` (2), the
     sign ``+`` in the first half of the channels (the second with ``flip`` = 1, the opposite-sign queries).
-    PaCS's ``exp(y) − 1`` keeps its accuracy near 0 (Kahan: ``(u − 1)·y / log u`` with ``u = exp(y)``)."""
+    PaCS's ``exp(y) − 1`` keeps its accuracy near 0 (:func:`~.common.expm1`)."""
     if FEATURE == 0:
         return x
     positive = ((channel < D).to(tl.int32) ^ flip) != 0
     u = tl.maximum(tl.where(positive[None, :], x, -x), 0.0)
     if FEATURE == 1:
         return tl.where(u > 0, tl.exp2(param * tl.log2(tl.where(u > 0, u, 1.0))), 0.0)
-    y = u * param
-    e = tl.exp(y)
-    em1 = e - 1.0
-    ratio = em1 * y / tl.log(tl.where(e == 1.0, 2.0, e))
-    return tl.where(e == 1.0, y, tl.where((em1 == -1.0) | (em1 == e), em1, ratio))
+    return expm1(u * param)
 
 
 @triton.jit

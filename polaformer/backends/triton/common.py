@@ -125,3 +125,21 @@ def share(first, end, part, parts, BLOCK: tl.constexpr):
     per = tl.cdiv(tl.cdiv(end - first, BLOCK), parts) * BLOCK
     lo = first + part * per
     return lo, tl.minimum(lo + per, end)
+
+
+# Below this |x| exp(x) − 1 is its Taylor series: exp(x) − 1 would cancel, and the tricks that repair the
+# cancellation (Kahan's (u − 1)·x / log u) need a log accurate near 1, which a GPU's approximate log is not.
+_EXPM1_SERIES_BOUND = tl.constexpr(0.25)
+_EXPM1_TERMS = tl.constexpr(13)  # x¹³/13! < 3e-17·|x| below the bound: float64's precision
+
+
+@triton.jit
+def expm1(x):
+    """``exp(x) − 1`` to the input's precision for every x: the series near 0 (Horner), ``exp(x) − 1`` elsewhere
+    (where nothing cancels, and exp may be 0 or infinite)."""
+    near = tl.abs(x) < _EXPM1_SERIES_BOUND
+    small = tl.where(near, x, 0.0)
+    series = small * 0.0 + 1.0
+    for n in tl.static_range(_EXPM1_TERMS, 1, -1):
+        series = 1.0 + small / n * series
+    return tl.where(near, small * series, tl.exp(x) - 1.0)

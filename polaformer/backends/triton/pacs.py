@@ -34,7 +34,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, padded_width, plan, program, sequence_tokens, share, warps
+from .common import (accumulator_dtype, dot_precision, expm1, padded_width, plan, program, sequence_tokens, share,
+                     warps)
 
 __all__ = ["pacs_attention", "pacs_backward", "pacs_forward"]
 
@@ -67,21 +68,12 @@ def _halves(x, positive):
 
 
 @triton.jit
-def _expm1(x):
-    """``exp(x) − 1`` without the cancellation near 0: Kahan's ``(u − 1)·x / log u`` (``u = exp(x)``) for
-    |x| < 1/2, plainly elsewhere (where nothing cancels, and ``u`` may be 0 or infinite)."""
-    u = tl.exp(x)
-    near = (tl.abs(x) < 0.5) & (u != 1.0)
-    log_u = tl.log(tl.where(near, u, 2.0))
-    return tl.where(near, (u - 1.0) * (x / log_u), tl.where(u == 1.0, x, u - 1.0))
-
-
-@triton.jit
 def _shifted_feature(x, shift, row):
-    """``e^(x + shift − row)·(1 − e^-x) = (e^x − 1)·e^(shift − row)``, zero where x is 0. ``x + shift`` is rounded
-    as the ``row`` maximum was, so the exponent is ≤ 0 exactly wherever ``row`` bounds it."""
+    """``e^(x + shift − row)·(1 − e^-x) = (e^x − 1)·e^(shift − row)``, zero where x is 0. ``row`` bounds
+    ``x + shift``, so the exponent is ≤ 0; it is clamped there because a GPU compiler may fuse ``x = q·t`` and
+    ``+ shift`` into one rounding that ``row`` did not see, and at |x| ≈ 1e16 one float32 ulp is 2²⁹."""
     used = x != 0
-    return tl.where(used, tl.exp(tl.where(used, (x + shift) - row, 0.0)) * -_expm1(-x), 0.0)
+    return tl.where(used, tl.exp(tl.minimum(tl.where(used, (x + shift) - row, 0.0), 0.0)) * -expm1(-x), 0.0)
 
 
 @triton.jit

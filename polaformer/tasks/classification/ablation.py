@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from ...engine.config import Config, ConfigError, configure
+from ...engine.config import SEED, Config, ConfigError, configure
+from ...engine.output import write_output
+from ...files import read_text
 from .config import _official_defaults, check_config, default_config, resolve_model_name
 
 __all__ = ["AblationResult", "AblationRow", "load_ablation", "run_ablation", "write_report"]
@@ -109,6 +111,7 @@ def load_ablation(path: str | os.PathLike, opts: Sequence[str] = ()) -> tuple[Co
     seeds = list(ablation.SEEDS)
     if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds) or len(set(seeds)) != len(seeds):
         raise ConfigError(f"ABLATION.SEEDS must be distinct integers, got {seeds!r}")
+    SEED.check("ABLATION.SEEDS", seeds)
     train_cfg = default_config().merge({k: v for k, v in cfg.to_dict().items() if k not in ("ABLATION", "BASE")})
     check_config(train_cfg)
     return train_cfg, rows, seeds, ablation.REFERENCE
@@ -117,8 +120,8 @@ def load_ablation(path: str | os.PathLike, opts: Sequence[str] = ()) -> tuple[Co
 def _finished(metrics_path: Path, epochs: int) -> dict | None:
     """A finished run's metrics.json (it is rewritten after every evaluation, so count the epochs)."""
     try:
-        metrics = json.loads(metrics_path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        metrics = json.loads(read_text(metrics_path))
+    except (OSError, ValueError):  # missing, unreadable (polaformer.files) or not JSON: not finished
         return None
     done = isinstance(metrics, dict) and len(metrics.get("epochs", [])) >= epochs and "final_test_top1" in metrics
     return metrics if done else None
@@ -190,9 +193,7 @@ def _switch_text(row: AblationRow) -> tuple[str, str, str]:
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
+    write_output(path, lambda f: f.write(data))
 
 
 def write_report(result: AblationResult, output: str | os.PathLike) -> list[Path]:

@@ -21,6 +21,7 @@ keys), a few keys of Swin-Transformer's newer config that recipes use, and the e
 ``AUG.DIGITS_SHIFT``            the digits data set's random ±1 pixel shifts
 ``LAST_CHECKPOINT``             file name of the latest checkpoint in the output folder
 ``OVERWRITE``                   start afresh in an output folder that holds a run (``--overwrite``)
+``ALLOW_CHANGED``               settings a resumed run may change from the checkpoint's (``--allow-changed``)
 ==============================  ==============================================================
 
 Files are merged as the official ``_update_config_from_file`` does (``BASE:`` files first,
@@ -33,13 +34,13 @@ The digits demo keeps its flat :class:`TrainConfig` (``polaformer train`` withou
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from ...data import DEFAULT_DATA
-from ...engine.config import Config, ConfigError, configure
+from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
+                              configure, unit)
 
 # The model `polaformer train` uses when none is named.
 DEFAULT_MODEL = "pola_deit_digits"
@@ -164,6 +165,7 @@ def _official_defaults() -> dict:
         "DEVICE": "auto",
         "LAST_CHECKPOINT": "last.pth",
         "OVERWRITE": False,  # replace a finished run in OUTPUT (--overwrite) instead of refusing
+        "ALLOW_CHANGED": [],  # settings a resumed run may change from its checkpoint's (--allow-changed)
     }
 
 
@@ -215,51 +217,47 @@ def resolve_model_name(cfg: Config) -> str:
 
 # --- checks ----------------------------------------------------------------------------------
 
+# The range of every numeric setting the engine uses (engine/config.py checks them, naming the key).
+RULES = {
+    "TRAIN.EPOCHS": POSITIVE_INT, "TRAIN.START_EPOCH": COUNT,
+    "TRAIN.WARMUP_EPOCHS": NON_NEGATIVE, "TRAIN.COOLDOWN_EPOCHS": NON_NEGATIVE,
+    "TRAIN.SAVE_FREQ_STEPS": COUNT.but(note="0: off"), "TRAIN.BASE_BATCH_SIZE": COUNT.but(note="0: lrs as given"),
+    "TRAIN.ACCUMULATION_STEPS": COUNT.but(note="0 or 1: none"),
+    "TRAIN.CLIP_GRAD": NON_NEGATIVE.but(optional=True, note="0 or null: off"),
+    "TRAIN.BASE_LR": NON_NEGATIVE, "TRAIN.WARMUP_LR": NON_NEGATIVE, "TRAIN.MIN_LR": NON_NEGATIVE,
+    "TRAIN.WEIGHT_DECAY": NON_NEGATIVE, "TRAIN.EMA.DECAY": unit(low_open=True),
+    "TRAIN.OPTIMIZER.EPS": POSITIVE, "TRAIN.OPTIMIZER.BETAS": unit(), "TRAIN.OPTIMIZER.MOMENTUM": unit(),
+    "TRAIN.LR_SCHEDULER.DECAY_EPOCHS": POSITIVE, "TRAIN.LR_SCHEDULER.DECAY_RATE": POSITIVE,
+    "DATA.BATCH_SIZE": POSITIVE_INT, "DATA.IMG_SIZE": POSITIVE_INT, "DATA.NUM_WORKERS": COUNT,
+    "TEST.BATCH_SIZE": COUNT.but(note="0: DATA.BATCH_SIZE"),
+    "MODEL.LABEL_SMOOTHING": unit(), "MODEL.DROP_RATE": unit(), "MODEL.DROP_PATH_RATE": unit(),
+    "AUG.MIXUP": NON_NEGATIVE, "AUG.CUTMIX": NON_NEGATIVE, "AUG.MIXUP_PROB": unit(high_open=False),
+    "AUG.MIXUP_SWITCH_PROB": unit(high_open=False), "AUG.REPROB": unit(high_open=False),
+    "SAVE_FREQ": POSITIVE_INT, "PRINT_FREQ": COUNT.but(note="0: no log lines"), "SEED": SEED,
+}
+
+
 def check_config(cfg: Config) -> None:
-    """Reject settings the engine cannot run with, one line each."""
+    """Reject settings the engine cannot run with, one line each: every key of :data:`RULES` in its range, the
+    names it knows."""
     def require(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)
 
-    def is_int(value) -> bool:
-        return isinstance(value, int) and not isinstance(value, bool)
-
-    def is_number(value) -> bool:  # finite int or float, not a bool
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
+    check_settings(cfg, RULES)
     train = cfg.TRAIN
-    require(is_int(train.EPOCHS) and train.EPOCHS >= 1, f"TRAIN.EPOCHS must be a positive integer, got {train.EPOCHS!r}")
-    for key in ("WARMUP_EPOCHS", "COOLDOWN_EPOCHS", "SAVE_FREQ_STEPS", "BASE_BATCH_SIZE"):
-        value = train[key]
-        require(isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0,
-                f"TRAIN.{key} must be >= 0, got {value!r}")
-    require(is_int(train.ACCUMULATION_STEPS) and train.ACCUMULATION_STEPS >= 0,
-            f"TRAIN.ACCUMULATION_STEPS must be a non-negative integer, got {train.ACCUMULATION_STEPS!r}")
-    require(is_int(cfg.DATA.BATCH_SIZE) and cfg.DATA.BATCH_SIZE >= 1,
-            f"DATA.BATCH_SIZE must be a positive integer, got {cfg.DATA.BATCH_SIZE!r}")
-    require(is_int(cfg.SAVE_FREQ) and cfg.SAVE_FREQ >= 1, f"SAVE_FREQ must be a positive integer, got {cfg.SAVE_FREQ!r}")
-    require(train.CLIP_GRAD is None or (isinstance(train.CLIP_GRAD, (int, float)) and train.CLIP_GRAD >= 0),
-            f"TRAIN.CLIP_GRAD must be a positive number, 0 or None, got {train.CLIP_GRAD!r}")
     require(train.OPTIMIZER.NAME.lower() in ("adamw", "sgd"),
             f"TRAIN.OPTIMIZER.NAME must be 'adamw' or 'sgd', got {train.OPTIMIZER.NAME!r}")
     require(train.LR_SCHEDULER.NAME.lower() in ("cosine", "step"),
             f"TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step', got {train.LR_SCHEDULER.NAME!r}")
-    require(0.0 < train.EMA.DECAY < 1.0, f"TRAIN.EMA.DECAY must lie in (0, 1), got {train.EMA.DECAY!r}")
     require(cfg.AMP_DTYPE in ("float16", "bfloat16"), f"AMP_DTYPE must be 'float16' or 'bfloat16', got {cfg.AMP_DTYPE!r}")
-    for key in ("BASE_LR", "WARMUP_LR", "MIN_LR", "WEIGHT_DECAY"):
-        require(is_number(train[key]) and train[key] >= 0,
-                f"TRAIN.{key} must be a finite number >= 0, got {train[key]!r}")
-    require(is_int(cfg.DATA.NUM_WORKERS) and cfg.DATA.NUM_WORKERS >= 0,
-            f"DATA.NUM_WORKERS must be an integer >= 0, got {cfg.DATA.NUM_WORKERS!r}")
-    require(is_int(cfg.TEST.BATCH_SIZE) and cfg.TEST.BATCH_SIZE >= 0,
-            f"TEST.BATCH_SIZE must be an integer >= 0 (0: DATA.BATCH_SIZE), got {cfg.TEST.BATCH_SIZE!r}")
-    require(is_number(cfg.MODEL.LABEL_SMOOTHING) and 0.0 <= cfg.MODEL.LABEL_SMOOTHING < 1.0,
-            f"MODEL.LABEL_SMOOTHING must lie in [0, 1), got {cfg.MODEL.LABEL_SMOOTHING!r}")
-    require(is_number(cfg.MODEL.DROP_RATE) and 0.0 <= cfg.MODEL.DROP_RATE < 1.0,
-            f"MODEL.DROP_RATE must lie in [0, 1), got {cfg.MODEL.DROP_RATE!r}")
-    require(0.0 <= cfg.MODEL.DROP_PATH_RATE < 1.0, f"MODEL.DROP_PATH_RATE must lie in [0, 1), got {cfg.MODEL.DROP_PATH_RATE!r}")
     require(bool(cfg.LAST_CHECKPOINT) and "/" not in cfg.LAST_CHECKPOINT,
             f"LAST_CHECKPOINT must be a file name, got {cfg.LAST_CHECKPOINT!r}")
+    require("num_classes" not in cfg.MODEL.KWARGS,
+            f"MODEL.KWARGS.num_classes: the number of classes comes from the data (MODEL.NUM_CLASSES), not from "
+            f"the model's keyword arguments; got {cfg.MODEL.KWARGS.get('num_classes')!r}")
+    require(isinstance(cfg.ALLOW_CHANGED, list) and all(isinstance(key, str) for key in cfg.ALLOW_CHANGED),
+            f"ALLOW_CHANGED must be a list of setting names, got {cfg.ALLOW_CHANGED!r}")
 
 
 # --- the digits demo ---------------------------------------------------------------------------

@@ -175,6 +175,14 @@ class ClassificationTask(Task):
     best_files = {BEST_CHECKPOINT: "test_top1", BEST_EMA_CHECKPOINT: "ema_top1"}
     ties_improve = True
     resume_hint = "use --finetune to start from it"
+    # what a resumed run may change: its length, where it starts from and writes to, its workers, logging and
+    # saving cadence, evaluation batch, device, and the keys only read when a run starts or that are not used
+    resume_may_change = (
+        "TRAIN.EPOCHS", "TRAIN.START_EPOCH", "TRAIN.AUTO_RESUME", "TRAIN.SAVE_FREQ_STEPS", "MODEL.RESUME",
+        "MODEL.PRETRAINED", "DATA.NUM_WORKERS", "DATA.PIN_MEMORY", "DATA.ZIP_MODE", "DATA.CACHE_MODE",
+        "TEST.BATCH_SIZE", "OUTPUT", "TAG", "SAVE_FREQ", "PRINT_FREQ", "EVAL_MODE", "THROUGHPUT_MODE", "LOCAL_RANK",
+        "DEVICE", "OVERWRITE", "ALLOW_CHANGED",
+    )
 
     def __init__(self, cfg: Config, given_config: Config | TrainConfig, data: TrainData | None = None):
         self.cfg, self.given_config, self.given_data = cfg, given_config, data
@@ -229,6 +237,9 @@ class ClassificationTask(Task):
                 f"model {self.arch!r} is built for {channels}-channel images (in_chans={channels}) but the "
                 f"images of {self.cfg.DATA.DATA_PATH} are read as {shape[0]}-channel"
             )
+
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
         missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
@@ -333,7 +344,6 @@ class ClassificationTask(Task):
     def metadata(self, engine: Engine) -> dict:
         entries = {
             "max_accuracy": engine.best.get("test_top1", 0.0),
-            "config": self.cfg.to_dict(),
             "arch": self.arch,
             "model_kwargs": self.model_kwargs,
             "num_classes": self.data.num_classes,
@@ -357,7 +367,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         amp=cfg.AMP, amp_cuda_dtype=cfg.AMP_DTYPE, ema_decay=train_cfg.EMA.DECAY if train_cfg.EMA.ENABLE else None,
         seed=cfg.SEED, num_workers=cfg.DATA.NUM_WORKERS, pin_memory=cfg.DATA.PIN_MEMORY, device=cfg.DEVICE,
         resume="auto" if train_cfg.AUTO_RESUME or cfg.MODEL.RESUME == "auto" else (cfg.MODEL.RESUME or None),
-        overwrite=cfg.OVERWRITE, last_name=cfg.LAST_CHECKPOINT,
+        allow_changed=tuple(cfg.ALLOW_CHANGED), overwrite=cfg.OVERWRITE, last_name=cfg.LAST_CHECKPOINT,
         find_unused_parameters=train_cfg.FIND_UNUSED_PARAMETERS, print_freq=cfg.PRINT_FREQ,
     )
 

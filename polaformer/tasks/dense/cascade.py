@@ -14,9 +14,14 @@ as mmdetection's ``cascade_mask_rcnn_r50_fpn`` config:
   probabilities, as mmdetection's ``CascadeRoIHead.simple_test``.
 
 The losses follow torchvision's Mask R-CNN (cross-entropy, smooth L1 with beta 1/9 summed over the
-positives and divided by the sampled RoIs, per-pixel BCE on 28x28 masks).
+positives and divided by the sampled RoIs, per-pixel BCE on 28x28 masks). The RoI features are pooled as the
+official config pools them (:class:`MultiLevelRoIAlign`: mmcv's ``RoIAlign(sampling_ratio=0)``, whose
+``aligned`` is True, on mmdetection's ``SingleRoIExtractor`` levels), not with torchvision's default pooler
+(2 samples per bin side, ``aligned=False``).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -26,14 +31,42 @@ from torchvision.models.detection._utils import BalancedPositiveNegativeSampler,
 from torchvision.models.detection.faster_rcnn import TwoMLPHead
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 from torchvision.models.detection.roi_heads import RoIHeads, maskrcnn_loss
-from torchvision.ops import box_iou, clip_boxes_to_image
+from torchvision.ops import MultiScaleRoIAlign, box_iou, clip_boxes_to_image, roi_align
 
-__all__ = ["CascadeRoIHeads", "build_cascade_mask_rcnn", "IOU_THRESHOLDS", "STAGE_WEIGHTS", "TARGET_STDS"]
+__all__ = ["CascadeRoIHeads", "MultiLevelRoIAlign", "build_cascade_mask_rcnn", "IOU_THRESHOLDS", "STAGE_WEIGHTS",
+           "TARGET_STDS"]
 
 IOU_THRESHOLDS = (0.5, 0.6, 0.7)
 STAGE_WEIGHTS = (1.0, 0.5, 0.25)
 TARGET_STDS = ((0.1, 0.1, 0.2, 0.2), (0.05, 0.05, 0.1, 0.1), (0.033, 0.033, 0.067, 0.067))
 BOX_HEAD_WIDTH = 1024  # torchvision's and mmdet's two shared fully connected layers
+FINEST_SCALE = 56  # mmdet's SingleRoIExtractor: RoIs under 2 x 56 pixels on a side pool from the finest level
+
+
+class MultiLevelRoIAlign(MultiScaleRoIAlign):
+    """RoI features as mmdetection's ``SingleRoIExtractor`` with mmcv's ``RoIAlign(output_size, sampling_ratio=0)``
+    (the official Cascade Mask R-CNN config): a box of side sqrt(area) = s pools from level
+    floor(log2(s / 56 + 1e-6)) (clamped to the levels), with pixel centres at half-integers (``aligned``) and
+    ceil(bin side) bilinear samples per bin side (sampling ratio 0), averaged. A drop-in for torchvision's
+    ``MultiScaleRoIAlign`` (same arguments, levels' scales inferred the same way)."""
+
+    def __init__(self, featmap_names: list[str], output_size: int, sampling_ratio: int = 0):
+        super().__init__(featmap_names, output_size, sampling_ratio)
+
+    def forward(self, x: dict[str, torch.Tensor], boxes: list[torch.Tensor],
+                image_shapes: list[tuple[int, int]]) -> torch.Tensor:
+        features = [x[name] for name in self.featmap_names]
+        top = max(shape[0] for shape in image_shapes)
+        scales = [2.0 ** round(math.log2(f.shape[-2] / top)) for f in features]  # 1/4, 1/8, ... as torchvision's
+        rois = torch.cat([torch.cat([torch.full_like(b[:, :1], i), b], dim=1) for i, b in enumerate(boxes)])
+        side = ((rois[:, 3] - rois[:, 1]) * (rois[:, 4] - rois[:, 2])).sqrt()
+        levels = torch.floor(torch.log2(side / FINEST_SCALE + 1e-6)).clamp(0, len(features) - 1).long()
+        out = features[0].new_zeros(len(rois), features[0].shape[1], *self.output_size)
+        for level, (feature, scale) in enumerate(zip(features, scales)):
+            index = torch.where(levels == level)[0]
+            out[index] = roi_align(feature, rois[index], self.output_size, scale, self.sampling_ratio,
+                                   aligned=True).to(out.dtype)
+        return out
 
 
 class AgnosticBoxPredictor(nn.Module):
@@ -165,12 +198,13 @@ class CascadeRoIHeads(RoIHeads):
 
 def build_cascade_mask_rcnn(body: nn.Module, num_classes: int, *, anchor_generator=None, roi_batch: int = 512,
                             **detector_kwargs) -> MaskRCNN:
-    """torchvision's ``MaskRCNN`` (transform, RPN, RoI poolers) on ``body`` with :class:`CascadeRoIHeads`;
-    ``num_classes`` counts the background."""
+    """torchvision's ``MaskRCNN`` (transform, RPN) on ``body`` with :class:`CascadeRoIHeads` on the official
+    poolers (:class:`MultiLevelRoIAlign`, 7x7 boxes and 14x14 masks); ``num_classes`` counts the background."""
     channels = body.out_channels
     model = MaskRCNN(body, num_classes, rpn_anchor_generator=anchor_generator, **detector_kwargs)
-    old = model.roi_heads  # its poolers and test settings are kept, its single-stage heads dropped
-    model.roi_heads = CascadeRoIHeads(old.box_roi_pool, old.mask_roi_pool, num_classes, channels,
-                                      batch_size_per_image=roi_batch, score_thresh=old.score_thresh,
+    old = model.roi_heads  # its test settings are kept, its poolers and single-stage heads replaced
+    levels = old.box_roi_pool.featmap_names
+    model.roi_heads = CascadeRoIHeads(MultiLevelRoIAlign(levels, 7), MultiLevelRoIAlign(levels, 14), num_classes,
+                                      channels, batch_size_per_image=roi_batch, score_thresh=old.score_thresh,
                                       nms_thresh=old.nms_thresh, detections_per_img=old.detections_per_img)
     return model

@@ -20,11 +20,12 @@ from pathlib import Path, PurePath
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image
 from torch.utils.data import Dataset
 
 from ...data.digits import digits_split
 from ...data.folder import DatasetError
+from ...engine.limits import available_memory
+from ...files import UnreadableFileError, read_image, read_text
 
 __all__ = [
     "IGNORE_INDEX", "DIGIT_CLASSES", "DenseDataError", "DigitScenes", "CocoInstances", "AdeSegmentation",
@@ -50,10 +51,12 @@ def collate(batch):
 
 def _load_rgb(path: Path) -> torch.Tensor:
     try:
-        with Image.open(path) as im:
+        with read_image(path) as im:  # regular files only; PIL's decompression-bomb limit
             array = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    except (OSError, ValueError, Image.DecompressionBombError) as e:
-        raise DenseDataError(f"{path}: cannot read the image ({e})") from None
+    except FileNotFoundError:
+        raise DenseDataError(f"{path}: cannot read the image (no such file)") from None
+    except UnreadableFileError as e:
+        raise DenseDataError(str(e)) from None
     return torch.from_numpy(array.copy()).permute(2, 0, 1).float() / 255
 
 
@@ -219,6 +222,9 @@ def _check_coco(data, path: Path) -> None:
         if seg is None:
             continue
         if isinstance(seg, list):
+            if not seg:  # pycocotools cannot make a mask of no polygon
+                raise DenseDataError(f"{where}: segmentation is an empty list; give polygons or an RLE, or leave "
+                                     "the key out")
             for polygon in seg:
                 if (not isinstance(polygon, list) or len(polygon) < 6 or len(polygon) % 2
                         or not all(isinstance(v, (int, float)) for v in polygon)):
@@ -287,7 +293,9 @@ class CocoInstances(Dataset):
         if not self.image_dir.is_dir():
             raise DenseDataError(f"{self.image_dir}: no such image folder")
         try:
-            data = json.loads(path.read_text())
+            data = json.loads(read_text(path, available_memory("cpu")))
+        except UnreadableFileError as e:
+            raise DenseDataError(str(e)) from None
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise DenseDataError(f"{path}: not valid JSON ({e})") from None
         _check_coco(data, path)
@@ -376,12 +384,12 @@ class AdeSegmentation(Dataset):
         image = _load_rgb(self.images[index])
         path = self.labels[index]
         try:
-            with Image.open(path) as im:
+            with read_image(path) as im:
                 if im.mode not in ("L", "P", "I;16", "I"):
                     raise DenseDataError(f"{path}: an annotation must be a single-channel index PNG, found mode {im.mode}")
                 label = torch.from_numpy(np.asarray(im, dtype=np.int64).copy())
-        except OSError as e:
-            raise DenseDataError(f"{path}: cannot read the annotation ({e})") from None
+        except (OSError, UnreadableFileError) as e:
+            raise DenseDataError(f"{path}: cannot read the annotation ({getattr(e, 'detail', e)})") from None
         if label.shape != image.shape[-2:]:
             raise DenseDataError(f"{path}: annotation is {tuple(label.shape)} but the image is {tuple(image.shape[-2:])}")
         if self.reduce_zero_label:

@@ -24,13 +24,17 @@ GROUPS = 32  # GroupNorm groups of the official ham_norm_cfg
 
 
 class ConvModule(nn.Module):
-    """A 1x1 conv, optional GroupNorm and ReLU, with mmcv's ConvModule parameter names (``conv``, ``gn``)."""
+    """A 1x1 conv, optional GroupNorm and ReLU, with mmcv's ConvModule parameter names (``conv``, ``gn``) and its
+    initialisation (``kaiming_init``: normal, fan_out, for ReLU, bias 0; the norm's weight 1 and bias 0)."""
 
     def __init__(self, in_channels: int, out_channels: int, *, norm: bool, relu: bool):
         super().__init__()
         self.conv = nn.Conv2d(in_channels, out_channels, 1, bias=not norm)  # mmcv's bias='auto'
+        nn.init.kaiming_normal_(self.conv.weight, mode="fan_out", nonlinearity="relu")
+        if self.conv.bias is not None:
+            nn.init.zeros_(self.conv.bias)
         if norm:
-            self.gn = nn.GroupNorm(GROUPS, out_channels)
+            self.gn = nn.GroupNorm(GROUPS, out_channels)  # starts at weight 1, bias 0, as mmcv's constant_init
         self.relu = relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

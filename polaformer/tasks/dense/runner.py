@@ -1,8 +1,10 @@
 """What ``polaformer detect`` and ``polaformer segment`` do: data from a recipe, train, evaluate, predict.
 
 Training is a task of the one engine (:mod:`polaformer.engine.loop`): AdamW with no weight decay
-on norms, biases and position tables (as the papers' mmdet/mmseg recipes), linear warm-up, then
-step decay (detection: x0.1 at the milestones) or polynomial decay (segmentation). The engine
+on norms, biases and position tables, or, where a recipe names ``train.no_decay_keys``, on exactly the
+parameters whose name holds one of them (mmcv's ``custom_keys``, as the official LightHam configs), linear
+warm-up, then step decay (detection: x0.1 at the milestones) or polynomial decay (segmentation). ADE20K-layout
+data is scored at mmseg's test scale (``data.test_scale``). The engine
 writes ``last.pth`` every ``save_every`` steps and at each evaluation, ``best.pth`` by the key
 metric (box AP, mIoU), and resumes exactly (``--resume``).
 """
@@ -15,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -24,6 +25,8 @@ from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import param_groups, unwrap
+from ...engine.output import claim_outputs, distinct_names, write_image
+from .config import DEFAULTS
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
 from .detection import build_detector, detection_loss, draw_predictions, evaluate_detector
 from .segmentation import build_segmenter, evaluate_segmenter, segmentation_loss
@@ -69,6 +72,25 @@ def segmentation_data(data: dict, *, train: bool = True):
         val = AdeSegmentation(data["root"], "validation", **kwargs)
         return train, val, data["num_classes"], val.classes
     raise ConfigError(f"segmentation data.format must be 'digits' or 'ade', got {data['format']!r}")
+
+
+def _test_scale(data: dict):
+    """The scale ADE20K-layout validation images are rescaled within (mmseg's test pipeline); none for the
+    digit scenes."""
+    if data["format"] != "ade":
+        return ()
+    return tuple(data.get("test_scale", DEFAULTS["segment"]["data"]["test_scale"]))  # recipes older than the key
+
+
+def _decay_groups(model: nn.Module, weight_decay: float, no_decay_keys) -> list[dict]:
+    """With weight decay, then without: norms, biases and position tables, or the names holding a key."""
+    if not no_decay_keys:
+        return param_groups(model, weight_decay, NO_DECAY_NAMES)
+    decay, no_decay = [], []
+    for name, param in unwrap(model).named_parameters():
+        if param.requires_grad:
+            (no_decay if any(key in name for key in no_decay_keys) else decay).append(param)
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
 def _build(task: str, recipe: dict, num_classes: int, *, load_weights: bool = True):
@@ -122,6 +144,9 @@ class DenseTask(Task):
     """Detection (box AP) or semantic segmentation (mIoU) on a recipe's data."""
 
     resume_hint = "it holds weights only; use --backbone-weights or another --output"
+    # the run's length and cadence, its workers and evaluation canvases; the backbone weights only start a run
+    resume_may_change = ("train.steps", "train.epochs", "train.eval_every", "train.save_every", "data.workers",
+                         "data.val_size", "model.backbone_weights")
 
     def __init__(self, task: str, recipe: dict, train_set, val_set, num_classes: int, classes, schedule: Schedule):
         self.name, self.recipe, self.schedule = task, recipe, schedule
@@ -140,6 +165,9 @@ class DenseTask(Task):
             self.coco_gt, self.category_ids = self.val_set.coco(), self.val_set.category_ids()
         return _build(self.name, self.recipe, self.num_classes, load_weights=not resuming)
 
+    def settings(self) -> dict:
+        return self.config
+
     def check_resume(self, checkpoint: dict, path: Path) -> None:
         saved = checkpoint.get("config", {})
         if saved.get("num_classes") != self.num_classes:
@@ -148,7 +176,7 @@ class DenseTask(Task):
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         wd = self.schedule.weight_decay
-        groups = param_groups(model, wd, NO_DECAY_NAMES)
+        groups = _decay_groups(model, wd, self.recipe["train"].get("no_decay_keys"))
         head_mult = self.recipe["train"].get("head_lr_mult", 1.0)
         if head_mult != 1.0:  # mmseg's paramwise 'head' lr_mult: the decoder learns faster than the encoder
             encoder = {id(p) for n, p in unwrap(model).named_parameters() if n.startswith("net.encoder.")}
@@ -167,7 +195,7 @@ class DenseTask(Task):
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
         if self.name == "detect":
             return evaluate_detector(model, self.val_loader, self.coco_gt, self.category_ids)
-        return evaluate_segmenter(model, self.val_loader, self.num_classes)
+        return evaluate_segmenter(model, self.val_loader, self.num_classes, _test_scale(self.recipe["data"]))
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         return {"step": engine.num_updates, "train_loss": train["loss"], "lr": train["lr"], **results["model"]}
@@ -180,12 +208,9 @@ class DenseTask(Task):
         metrics = {k: v for k, v in engine.history[-1].items() if k != "step"} if engine.history else {}
         return {"step": engine.num_updates, "best": engine.best.get(self.key_metric), **metrics}
 
-    def metadata(self, engine: Engine) -> dict:
-        return {"config": self.config}
-
 
 def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = None, overwrite: bool = False,
-               device: str | None = None, progress: bool = True) -> dict:
+               device: str | None = None, progress: bool = True, allow_changed=()) -> dict:
     """Train ``task`` ('detect' or 'segment') as ``recipe`` says; returns what metrics.json holds."""
     data, train_cfg = recipe["data"], recipe["train"]
     if task == "detect":
@@ -198,7 +223,8 @@ def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = No
         output=Path(output), batch_size=data["batch_size"], steps=schedule.steps,
         eval_every=train_cfg["eval_every"] or schedule.steps, save_every_steps=train_cfg["save_every"],
         clip_grad_norm=schedule.clip_grad, seed=train_cfg["seed"], num_workers=data["workers"],
-        device=device or "auto", resume=resume, overwrite=overwrite, show_progress=progress,
+        device=device or "auto", resume=resume, allow_changed=tuple(allow_changed), overwrite=overwrite,
+        show_progress=progress,
     )
     return train(DenseTask(task, recipe, train_set, val_set, num_classes, classes, schedule), settings)
 
@@ -225,40 +251,28 @@ def evaluate_checkpoint(task: str, path: str, data_overrides: dict | None = None
     _, val_set, num_classes, _ = segmentation_data(data, train=False)
     if num_classes != config["num_classes"]:
         raise ConfigError(f"the data has {num_classes} classes, the checkpoint {config['num_classes']}")
-    return evaluate_segmenter(model, DataLoader(val_set, **loader_kwargs), num_classes)
+    return evaluate_segmenter(model, DataLoader(val_set, **loader_kwargs), num_classes, _test_scale(data))
 
 
 def predict_images(path: str, images: list[str], out_dir: Path, *, score_threshold: float = 0.5,
-                   device: str | None = None) -> list[Path]:
+                   device: str | None = None, overwrite: bool = False) -> list[Path]:
     """Draw a detector checkpoint's boxes (and masks) on each image; write ``out_dir/<stem>.png``
-    (``<stem>-2.png``, ``-3``... for later images whose name is taken, so no drawing replaces another)."""
+    (``<stem>-2.png``, ``-3``... for later images whose name is taken, so no drawing replaces another; an existing
+    file is refused before anything runs, unless ``overwrite``)."""
     if not 0 <= score_threshold <= 1:
         raise ConfigError(f"the score threshold must be a number in [0, 1], got {score_threshold}")
+    targets = distinct_names([Path(name).stem for name in images], out_dir, ".png")
+    claim_outputs(targets, overwrite, "--out")
     model, config = load_model("detect", path, device)
     dev = next(model.parameters()).device
-    out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, target in zip(images, _distinct_names(images, out_dir)):
+    for name, target in zip(images, targets):
         image = _load_rgb(Path(name))
         with torch.no_grad():
             pred = {k: v.cpu() for k, v in model([image.to(dev)])[0].items()}
         drawn = draw_predictions(image, pred, config["classes"], score_threshold=score_threshold)
-        Image.fromarray(drawn.permute(1, 2, 0).numpy().astype(np.uint8)).save(target)
+        write_image(target, drawn.permute(1, 2, 0).numpy().astype(np.uint8))
         _logger.info("%s: %d detections above %.2f -> %s", name, int((pred["scores"] >= score_threshold).sum()),
                      score_threshold, target)
         written.append(target)
     return written
-
-
-def _distinct_names(images: list[str], out_dir: Path) -> list[Path]:
-    taken: set[str] = set()
-    names = []
-    for image in images:
-        stem = name = Path(image).stem
-        copy = 1
-        while name in taken:
-            copy += 1
-            name = f"{stem}-{copy}"
-        taken.add(name)
-        names.append(out_dir / f"{name}.png")
-    return names

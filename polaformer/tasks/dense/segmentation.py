@@ -6,9 +6,13 @@ registered models' ``features_only``; that works for every hierarchical family (
 Pola-PVTv2, Pola-Swin, PolaFormer++) and for CNNs such as ``resnet18``. A plain ViT (Pola-DeiT) has
 no pyramid for these decoders and is refused with one line. ImageNet weights are loaded into the
 encoder's trunk with position tables resampled, as for detection.
+
+Evaluation can follow mmseg's ADE20K test pipeline (:func:`mmseg_test_size`): each image rescaled within a
+``(long, short)`` scale keeping its ratio, then to a multiple of 32, and the logits resized back to the image.
 """
 from __future__ import annotations
 
+import math
 
 import numpy as np
 import torch
@@ -19,12 +23,14 @@ from .backbone import BackboneError, build_trunk, pyramid_indices
 from .data import IGNORE_INDEX
 from .lightham import LightHamSegmentationNet
 
-__all__ = ["DECODERS", "Segmenter", "build_segmenter", "segmentation_loss", "evaluate_segmenter", "ConfusionMatrix"]
+__all__ = ["DECODERS", "Segmenter", "build_segmenter", "segmentation_loss", "evaluate_segmenter", "ConfusionMatrix",
+           "mmseg_test_size"]
 
 
 DECODERS = ("fpn", "upernet", "lightham")
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
+TEST_SIZE_DIVISOR = 32  # the PolaFormer++ fork's test pipeline: ResizeToMultiple(size_divisor=32)
 
 
 class Segmenter(nn.Module):
@@ -107,13 +113,40 @@ class ConfusionMatrix:
         }
 
 
+def _rescaled_size(height: int, width: int, scale) -> tuple[int, int]:
+    """mmcv's ``imrescale`` size: the largest within ``scale`` = (long, short) edges keeping the ratio, sides
+    rounded half up."""
+    factor = min(max(scale) / max(height, width), min(scale) / min(height, width))
+    return int(height * factor + 0.5), int(width * factor + 0.5)
+
+
+def mmseg_test_size(height: int, width: int, scale=(2048, 512), divisor: int = TEST_SIZE_DIVISOR) -> tuple[int, int]:
+    """``(height, width)`` an image is scored at by the official test pipeline: mmcv's ``imrescale`` within
+    ``scale``, then ``imresize_to_multiple`` (each side rounded up to ``divisor``)."""
+    return tuple(math.ceil(side / divisor) * divisor for side in _rescaled_size(height, width, scale))
+
+
+def _resize_8bit(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """Bilinear resize of a [0, 1] image kept on the 256 levels of the 8-bit image mmcv resizes."""
+    out = F.interpolate(image[None] * 255, size=size, mode="bilinear", align_corners=False)[0]
+    return out.round().clamp(0, 255) / 255
+
+
 @torch.no_grad()
-def evaluate_segmenter(model: nn.Module, loader, num_classes: int) -> dict[str, float]:
+def evaluate_segmenter(model: nn.Module, loader, num_classes: int, test_scale=()) -> dict[str, float]:
+    """mIoU and pixel accuracy; with ``test_scale`` (long, short) each image is rescaled as mmseg's test pipeline
+    (:func:`mmseg_test_size`, in two bilinear steps as there) and its logits resized back before the argmax."""
     model.eval()
     device = next(model.parameters()).device
     confusion = ConfusionMatrix(num_classes)
     for images, targets in loader:
         for image, target in zip(images, targets):  # one at a time: validation images differ in size
+            size = image.shape[-2:]
+            if test_scale:
+                image = _resize_8bit(_resize_8bit(image, _rescaled_size(*size, test_scale)),
+                                     mmseg_test_size(*size, scale=test_scale))
             logits = model(image[None].to(device))
+            if logits.shape[-2:] != size:
+                logits = F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
             confusion.update(logits.argmax(1)[0].cpu(), target["semantic"])
     return confusion.metrics()

@@ -1,35 +1,38 @@
-"""Gaussian diffusion of the DiT on diffusers' schedulers: the training loss (ε MSE plus the variational bound
+"""Gaussian diffusion of the DiT: the training loss on diffusers' schedule (ε MSE plus the variational bound
 that trains the learned-range variance, as improved DDPM) and class-conditional sampling with classifier-free
-guidance (DDPM with the learned variance, or DDIM).
+guidance by the official respaced sampler (DDPM or DDIM, :class:`RespacedDiffusion`).
 
 diffusers has no variational-bound loss, so :func:`vlb_terms` writes it out from the scheduler's ``betas`` and
 ``alphas_cumprod``: the KL between the true posterior q(x_{t-1} | x_t, x_0) and the model's Gaussian, in bits
 per dimension, and at t = 0 the negative log-likelihood of x_0 under a Gaussian discretised into 256 bins.
+
+Sampling follows the official DiT code (``create_diffusion``, ``p_sample_loop``, ``ddim_sample_loop``,
+``forward_with_cfg``) rather than diffusers' schedulers, whose defaults differ from it: a model without a
+learned variance samples with the fixed-large variance (the betas), DDIM takes the stride of the DDIM paper and
+ends at ᾱ = 1, and guidance moves the first three output channels only. The alternatives are options
+(``variance="fixed_small"``, ``guide_all_channels=True``).
 """
 from __future__ import annotations
 
 import math
 
 import torch
-from diffusers import DDIMScheduler, DDPMScheduler
+from diffusers import DDPMScheduler
 from torch import nn
 
-__all__ = ["SAMPLERS", "diffusion_loss", "make_scheduler", "sample", "vlb_terms"]
+__all__ = ["GUIDED_CHANNELS", "SAMPLERS", "VARIANCES", "RespacedDiffusion", "diffusion_loss", "make_scheduler",
+           "respaced_timesteps", "sample", "vlb_terms"]
 
 SAMPLERS = ("ddpm", "ddim")
+VARIANCES = ("fixed_large", "fixed_small")  # of models without a learned variance: the betas, or the posterior's
+GUIDED_CHANNELS = 3  # the official forward_with_cfg guides model_out[:, :3] (its comment: for reproducibility)
 
 
-def make_scheduler(kind: str = "ddpm", train_timesteps: int = 1000, beta_start: float = 1e-4,
-                   beta_end: float = 0.02, learn_sigma: bool = True, clip_sample: bool = False):
-    """The DiT's schedule (linear betas) as a diffusers scheduler; ``ddpm`` takes the learned-range variance."""
-    common = dict(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
-                  beta_schedule="linear", clip_sample=clip_sample, prediction_type="epsilon")
-    if kind == "ddpm":  # respaced steps spread over 0..T-1 with rounding, as the official sampler's
-        return DDPMScheduler(**common, variance_type="learned_range" if learn_sigma else "fixed_small",
-                             timestep_spacing="linspace")
-    if kind == "ddim":
-        return DDIMScheduler(**common, set_alpha_to_one=False)
-    raise ValueError(f"unknown sampler {kind!r} (known: {', '.join(SAMPLERS)})")
+def make_scheduler(train_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> DDPMScheduler:
+    """The DiT's schedule (linear betas) as a diffusers scheduler, whose ``add_noise`` and ``config`` the training
+    loss uses. Sampling does not step it (:func:`sample`: diffusers' samplers are not the official ones)."""
+    return DDPMScheduler(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
+                         beta_schedule="linear", prediction_type="epsilon")
 
 
 def _at(values: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -111,39 +114,139 @@ def diffusion_loss(model: nn.Module, scheduler, x_start: torch.Tensor, labels: t
     return {"mse": mse, "vb": vb, "loss": mse + vb}
 
 
+def respaced_timesteps(steps: int, train_timesteps: int = 1000, ddim: bool = False) -> list[int]:
+    """The original steps a respaced sampler visits, ascending, as the official ``space_timesteps``.
+
+    DDPM (``create_diffusion(str(steps))``): ``steps`` spread evenly over 0..T−1 with rounding (250 steps:
+    0, 4, 8, …, 995, 999). DDIM (``"ddim{steps}"``): the fixed stride of the DDIM paper, ``range(0, T, s)`` with
+    the smallest stride ``s`` that gives exactly ``steps`` (50 steps: 0, 20, …, 980); a count no integer stride
+    gives is an error, as there.
+    """
+    if not 1 <= steps <= train_timesteps:
+        raise ValueError(f"sampling steps must be in 1..{train_timesteps}, got {steps}")
+    if ddim:
+        counts = {len(range(0, train_timesteps, s)): s for s in range(train_timesteps - 1, 0, -1)}
+        if steps not in counts:
+            nearest = sorted(counts, key=lambda n: (abs(n - steps), n))[:2]
+            raise ValueError(f"DDIM takes the official 'ddimN' stride: no integer stride gives {steps} of "
+                             f"{train_timesteps} steps (nearest: {', '.join(map(str, sorted(nearest)))})")
+        return list(range(0, train_timesteps, counts[steps]))
+    stride = (train_timesteps - 1) / (steps - 1) if steps > 1 else 1.0
+    kept, position = [], 0.0
+    for _ in range(steps):  # accumulated, and rounded half to even, as the official loop
+        kept.append(round(position))
+        position += stride
+    return kept
+
+
+class RespacedDiffusion:
+    """The DiT's linear schedule respaced to ``steps`` steps, with the official sampler's tables in float64.
+
+    ``timesteps`` lists the original steps (what the model is given), ascending; index ``i`` of the methods is
+    a position in it. The respaced betas are ``1 − ᾱ_i / ᾱ_{i−1}`` of the kept steps. ``learn_sigma``: the
+    model's second half of channels interpolates the log-variance between the posterior's and beta; otherwise
+    ``variance`` is ``fixed_large`` (beta, the official default) or ``fixed_small`` (the posterior's, the
+    official ``sigma_small``).
+    """
+
+    def __init__(self, steps: int, *, ddim: bool = False, learn_sigma: bool = True, variance: str = "fixed_large",
+                 train_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02,
+                 clip_sample: bool = False):
+        if variance not in VARIANCES:
+            raise ValueError(f"unknown variance {variance!r} (known: {', '.join(VARIANCES)})")
+        self.timesteps = respaced_timesteps(steps, train_timesteps, ddim)
+        self.learn_sigma, self.clip_sample = learn_sigma, clip_sample
+        full = torch.cumprod(1 - torch.linspace(beta_start, beta_end, train_timesteps, dtype=torch.float64), 0)
+        kept = full[self.timesteps]
+        betas = 1 - kept / torch.cat([kept.new_ones(1), kept[:-1]])
+        alphas_cumprod = torch.cumprod(1 - betas, 0)
+        prev = torch.cat([alphas_cumprod.new_ones(1), alphas_cumprod[:-1]])  # 1 before the first step: DDIM ends at x_0
+        posterior = betas * (1 - prev) / (1 - alphas_cumprod)
+        first = posterior[1:2] if len(posterior) > 1 else betas[:1]  # step 0 adds no noise: any finite value
+        self.tables = {
+            "sqrt_recip": (1 / alphas_cumprod).sqrt(), "sqrt_recipm1": (1 / alphas_cumprod - 1).sqrt(),
+            "sqrt_prev": prev.sqrt(), "sqrt_one_minus_prev": (1 - prev).sqrt(),
+            "coef_start": betas * prev.sqrt() / (1 - alphas_cumprod),
+            "coef_t": (1 - prev) * (1 - betas).sqrt() / (1 - alphas_cumprod),
+            "log_beta": betas.log(), "log_posterior": torch.cat([first, posterior[1:]]).log(),
+            "log_fixed": torch.cat([first, posterior[1:] if variance == "fixed_small" else betas[1:]]).log(),
+        }
+
+    def _at(self, name: str, i: int, like: torch.Tensor) -> torch.Tensor:
+        return self.tables[name][i].to(like.dtype)  # in the sample's precision (the official's are float32)
+
+    def p_mean_variance(self, out: torch.Tensor, i: int, x: torch.Tensor):
+        """``(mean, log_variance, x0)`` of p(x_{t−1} | x_t) at index ``i`` for the model output ``out``."""
+        channels = x.shape[1]
+        eps = out[:, :channels]
+        if self.learn_sigma:
+            frac = (out[:, channels:] + 1) / 2
+            log_variance = frac * self._at("log_beta", i, x) + (1 - frac) * self._at("log_posterior", i, x)
+        else:
+            log_variance = self._at("log_fixed", i, x).expand_as(x)
+        x0 = self._at("sqrt_recip", i, x) * x - self._at("sqrt_recipm1", i, x) * eps
+        if self.clip_sample:
+            x0 = x0.clamp(-1, 1)
+        return self._at("coef_start", i, x) * x0 + self._at("coef_t", i, x) * x, log_variance, x0
+
+    def ddpm_step(self, out: torch.Tensor, i: int, x: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        mean, log_variance, _ = self.p_mean_variance(out, i, x)
+        return mean if i == 0 else mean + torch.exp(0.5 * log_variance) * noise
+
+    def ddim_step(self, out: torch.Tensor, i: int, x: torch.Tensor) -> torch.Tensor:
+        """Deterministic DDIM (η = 0), ε re-derived from the (clipped) x_0 as the official."""
+        _, _, x0 = self.p_mean_variance(out, i, x)
+        eps = (self._at("sqrt_recip", i, x) * x - x0) / self._at("sqrt_recipm1", i, x)
+        return x0 * self._at("sqrt_prev", i, x) + self._at("sqrt_one_minus_prev", i, x) * eps
+
+
 @torch.no_grad()
 def sample(model: nn.Module, labels: torch.Tensor, shape: tuple[int, ...], *, sampler: str = "ddpm",
            steps: int = 250, cfg_scale: float = 1.0, clip_sample: bool = False, train_timesteps: int = 1000,
-           beta_start: float = 1e-4, beta_end: float = 0.02, generator: torch.Generator | None = None,
-           device: torch.device | str = "cpu") -> torch.Tensor:
-    """Draw one image (or latent) of ``shape`` (C, S, S) per label with ``steps`` respaced steps.
+           beta_start: float = 1e-4, beta_end: float = 0.02, variance: str = "fixed_large",
+           guide_all_channels: bool = False, generator: torch.Generator | None = None,
+           noise: torch.Tensor | None = None, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Draw one image (or latent) of ``shape`` (C, S, S) per label with ``steps`` respaced steps, as the official
+    ``p_sample_loop`` (``ddpm``) or ``ddim_sample_loop`` (``ddim``, η = 0) with ``clip_denoised=clip_sample``.
 
-    With ``cfg_scale`` != 1 each step also runs the null class and moves ε to
-    ``uncond + cfg_scale · (cond − uncond)`` on all channels (the model needs a null class); the learned
-    variance, if any, is the conditional one.
+    With ``cfg_scale`` != 1 each step also runs the null class (the model needs one) and moves the output to
+    ``uncond + cfg_scale · (cond − uncond)`` on its first three channels, as the official ``forward_with_cfg``
+    (the rest, a fourth latent channel's ε and a learned variance included, are the conditional ones);
+    ``guide_all_channels`` moves every ε channel instead (the usual guidance, the variance still conditional).
+    ``variance`` is that of a model without a learned one (:data:`VARIANCES`).
+
+    ``noise`` (steps + 1, N, C, S, S): the starting sample, then the noise of each step in the order they run
+    (DDIM reads only the first); drawn from ``generator`` where not given.
     """
     null = getattr(model, "null_class", None)
     if cfg_scale != 1.0 and null is None:
         raise ValueError("classifier-free guidance needs a model trained with class dropout (a null class)")
-    if steps < 1 or steps > train_timesteps:
-        raise ValueError(f"sampling steps must be in 1..{train_timesteps}, got {steps}")
-    learn_sigma = getattr(model, "learn_sigma", False)
-    scheduler = make_scheduler(sampler, train_timesteps, beta_start, beta_end, learn_sigma, clip_sample)
-    scheduler.set_timesteps(steps)
+    if sampler not in SAMPLERS:
+        raise ValueError(f"unknown sampler {sampler!r} (known: {', '.join(SAMPLERS)})")
+    diffusion = RespacedDiffusion(steps, ddim=sampler == "ddim", learn_sigma=getattr(model, "learn_sigma", False),
+                                  variance=variance, train_timesteps=train_timesteps, beta_start=beta_start,
+                                  beta_end=beta_end, clip_sample=clip_sample)
+    size = (len(labels), *shape)
+    if noise is not None and tuple(noise.shape) != (steps + 1, *size):
+        raise ValueError(f"noise must have shape {(steps + 1, *size)}, got {tuple(noise.shape)}")
+
+    def draw(k: int) -> torch.Tensor:
+        return (noise[k] if noise is not None else torch.randn(size, generator=generator)).to(device)
+
     labels = labels.to(device)
-    x = torch.randn((len(labels), *shape), generator=generator).to(device)
-    channels = shape[0]
-    for t in scheduler.timesteps:
-        steps_in = torch.full((len(labels),), int(t), device=device)
+    x = draw(0)
+    guided = shape[0] if guide_all_channels else GUIDED_CHANNELS
+    for k, i in enumerate(reversed(range(len(diffusion.timesteps))), start=1):
+        t = torch.full((len(labels),), diffusion.timesteps[i], device=device)
         if cfg_scale != 1.0:
-            out = model(torch.cat([x, x]), torch.cat([steps_in, steps_in]),
-                        torch.cat([labels, torch.full_like(labels, null)]))
-            cond, uncond = out.chunk(2)
-            eps = uncond[:, :channels] + cfg_scale * (cond[:, :channels] - uncond[:, :channels])
-            out = torch.cat([eps, cond[:, channels:]], dim=1)
+            cond, uncond = model(torch.cat([x, x]), torch.cat([t, t]),
+                                 torch.cat([labels, torch.full_like(labels, null)])).chunk(2)
+            mixed = uncond[:, :guided] + cfg_scale * (cond[:, :guided] - uncond[:, :guided])
+            out = torch.cat([mixed, cond[:, guided:]], dim=1)
         else:
-            out = model(x, steps_in, labels)
+            out = model(x, t, labels)
         if sampler == "ddim":
-            out = out[:, :channels]
-        x = scheduler.step(out, t, x, generator=generator).prev_sample
+            x = diffusion.ddim_step(out, i, x)
+        else:
+            x = diffusion.ddpm_step(out, i, x, draw(k) if i > 0 else None)
     return x

@@ -77,7 +77,8 @@ def feature_network(spec: str, image_size: int, channels: int) -> tuple[nn.Modul
             raise ConfigError(f"the digits feature network reads grey images, these have {channels} channels")
         return _Features(train_digits_classifier(image_size)), False
     if not Path(spec).is_file():
-        raise ConfigError(f"FID features: give 'digits' or an Inception weights file; not found: {spec}")
+        problem = "not a regular file" if Path(spec).exists() else "not found"
+        raise ConfigError(f"FID features: give 'digits' or an Inception weights file; {problem}: {spec}")
     try:
         from torchmetrics.image.fid import NoTrainInceptionV3
         network = NoTrainInceptionV3("inception-v3-compat", ["2048"], feature_extractor_weights_path=str(spec))

@@ -14,22 +14,43 @@ import timm
 import torch
 from torch import nn
 from torch.utils.data import TensorDataset
+from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_dit_*)
 from ...checkpoint import CorruptCheckpointError
-from ...engine.checkpoint import read_task_checkpoint
-from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
+from ...engine.checkpoint import load_task_weights, read_task_checkpoint
+from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
+                              configure, fraction, unit)
+from ...engine.device import resolve_device
+from ...engine.limits import check_batch_memory
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
-from .gaussian import SAMPLERS, diffusion_loss, make_scheduler, sample
+from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
-__all__ = ["DiffusionTask", "diffusion_config", "generate", "load_diffusion_model", "train_diffusion"]
+__all__ = ["RULES", "DiffusionTask", "check_diffusion_config", "check_sample_request", "diffusion_config", "generate",
+           "load_diffusion_model", "train_diffusion"]
 
 LAST, BEST = "last.pth", "best.pth"
 
+# the range of every numeric setting (engine/config.py checks them, naming the key)
+SIZE_OF_MODEL = COUNT.but(note="0: the named model's")
+RULES = {
+    "model.hidden_size": SIZE_OF_MODEL, "model.depth": SIZE_OF_MODEL, "model.num_heads": SIZE_OF_MODEL,
+    "model.patch_size": SIZE_OF_MODEL, "model.class_dropout_prob": unit(),
+    "data.image_size": POSITIVE_INT, "data.channels": POSITIVE_INT, "data.valid_fraction": fraction(),
+    "data.seed": SEED,
+    "diffusion.train_timesteps": POSITIVE_INT, "diffusion.beta_start": fraction(), "diffusion.beta_end": fraction(),
+    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE,
+    "train.weight_decay": NON_NEGATIVE, "train.ema_decay": unit().but(note="0: no EMA"),
+    "train.clip_grad_norm": NON_NEGATIVE.but(note="0: no clipping"), "train.eval_every": POSITIVE_INT,
+    "train.eval_samples": POSITIVE_INT, "train.seed": SEED, "train.num_workers": COUNT,
+    "sample.steps": POSITIVE_INT, "sample.cfg_scale": NON_NEGATIVE.but(note="1: no guidance"),
+}
 
-def diffusion_config(path=None, opts=()) -> Config:
-    """The defaults (a tiny model on digits, pixel space), then a YAML file, then ``KEY VALUE`` overrides."""
+
+def diffusion_config(path=None, opts=(), overrides=None) -> Config:
+    """The defaults (a tiny model on digits, pixel space), then a YAML file, then ``KEY VALUE`` overrides, then
+    ``overrides`` (``{'train.lr': 1e-4}``, from command-line flags); checked (:func:`check_diffusion_config`)."""
     cfg = Config({
         # hidden_size / depth / num_heads / patch_size 0: those of the named model
         "model": {"name": "pola_dit_s_2", "attention": "pacs", "hidden_size": 64, "depth": 4, "num_heads": 4,
@@ -40,17 +61,35 @@ def diffusion_config(path=None, opts=()) -> Config:
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
         "train": {"steps": 2000, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.0, "ema_decay": 0.999,
                   "clip_grad_norm": 1.0, "eval_every": 500, "eval_samples": 256, "seed": 0, "num_workers": 0},
-        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0},
+        # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
+        # the official first three output channels
+        "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",
+                   "guide_all_channels": False},
     })
-    cfg = configure(cfg, path, opts)
+    cfg = configure(cfg, path, opts, overrides)
+    check_diffusion_config(cfg)
+    return cfg
+
+
+def check_diffusion_config(cfg: Config) -> None:
+    """Every setting in its range (:data:`RULES`), the names known, the schedule rising, a batch that fits."""
+    check_settings(cfg, RULES)
+    d = cfg.diffusion
+    if d.beta_start > d.beta_end:
+        raise ConfigError(f"diffusion.beta_start ({d.beta_start}) must not exceed diffusion.beta_end ({d.beta_end}): "
+                          "the noise schedule rises")
+    size = cfg.data.image_size
+    check_batch_memory(cfg.train.batch_size, cfg.data.channels, size, size, "cpu", ConfigError,
+                       what=f"a batch of train.batch_size images of data.image_size {size}")
     if cfg.model.attention not in models.pola_dit.ATTENTIONS:
         raise ConfigError(f"model.attention must be one of {', '.join(models.pola_dit.ATTENTIONS)}, "
                           f"got {cfg.model.attention!r}")
     if cfg.sample.sampler not in SAMPLERS:
         raise ConfigError(f"sample.sampler must be one of {', '.join(SAMPLERS)}, got {cfg.sample.sampler!r}")
+    if cfg.sample.variance not in VARIANCES:
+        raise ConfigError(f"sample.variance must be one of {', '.join(VARIANCES)}, got {cfg.sample.variance!r}")
     if cfg.data.latent and not cfg.data.vae:
         raise ConfigError("latent mode needs a local AutoencoderKL folder: set data.vae")
-    return cfg
 
 
 def model_geometry(cfg: Config, vae=None) -> tuple[int, int]:
@@ -77,13 +116,14 @@ def build_model(cfg: Config, num_classes: int, input_size: int, in_channels: int
 
 def _scheduler(cfg: Config):
     d = cfg.diffusion
-    return make_scheduler("ddpm", d.train_timesteps, d.beta_start, d.beta_end, cfg.model.learn_sigma)
+    return make_scheduler(d.train_timesteps, d.beta_start, d.beta_end)
 
 
 class DiffusionTask(Task):
     name = "diffusion"
     best_files = {BEST: "neg_valid_loss"}
     resume_hint = "use another --output"
+    resume_may_change = ("train.steps", "train.eval_every", "train.eval_samples", "train.num_workers", "sample")
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -112,8 +152,8 @@ class DiffusionTask(Task):
                 f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.train_set)} images, "
                 f"{t.steps} steps of batch {t.batch_size}")
 
-    def check_resume(self, checkpoint: dict, path: Path) -> None:
-        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data", "diffusion"), path)
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train
@@ -159,18 +199,20 @@ class DiffusionTask(Task):
                 "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
 
     def metadata(self, engine: Engine) -> dict:
-        return {"config": self.cfg.to_dict(), "num_classes": self.num_classes}
+        return {"num_classes": self.num_classes}
 
 
 def train_diffusion(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-                    show_progress: bool = True) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+                    show_progress: bool = True, allow_changed=()) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
+    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+    check_diffusion_config(cfg)
     t = cfg.train
     settings = LoopSettings(
         output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
         clip_grad_norm=t.clip_grad_norm or None, ema_decay=t.ema_decay or None, seed=t.seed,
         num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
+        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
     )
     return train(DiffusionTask(cfg), settings)
 
@@ -182,39 +224,63 @@ def load_diffusion_model(path, ema: bool = True) -> tuple[nn.Module, Config, obj
     try:
         cfg = diffusion_config()
         cfg.merge(checkpoint["config"])
+        check_diffusion_config(cfg)
         vae = load_vae(cfg.data.vae) if cfg.data.latent else None
         input_size, in_channels = model_geometry(cfg, vae)
         model = build_model(cfg, int(checkpoint["num_classes"]), input_size, in_channels)
         weights = checkpoint.get("model_ema") if ema and checkpoint.get("model_ema") is not None else \
             checkpoint["model"]
-        model.load_state_dict(weights)
-    except (KeyError, TypeError, RuntimeError) as e:
+    except (KeyError, TypeError, RuntimeError, ConfigError) as e:
         raise CorruptCheckpointError(path, f"not a usable diffusion checkpoint: {str(e).splitlines()[0]}") from None
+    load_task_weights(model, weights, path)  # NaN/inf or cast weights are refused here as everywhere
     return model.eval(), cfg, vae
+
+
+def check_sample_request(model: nn.Module, count: int, device="cpu") -> None:
+    """Refuse, before anything is allocated, ``count`` samples whose images alone exceed the memory available."""
+    side = model.input_size
+    check_batch_memory(count, model.in_channels, side, side, device, ConfigError, what=f"{count} samples")
 
 
 @torch.no_grad()
 def generate(model: nn.Module, cfg: Config, labels: torch.Tensor, vae=None, *, sampler: str | None = None,
-             steps: int | None = None, cfg_scale: float | None = None, seed: int = 0, batch_size: int = 256,
+             steps: int | None = None, cfg_scale: float | None = None, variance: str | None = None,
+             guide_all_channels: bool | None = None, seed: int = 0, batch_size: int = 256,
              device="cpu") -> torch.Tensor:
-    """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample``."""
-    s = cfg.sample
-    sampler, steps = sampler or s.sampler, steps or s.steps
-    cfg_scale = s.cfg_scale if cfg_scale is None else cfg_scale
+    """Images in [-1, 1] (N, C, S, S), one per label; sampler settings default to ``cfg.sample`` (given ones are
+    checked against the same ranges, :data:`RULES`)."""
+    s = cfg.sample.clone().defrost()
+    for key, value in (("sampler", sampler), ("steps", steps), ("cfg_scale", cfg_scale), ("variance", variance),
+                       ("guide_all_channels", guide_all_channels)):
+        if value is not None:
+            s.merge({key: value}, source="the sampling options")
+    for key in ("steps", "cfg_scale"):
+        RULES[f"sample.{key}"].check(f"sample.{key}", s[key])
+    SEED.check("the seed", seed)
+    device = resolve_device(device)
+    check_sample_request(model, len(labels), device)
+    sampler, steps, cfg_scale = s.sampler, s.steps, s.cfg_scale
+    variance, guide_all_channels = s.variance, s.guide_all_channels
     model = model.to(device)
     generator = torch.Generator().manual_seed(seed)
     shape = (model.in_channels, model.input_size, model.input_size)
     chunks = []
+    progress = tqdm(total=len(labels) * steps, desc="sampling", unit="step", disable=None, leave=False)
     for part in labels.split(batch_size):
         try:
-            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale,
-                         clip_sample=vae is None, train_timesteps=cfg.diffusion.train_timesteps,
-                         beta_start=cfg.diffusion.beta_start, beta_end=cfg.diffusion.beta_end, generator=generator,
-                         device=device)
+            out = sample(model, part, shape, sampler=sampler, steps=steps, cfg_scale=cfg_scale, variance=variance,
+                         guide_all_channels=guide_all_channels, clip_sample=vae is None,
+                         train_timesteps=cfg.diffusion.train_timesteps, beta_start=cfg.diffusion.beta_start,
+                         beta_end=cfg.diffusion.beta_end, generator=generator, device=device)
         except ValueError as e:  # a sampler setting the model or schedule cannot take, before any step ran
             raise ConfigError(str(e)) from None
         if vae is not None:
             vae.to(device)
             out = vae.decode(out / LATENT_SCALE).sample
+        if not torch.isfinite(out).all():  # clamped, NaN would be written as black images with exit 0
+            raise ConfigError(f"sampling produced NaN or infinite values (sample.cfg_scale {cfg_scale:g}, "
+                              f"{sampler} with {steps} steps): use a smaller --cfg-scale")
         chunks.append(out.clamp(-1, 1).cpu())
+        progress.update(len(part) * steps)
+    progress.close()
     return torch.cat(chunks)

@@ -12,21 +12,42 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader
+from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_lm_*)
 from ...checkpoint import CorruptCheckpointError
-from ...engine.checkpoint import read_task_checkpoint
-from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
+from ...engine.checkpoint import load_task_weights, read_task_checkpoint
+from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, Range,
+                              check_settings, configure, fraction, unit)
+from ...engine.limits import check_allocation
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from .data import ByteWindows, stdlib_corpus
 
-__all__ = ["LMTask", "evaluate_bits_per_byte", "lm_config", "load_lm_model", "train_lm", "unigram_bits_per_byte"]
+__all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
+           "train_lm", "unigram_bits_per_byte"]
 
 LAST, BEST = "last.pth", "best.pth"
 
+# the range of every numeric setting (engine/config.py checks them, naming the key)
+RULES = {
+    "model.context": POSITIVE_INT, "model.drop_rate": unit(),
+    "data.max_bytes": COUNT.but(note="0: all"), "data.valid_fraction": fraction(), "data.seed": SEED,
+    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE, "train.warmup_steps": COUNT,
+    "train.weight_decay": NON_NEGATIVE, "train.clip_grad_norm": NON_NEGATIVE.but(note="0: no clipping"),
+    "train.eval_every": POSITIVE_INT, "train.eval_batches": COUNT.but(note="0: all"), "train.seed": SEED,
+    "train.num_workers": COUNT,
+}
+# `lm sample` and `lm eval`: the options that are no configuration keys
+SAMPLING = {
+    "length": Range(integer=True, low=1, high=2**20),  # one step per byte: a million is minutes, a billion days
+    "temperature": NON_NEGATIVE.but(note="0: greedy"), "top_k": COUNT.but(note="0: all"), "seed": SEED,
+    "batches": COUNT.but(note="0: all"),
+}
 
-def lm_config(path=None, opts=()) -> Config:
-    """The defaults, then a YAML file, then ``KEY VALUE`` overrides (:func:`~polaformer.engine.config.configure`)."""
+
+def lm_config(path=None, opts=(), overrides=None) -> Config:
+    """The defaults, then a YAML file, then ``KEY VALUE`` overrides, then ``overrides`` (``{'train.lr': 1e-3}``, from
+    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_lm_config`)."""
     cfg = Config({
         "model": {"name": "pola_lm_tiny", "attention": "pola", "context": 128, "drop_rate": 0.0},
         "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
@@ -34,28 +55,41 @@ def lm_config(path=None, opts=()) -> Config:
         "train": {"steps": 600, "batch_size": 16, "lr": 3e-3, "warmup_steps": 50, "weight_decay": 0.01,
                   "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 25, "seed": 0, "num_workers": 0},
     })
-    cfg = configure(cfg, path, opts)
+    cfg = configure(cfg, path, opts, overrides)
+    check_lm_config(cfg)
+    return cfg
+
+
+def check_lm_config(cfg: Config) -> None:
+    """Every setting in its range (:data:`RULES`), a known attention, a position table that fits in memory."""
+    check_settings(cfg, RULES)
     if cfg.model.attention not in models.pola_lm.ATTENTIONS:
         raise ConfigError(f"model.attention must be one of {', '.join(models.pola_lm.ATTENTIONS)}, "
                           f"got {cfg.model.attention!r}")
-    return cfg
+    width = models.pola_lm.SIZES.get(cfg.model.name.removeprefix("pola_lm_"), {}).get("dim", 1)
+    check_allocation(f"model.context {cfg.model.context} (a position table of {cfg.model.context} x {width})",
+                     4 * cfg.model.context * width, "cpu", ConfigError, "use a shorter context")
 
 
 def build_lm(cfg: Config) -> nn.Module:
     m = cfg.model
     try:
         return timm.create_model(m.name, attention=m.attention, context=m.context, drop_rate=m.drop_rate)
-    except RuntimeError as e:  # timm's unknown model
-        raise ConfigError(f"cannot build model {m.name!r}: {e}") from None
+    except (RuntimeError, ValueError) as e:  # timm's unknown model, a size the model refuses
+        raise ConfigError(f"cannot build model {m.name!r}: {str(e).splitlines()[0]}") from None
 
 
 @torch.no_grad()
-def evaluate_bits_per_byte(model: nn.Module, loader: DataLoader, device, max_batches: int = 0) -> dict:
-    """Mean next-byte cross-entropy in bits over ``loader`` (its first ``max_batches`` if > 0)."""
+def evaluate_bits_per_byte(model: nn.Module, loader: DataLoader, device, max_batches: int = 0,
+                           progress: bool = False) -> dict:
+    """Mean next-byte cross-entropy in bits over ``loader`` (its first ``max_batches`` if > 0); ``progress``: a
+    progress bar on a terminal."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for i, (inputs, targets) in enumerate(loader):
+    batches = min(len(loader), max_batches) if max_batches else len(loader)
+    for i, (inputs, targets) in enumerate(tqdm(loader, total=batches, desc="evaluating", leave=False,
+                                               disable=None if progress else True)):
         if max_batches and i >= max_batches:
             break
         logits = model(inputs.to(device)).float()
@@ -72,17 +106,26 @@ def unigram_bits_per_byte(train_bytes: torch.Tensor, valid_bytes: torch.Tensor) 
     return -log_p[valid_bytes.long()].mean().item()
 
 
+def byte_windows(data: torch.Tensor, cfg: Config, split: str) -> ByteWindows:
+    """Windows of ``model.context`` bytes of one split; a split shorter than one window is a one-line error."""
+    if len(data) < cfg.model.context + 1:
+        raise ConfigError(f"the {split} split has {len(data)} bytes (data.max_bytes {cfg.data.max_bytes}), fewer than "
+                          f"one window of model.context {cfg.model.context} + 1")
+    return ByteWindows(data, cfg.model.context)
+
+
 class LMTask(Task):
     name = "lm"
     best_files = {BEST: "neg_valid_bpb"}
     resume_hint = "use another --output"
+    resume_may_change = ("train.steps", "train.eval_every", "train.eval_batches", "train.num_workers")
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
         d = cfg.data
         self.train_bytes, self.valid_bytes = stdlib_corpus(d.max_bytes, d.valid_fraction, d.seed)
-        self.train_set = ByteWindows(self.train_bytes, cfg.model.context)
-        self.valid_set = ByteWindows(self.valid_bytes, cfg.model.context)
+        self.train_set = byte_windows(self.train_bytes, cfg, "training")
+        self.valid_set = byte_windows(self.valid_bytes, cfg, "validation")
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
         self.valid_loader = DataLoader(self.valid_set, batch_size=self.cfg.train.batch_size, shuffle=False,
@@ -95,8 +138,8 @@ class LMTask(Task):
                 f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.train_bytes)} train / "
                 f"{len(self.valid_bytes)} valid bytes, {t.steps} steps of batch {t.batch_size}")
 
-    def check_resume(self, checkpoint: dict, path: Path) -> None:
-        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data"), path)
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train
@@ -137,19 +180,18 @@ class LMTask(Task):
                 "unigram_valid_bpb": unigram_bits_per_byte(self.train_bytes, self.valid_bytes),
                 "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
 
-    def metadata(self, engine: Engine) -> dict:
-        return {"config": self.cfg.to_dict()}
-
 
 def train_lm(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-             show_progress: bool = True) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+             show_progress: bool = True, allow_changed=()) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
+    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+    check_lm_config(cfg)
     t = cfg.train
     settings = LoopSettings(
         output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
         save_every_steps=0, clip_grad_norm=t.clip_grad_norm or None, seed=t.seed, num_workers=t.num_workers,
-        device=device, resume=None if resume is None else str(resume), overwrite=overwrite, last_name=LAST,
-        show_progress=show_progress,
+        device=device, resume=None if resume is None else str(resume), allow_changed=tuple(allow_changed),
+        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
     )
     return train(LMTask(cfg), settings)
 
@@ -160,10 +202,11 @@ def load_lm_model(path) -> tuple[nn.Module, Config]:
     try:
         cfg = lm_config(opts=[])
         cfg.merge(checkpoint["config"])
+        check_lm_config(cfg)
         model = build_lm(cfg)
-        model.load_state_dict(checkpoint["model"])
     except (KeyError, TypeError, RuntimeError, ConfigError) as e:
         raise CorruptCheckpointError(path, f"not a usable language model checkpoint: {str(e).splitlines()[0]}") from None
+    load_task_weights(model, checkpoint["model"], path)  # NaN/inf or cast weights are refused here as everywhere
     return model.eval(), cfg
 
 

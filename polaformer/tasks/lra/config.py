@@ -13,13 +13,13 @@ Unknown keys are an error naming the valid ones, so a typo never silently falls 
 """
 from __future__ import annotations
 
-import math
 import os
 from collections.abc import Mapping, Sequence
 
-from ...engine.config import Config, ConfigError, configure
+from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
+                              configure, unit)
 
-__all__ = ["LRAConfigError", "MODEL_DEFAULTS", "RECIPES", "TRAIN_DEFAULTS", "check_lra_config", "lra_config",
+__all__ = ["LRAConfigError", "MODEL_DEFAULTS", "RECIPES", "RULES", "TRAIN_DEFAULTS", "check_lra_config", "lra_config",
            "load_lra_config"]
 
 
@@ -61,6 +61,18 @@ RECIPES: dict[str, dict] = {
     "retrieval": dict(batch_size=16, lr=2e-4, warmup_steps=800, eval_every=1000, eval_batches=300, save_every=1000),
     "image": dict(batch_size=256, lr=1e-4, warmup_steps=175, eval_every=50, eval_batches=20, save_every=50),
     "pathfinder": dict(batch_size=128, lr=5e-4, warmup_steps=312, eval_every=500, eval_batches=156, save_every=500),
+}
+
+
+# the range of every numeric setting (engine/config.py checks them, naming the key)
+RULES = {
+    **{f"model.{name}": POSITIVE_INT for name in ("dim", "hidden_dim", "num_heads", "head_dim", "num_layers")},
+    "model.dropout": unit(), "model.attention_dropout": unit(),
+    **{f"train.{name}": POSITIVE_INT for name in ("batch_size", "steps", "eval_every", "save_every")},
+    "train.eval_batches": COUNT.but(note="0: all"), "train.num_workers": COUNT, "train.warmup_steps": COUNT,
+    **{f"train.limit_{split}": POSITIVE_INT.but(optional=True) for split in ("train", "dev", "test")},
+    "train.lr": POSITIVE, "train.adam_eps": POSITIVE, "train.weight_decay": NON_NEGATIVE,
+    "train.clip_grad_value": NON_NEGATIVE.but(note="0: no clipping"), "train.betas": unit(), "train.seed": SEED,
 }
 
 
@@ -118,24 +130,9 @@ def check_lra_config(cfg: Config) -> None:
         takes = ", ".join(f"{k}={v!r}" for k, v in known.items()) or "none"
         raise LRAConfigError(f"unknown option(s) {', '.join(unknown)} for attention {cfg.attention!r}; "
                              f"its options: {takes}")
+    check_settings(cfg, RULES, LRAConfigError)
     t = cfg.train
-    for name in ("batch_size", "steps", "eval_every", "save_every"):
-        if t[name] < 1:
-            raise LRAConfigError(f"train.{name} must be >= 1, got {t[name]}")
-    for name in ("eval_batches", "num_workers"):
-        if t[name] < 0:
-            raise LRAConfigError(f"train.{name} must be >= 0, got {t[name]}")
-    for name in ("limit_train", "limit_dev", "limit_test"):
-        value = t[name]
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise LRAConfigError(f"train.{name} must be a positive integer or null, got {value!r}")
-    if not 0 <= t.warmup_steps < t.steps:
+    if not t.warmup_steps < t.steps:
         raise LRAConfigError(f"train.warmup_steps must be in [0, steps={t.steps}), got {t.warmup_steps}")
-    for name in ("lr", "adam_eps"):
-        if not (math.isfinite(t[name]) and t[name] > 0):
-            raise LRAConfigError(f"train.{name} must be a finite number > 0, got {t[name]}")
-    for name in ("weight_decay", "clip_grad_value"):
-        if not (math.isfinite(t[name]) and t[name] >= 0):
-            raise LRAConfigError(f"train.{name} must be a finite number >= 0, got {t[name]}")
-    if len(t.betas) != 2 or not all(isinstance(b, (int, float)) and 0 <= b < 1 for b in t.betas):
+    if len(t.betas) != 2:
         raise LRAConfigError(f"train.betas must be two numbers in [0, 1), got {list(t.betas)}")

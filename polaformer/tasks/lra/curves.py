@@ -4,6 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from ...engine.output import write_output
+from ...files import UnreadableFileError, read_text
 from .config import LRAConfigError
 
 __all__ = ["plot_curves"]
@@ -14,8 +16,10 @@ def _read_run(folder: Path) -> dict:
     if not path.is_file():
         raise LRAConfigError(f"{folder} holds no metrics.json (is it an 'lra train' output folder?)")
     try:
-        summary = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
+        summary = json.loads(read_text(path))
+    except UnreadableFileError as e:
+        raise LRAConfigError(str(e)) from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise LRAConfigError(f"{path} is not valid JSON: {e}") from None
     if not summary.get("history"):
         raise LRAConfigError(f"{path} has no evaluations")
@@ -57,7 +61,6 @@ def plot_curves(runs: list[str | Path], out: str | Path, title: str | None = Non
         fig.suptitle(title)
     fig.tight_layout()
     out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=80)
+    write_output(out, lambda f: fig.savefig(f, format=out.suffix.lstrip(".") or "png", dpi=80))
     plt.close(fig)
     return {"figure": str(out), "runs": table, "majority_class_test_accuracy": majority}

@@ -32,6 +32,7 @@ Every problem with a file raises :class:`LRADataError`, one line naming the file
 from __future__ import annotations
 
 import importlib
+import io
 import logging
 import math
 import os
@@ -48,6 +49,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from ...files import UnreadableFileError, open_regular, read_bytes, read_image, read_text
 from .listops import encode_listops_array
 
 __all__ = [
@@ -158,16 +160,13 @@ class PathfinderImages(Dataset):
 
     def __getitem__(self, index: int):
         path = self.paths[index]
-        from PIL import Image
-
         try:
-            with Image.open(path) as image:
-                image.load()
+            with read_image(path) as image:
                 if image.mode != "L":
                     image = image.convert("L")
                 pixels = np.asarray(image, dtype=np.uint8)
-        except (OSError, SyntaxError, ValueError) as exc:
-            raise LRADataError(f"{path}: not a readable PNG ({exc})") from exc
+        except (OSError, UnreadableFileError) as exc:
+            raise LRADataError(f"{path}: not a readable PNG ({getattr(exc, 'detail', exc)})") from exc
         if pixels.shape != (32, 32):
             raise LRADataError(f"{path}: expected a 32x32 image, got {pixels.shape[1]}x{pixels.shape[0]}")
         return torch.from_numpy(pixels.reshape(-1).astype(np.int64)), int(self.labels[index])
@@ -310,7 +309,7 @@ class _NumpyOnlyUnpickler(pickle.Unpickler):
 
 def _read_pickle(path: Path) -> Any:
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             return _NumpyOnlyUnpickler(f, path).load()
     except (LRADataError, MemoryError):
         raise
@@ -388,7 +387,7 @@ def _load_listops_tsv(path: Path, spec: TaskSpec, limit: int | None, style: str)
     """LRA's ListOps TSV: header with ``Source`` and ``Target`` columns (LRA selects them by name)."""
     sequences, labels = [], []
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with io.TextIOWrapper(open_regular(path), encoding="utf-8", newline="") as f:
             header = f.readline().rstrip("\r\n").split("\t")
             header = [_unquote(name) for name in header]
             for column in ("Source", "Target"):
@@ -453,7 +452,7 @@ def _load_imdb(root: Path, split: str, spec: TaskSpec, limit: int | None) -> LRA
         order = order[:limit]
     sequences, labels = [], []
     for path, label in order:
-        text = path.read_bytes().strip()
+        text = read_bytes(path, None).strip()
         sequences.append(_check_ids(_bytes_to_ids(text, _RAW_CAP["text"]), spec, str(path)))
         labels.append(label)
     return LRADataset("text", sequences, labels, source=str(folder))
@@ -471,7 +470,7 @@ def _load_aan_tsv(path: Path, spec: TaskSpec, limit: int | None) -> LRADataset:
     """
     sequences_a, sequences_b, labels = [], [], []
     cap = _RAW_CAP["retrieval"]
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         for line_number, line in enumerate(f, start=1):
             if limit is not None and len(labels) >= limit:
                 break
@@ -606,7 +605,7 @@ def _load_pathfinder(root: Path, split: str, limit: int | None, seed: int) -> Pa
     entries: list[tuple[Path, int]] = []
     for meta in metadata_files:
         try:
-            lines = meta.read_text(encoding="utf-8").splitlines()
+            lines = read_text(meta, None).splitlines()
         except UnicodeDecodeError:
             raise LRADataError(f"{meta}: not a text metadata file") from None
         for line_number, line in enumerate(lines, start=1):

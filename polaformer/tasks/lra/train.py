@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader, Dataset
 from ...checkpoint import CorruptCheckpointError
 from ...engine.checkpoint import load_task_weights, read_checkpoint, read_task_checkpoint
 from ...engine.device import autocast
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.config import Config
 from .config import LRAConfigError, check_lra_config, lra_config
 from .data import TASKS, collate_lra, load_lra_split
@@ -129,6 +129,9 @@ class LRATask(Task):
     name = "lra"
     best_files = {BEST: "dev_accuracy"}
     resume_hint = "it holds weights only; use another --output"
+    # the run's length, how it is evaluated and saved, and its workers
+    resume_may_change = ("train.steps", "train.eval_every", "train.eval_batches", "train.save_every",
+                         "train.num_workers", "train.limit_dev", "train.limit_test")
 
     def __init__(self, cfg: Config, splits: LRASplits):
         self.cfg, self.splits = cfg, splits
@@ -150,15 +153,17 @@ class LRATask(Task):
                 f"{len(self.splits.dev)} dev / {len(self.splits.test)} test examples, {t.steps} steps of batch "
                 f"{t.batch_size}, device {engine.device}")
 
-    def check_resume(self, checkpoint: dict, path: Path) -> None:
-        saved, ours = checkpoint.get("config", {}), self.cfg.to_dict()
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
+
+    def saved_settings(self, checkpoint: dict) -> dict | None:
+        saved = checkpoint.get("config")
         try:  # older files list only the model keys they changed: compare with the defaults filled in
-            saved = lra_config(saved["task"], {k: saved[k] for k in ("attention", "attention_options", "model")
+            model = lra_config(saved["task"], {k: saved[k] for k in ("attention", "attention_options", "model")
                                                if k in saved}).to_dict()
         except (KeyError, TypeError, ValueError):
-            pass
-        refuse_changed_settings(saved, ours, ("task", "attention", "attention_options", "model"), path,
-                                LRAConfigError)
+            return super().saved_settings(checkpoint)
+        return {**saved, **{k: model[k] for k in ("task", "attention", "attention_options", "model")}}
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train
@@ -246,7 +251,7 @@ class LRATask(Task):
         return summary
 
     def metadata(self, engine: Engine) -> dict:
-        return {"config": self.cfg.to_dict(), "model_config": engine.model.cfg.to_dict()}
+        return {"model_config": engine.model.cfg.to_dict()}
 
 
 def majority_rate(dataset: Dataset) -> float:
@@ -269,12 +274,13 @@ def train_lra(
     splits: LRASplits | None = None,
     show_progress: bool = True,
     on_step: Callable[[int], None] | None = None,
+    allow_changed=(),
 ) -> dict:
     """Train as ``cfg`` says on the task's files in ``data_dir`` (or on ``splits``); see the module docstring.
 
     ``resume``: ``"auto"`` (``output/last.pth`` if it exists, else from scratch) or a checkpoint path.
-    ``on_step(step)`` is called after every step (tests use it to interrupt a run). Returns the
-    contents of ``metrics.json``.
+    ``on_step(step)`` is called after every step (tests use it to interrupt a run); ``allow_changed``: settings a
+    resumed run may change (see :class:`~polaformer.engine.loop.Engine`). Returns the contents of ``metrics.json``.
     """
     check_lra_config(cfg)
     if splits is None:
@@ -286,6 +292,7 @@ def train_lra(
         output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
         save_every_steps=t.save_every, clip_grad_value=t.clip_grad_value or None, amp=t.amp, seed=t.seed,
         num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        overwrite=overwrite, last_name=LAST, show_progress=show_progress, on_update=on_step,
+        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
+        on_update=on_step,
     )
     return train(LRATask(cfg, splits), settings)

@@ -11,10 +11,11 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from PIL import Image, UnidentifiedImageError
 from torch.utils.data import Dataset
 
 from ...data.folder import DatasetError
+from ...engine.output import write_image
+from ...files import UnreadableFileError, read_image as read_image_file
 
 __all__ = ["IMAGE_SUFFIXES", "PHOTOS", "ImagePair", "RandomPatches", "bicubic_downscale", "embedded_photo",
            "folder_pairs", "image_to_tensor", "photo_pairs", "read_image", "save_image"]
@@ -38,18 +39,21 @@ def image_to_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def read_image(path: Path) -> torch.Tensor:
-    """An image file as a (3, H, W) uint8 tensor; an unreadable file is a one-line :class:`DatasetError`."""
+    """An image file as a (3, H, W) uint8 tensor; an unreadable file (not a regular file, not an image, a
+    decompression bomb) is a one-line :class:`DatasetError`."""
     try:
-        with Image.open(path) as image:
-            return image_to_tensor(np.asarray(image.convert("RGB")))
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise DatasetError(f"cannot read image {path}: {reason}") from None
+        image = read_image_file(path)
+    except FileNotFoundError:
+        raise DatasetError(f"cannot read image {path}: no such file") from None
+    except UnreadableFileError as e:
+        raise DatasetError(f"cannot read image {path}: {e.detail}") from None
+    with image:
+        return image_to_tensor(np.asarray(image.convert("RGB")))
 
 
 def save_image(image: torch.Tensor, path: Path) -> None:
-    """Write a (3, H, W) uint8 tensor; the format follows the suffix."""
-    Image.fromarray(image.permute(1, 2, 0).cpu().numpy()).save(path)
+    """Write a (3, H, W) uint8 tensor atomically; the format follows the suffix."""
+    write_image(path, image.permute(1, 2, 0).cpu().numpy())
 
 
 def bicubic_downscale(hr: torch.Tensor, scale: int) -> torch.Tensor:
@@ -86,8 +90,10 @@ def _pair_from_hr(name: str, hr: torch.Tensor, scale: int) -> ImagePair:
 
 def _images(folder: Path) -> list[Path]:
     if not folder.is_dir():
-        raise DatasetError(f"image folder {folder} does not exist")
-    files = sorted(p for p in folder.iterdir() if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith("."))
+        raise DatasetError(f"image folder {folder} " + ("is not a folder" if folder.exists() else "does not exist"))
+    # regular files only: a FIFO named like an image would block the read forever
+    files = sorted(p for p in folder.iterdir()
+                   if p.suffix.lower() in IMAGE_SUFFIXES and not p.name.startswith(".") and p.is_file())
     if not files:
         raise DatasetError(f"no images in {folder} (looked for {', '.join(IMAGE_SUFFIXES)})")
     return files

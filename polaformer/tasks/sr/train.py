@@ -1,35 +1,54 @@
 """Training and evaluation of the PaCS super-resolution model as a step-based task of the one engine
 (:mod:`polaformer.engine.loop`), with the official lightSR recipe as defaults: random aligned HR patches of 192
 pixels, L1 loss, Adam (2e-4, betas 0.9/0.99), the learning rate halved at 50/80/90/95 % of the steps. Every
-``eval_every`` steps the validation PSNR-Y/SSIM-Y (border = scale; tiled inference), ``best.pth`` (highest PSNR-Y)
-and ``last.pth``; ``metrics.json`` also holds bicubic upsampling's scores on the same images."""
+``eval_every`` steps the validation PSNR-Y/SSIM-Y (border = scale; the official test's partition of large
+images, or tiled inference with ``eval.mode tile``), ``best.pth`` (highest PSNR-Y) and ``last.pth``;
+``metrics.json`` also holds bicubic upsampling's scores on the same images."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from tqdm import tqdm
 
 from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights, read_task_checkpoint
-from ...engine.config import Config, ConfigError, configure
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, refuse_changed_settings, train
-from ...models.pola_sr import PolaSR, tiled_upscale
+from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
+                              fraction)
+from ...engine.limits import check_allocation
+from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
 
-__all__ = ["SRTask", "bicubic_upscale", "build_sr_model", "evaluate_sr", "load_sr_model", "model_upscaler", "sr_config",
-           "sr_pairs", "train_sr"]
+__all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upscale", "build_sr_model", "check_sr_config",
+           "evaluate_sr", "load_sr_model", "model_upscaler", "official_state_dict", "sr_config", "sr_pairs", "train_sr"]
+
+log = logging.getLogger(__name__)
 
 LAST, BEST = "last.pth", "best.pth"
 PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
-# basicsr's checkpoint entries, EMA first
-OFFICIAL_ENTRIES = ("params_ema", "params")
+# basicsr's path.param_key_g: what the official test configs load (training also writes params_ema)
+OFFICIAL_PARAM_KEY = "params"
+# chop: the official test's partition of large images (MambaIRv2LightModel.test); tile: ours, tiles averaged
+EVAL_MODES = ("chop", "tile")
+# the range of every numeric setting (engine/config.py checks them, naming the key)
+RULES = {
+    "model.scale": POSITIVE_INT, "model.embed_dim": POSITIVE_INT, "model.depths": POSITIVE_INT,
+    "model.num_heads": POSITIVE_INT, "model.window_size": POSITIVE_INT, "model.mlp_ratio": POSITIVE,
+    "data.patch_size": POSITIVE_INT, "data.repeats": POSITIVE_INT,
+    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE,
+    "train.milestones": fraction(), "train.gamma": POSITIVE, "train.eval_every": POSITIVE_INT, "train.seed": SEED,
+    "train.num_workers": COUNT, "eval.tile": POSITIVE_INT, "eval.overlap": COUNT,
+}
 
 
-def sr_config(path=None, opts=()) -> Config:
-    """The defaults, then a YAML file, then ``KEY VALUE`` overrides (:func:`~polaformer.engine.config.configure`)."""
+def sr_config(path=None, opts=(), overrides=None) -> Config:
+    """The defaults, then a YAML file, then ``KEY VALUE`` overrides, then ``overrides`` (``{'train.lr': 1e-4}``, from
+    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_sr_config`)."""
     cfg = Config({
         "model": {"scale": 4, "embed_dim": 48, "depths": [5, 5, 5, 5], "num_heads": [4, 4, 4, 4],
                   "window_size": 16, "mlp_ratio": 1.0},
@@ -38,16 +57,21 @@ def sr_config(path=None, opts=()) -> Config:
                  "repeats": 100},
         "train": {"steps": 500000, "batch_size": 16, "lr": 2e-4, "milestones": [0.5, 0.8, 0.9, 0.95],
                   "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0},
-        "eval": {"tile": 192, "overlap": 16},
+        # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
+        "eval": {"mode": "chop", "tile": 192, "overlap": 16},
     })
-    cfg = configure(cfg, path, opts)
-    if cfg.model.scale < 1:
-        raise ConfigError(f"model.scale must be a positive integer, got {cfg.model.scale}")
-    if not all(0 < m < 1 for m in cfg.train.milestones):
-        raise ConfigError(f"train.milestones are fractions of the steps in (0, 1), got {cfg.train.milestones}")
+    cfg = configure(cfg, path, opts, overrides)
+    check_sr_config(cfg)
+    return cfg
+
+
+def check_sr_config(cfg: Config) -> None:
+    """Every setting in its range (:data:`RULES`), a known evaluation mode, tiles that overlap less than their side."""
+    check_settings(cfg, RULES)
+    if cfg.eval.mode not in EVAL_MODES:
+        raise ConfigError(f"eval.mode must be one of {', '.join(EVAL_MODES)}, got {cfg.eval.mode!r}")
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
         raise ConfigError(f"eval.overlap must be in [0, eval.tile), got {cfg.eval.overlap} with tile {cfg.eval.tile}")
-    return cfg
 
 
 def build_sr_model(cfg: Config) -> PolaSR:
@@ -86,15 +110,39 @@ def evaluate_sr(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> di
             "ssim_y": sum(r["ssim_y"] for r in images.values()) / len(images), "images": images}
 
 
-def model_upscaler(model: nn.Module, cfg: Config):
-    """``model`` run tile by tile as the configuration's ``eval`` section says."""
-    return lambda lr: tiled_upscale(model, lr, cfg.model.scale, tile=cfg.eval.tile, overlap=cfg.eval.overlap)
+def model_upscaler(model: nn.Module, cfg: Config, progress: bool = False):
+    """``model`` run on whole images as the configuration's ``eval`` section says: the official test's partition
+    (``chop``) or tile by tile (``tile``); ``progress``: a bar of model calls on a terminal (a photo takes minutes
+    on a CPU). An output larger than the memory available is refused first."""
+    e, scale = cfg.eval, cfg.model.scale
+
+    def run(lr):
+        if e.mode == "tile":
+            return tiled_upscale(model, lr, scale, tile=e.tile, overlap=e.overlap)
+        return chop_upscale(model, lr, scale)
+
+    def upscale(lr):
+        b, c, h, w = lr.shape
+        # at most the tiled sum, its count and their quotient: 2C + 1 float planes of the output's size
+        check_allocation(f"the x{scale} output of a {w}x{h} image ({b} x {c} x {h * scale} x {w * scale})",
+                         4 * b * (2 * c + 1) * h * scale * w * scale, lr.device, ConfigError, "upscale a smaller image")
+        if not progress:
+            return run(lr)
+        with tqdm(desc=f"upscaling {w}x{h}", unit="call", leave=False, disable=None) as bar:
+            handle = model.register_forward_hook(lambda *_: bar.update())  # one call per tile or piece
+            try:
+                return run(lr)
+            finally:
+                handle.remove()
+
+    return upscale
 
 
 class SRTask(Task):
     name = "sr"
     best_files = {BEST: "psnr_y"}
     resume_hint = "use another --output"
+    resume_may_change = ("train.steps", "train.eval_every", "train.num_workers", "eval")
 
     def __init__(self, cfg: Config):
         self.cfg = cfg
@@ -113,8 +161,8 @@ class SRTask(Task):
                 f"parameters, {len(self.train_pairs)} train / {len(self.valid_pairs)} valid images, {t.steps} steps "
                 f"of batch {t.batch_size} ({self.cfg.data.patch_size}-pixel HR patches)")
 
-    def check_resume(self, checkpoint: dict, path: Path) -> None:
-        refuse_changed_settings(checkpoint.get("config", {}), self.cfg.to_dict(), ("model", "data"), path)
+    def settings(self) -> dict:
+        return self.cfg.to_dict()
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=self.cfg.train.lr, betas=(0.9, 0.99))
@@ -152,40 +200,59 @@ class SRTask(Task):
                 "bicubic_psnr_y": self.bicubic["psnr_y"], "bicubic_ssim_y": self.bicubic["ssim_y"],
                 "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
 
-    def metadata(self, engine: Engine) -> dict:
-        return {"config": self.cfg.to_dict()}
-
 
 def train_sr(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-             show_progress: bool = True) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents."""
+             show_progress: bool = True, allow_changed=()) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
+    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+    check_sr_config(cfg)
     t = cfg.train
     settings = LoopSettings(
         output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every, seed=t.seed,
         num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
+        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
     )
     return train(SRTask(cfg), settings)
 
 
-def load_sr_model(path, *, official_scale: int | None = None) -> tuple[PolaSR, Config]:
+def official_state_dict(checkpoint, path, param_key: str = OFFICIAL_PARAM_KEY) -> dict:
+    """The weights basicsr's ``load_network`` takes from a file: its ``param_key`` entry (``params`` when that is
+    missing, as there), with a leading ``module.`` (a DDP model's) stripped; a plain state dict as it is."""
+    if not isinstance(checkpoint, dict):
+        raise CorruptCheckpointError(path, "expected a state dict or basicsr's dict of them")
+    if param_key not in checkpoint and OFFICIAL_PARAM_KEY in checkpoint:
+        log.warning("%s has no %r entry: loading %r, as basicsr does", path, param_key, OFFICIAL_PARAM_KEY)
+        param_key = OFFICIAL_PARAM_KEY
+    if param_key in checkpoint:
+        state_dict = checkpoint[param_key]
+    elif checkpoint and all(isinstance(v, torch.Tensor) for v in checkpoint.values()):
+        state_dict = checkpoint
+    else:
+        held = ", ".join(sorted(map(str, checkpoint))) or "nothing"
+        raise CorruptCheckpointError(path, f"no {param_key!r} entry (it holds {held}); name the entry to load "
+                                           f"with --param-key")
+    if not isinstance(state_dict, dict):
+        raise CorruptCheckpointError(path, f"its {param_key!r} entry is not a state dict")
+    return {k.removeprefix("module."): v for k, v in state_dict.items()}
+
+
+def load_sr_model(path, *, official_scale: int | None = None,
+                  param_key: str = OFFICIAL_PARAM_KEY) -> tuple[PolaSR, Config]:
     """The model in a checkpoint of :func:`train_sr`, or, with ``official_scale``, the official lightSR model of
-    that scale loaded from the authors' basicsr file (``params_ema`` or ``params``) or a plain state dict."""
+    that scale loaded from the authors' basicsr file (:func:`official_state_dict`: ``params`` unless
+    ``param_key`` names another entry, such as ``params_ema``) or a plain state dict."""
     if official_scale is None:
         checkpoint = read_task_checkpoint(path, SRTask.name)
         try:
             cfg = sr_config(opts=[])
             cfg.merge(checkpoint["config"])
+            check_sr_config(cfg)
         except (KeyError, TypeError, ConfigError) as e:
             raise CorruptCheckpointError(path, f"not a usable SR checkpoint: {str(e).splitlines()[0]}") from None
         state_dict = checkpoint["model"]
     else:
         cfg = sr_config(opts=["model.scale", str(official_scale)])
-        checkpoint = read_checkpoint(path)
-        entry = next((k for k in OFFICIAL_ENTRIES if isinstance(checkpoint, dict) and k in checkpoint), None)
-        state_dict = checkpoint[entry] if entry else checkpoint
-        if not isinstance(state_dict, dict):
-            raise CorruptCheckpointError(path, f"expected a state dict or a dict with {' or '.join(OFFICIAL_ENTRIES)}")
+        state_dict = official_state_dict(read_checkpoint(path), path, param_key)
     model = build_sr_model(cfg)
     load_task_weights(model, state_dict, path)
     return model.eval(), cfg

@@ -1,7 +1,10 @@
 """How the Triton path runs, as opposed to what it computes: launches per call at the models' shapes, the ops
 inside a torch.compile graph (equal to eager, forward and backward), and the registered ops' fake-tensor
-shapes. Without CUDA the kernels run in Triton's interpreter on CPU tensors."""
+shapes. Without CUDA the kernels run in Triton's interpreter on CPU tensors; with CUDA the compile and opcheck
+tests run on the GPU and the launch counts, which count the interpreter's launches, are skipped."""
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -10,6 +13,10 @@ from launch_counting import counting
 import polaformer.ops.pola_attention as pola_ops
 from polaformer.backends.triton import common, pacs, pola
 from polaformer.ops import pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                      reason="counts the launches of Triton's interpreter (CPU tensors)")
 
 # (heads, queries, keys, head width) of the models' attention calls per image: Pola-PVT's four stages (keys
 # spatially reduced), a Pola-Swin window, PolaDiT-S/2 on 32×32 latents, PolaFormer++'s first stage (RoPE).
@@ -47,21 +54,29 @@ def gpu_checks_only(monkeypatch):
     monkeypatch.setattr(pola_ops, "check_power_values", lambda *args: None)
 
 
+def _leaf(x):
+    return x.to(DEVICE).requires_grad_()
+
+
 def _pola_inputs(batch, heads, queries, keys, width):
-    q = torch.randn(batch, heads, queries, width, requires_grad=True)
-    k, v = (torch.randn(batch, heads, keys, width, requires_grad=True) for _ in range(2))
-    return q, k, v, torch.full((1, heads, 1, width), 2.5, requires_grad=True)
+    q = _leaf(torch.randn(batch, heads, queries, width))
+    k, v = (_leaf(torch.randn(batch, heads, keys, width)) for _ in range(2))
+    return q, k, v, _leaf(torch.full((1, heads, 1, width), 2.5))
 
 
 def _pacs_inputs(batch, heads, tokens, width):
-    q, k, v = (torch.randn(batch, heads, tokens, width, requires_grad=True) for _ in range(3))
-    temps = (torch.rand(1, heads, 1, 2 * width, requires_grad=True) for _ in range(2))
+    q, k, v = (_leaf(torch.randn(batch, heads, tokens, width)) for _ in range(3))
+    temps = (_leaf(torch.rand(1, heads, 1, 2 * width)) for _ in range(2))
     return (q, k, v, *temps)
+
+
+def _on_device(*tensors):
+    return tuple(t.to(DEVICE) for t in tensors)
 
 
 def _rope(tokens, width):
     side = int(tokens ** 0.5)
-    return rope_2d(rope_angles(2 * width, 1), side, tokens // side)
+    return _on_device(*rope_2d(rope_angles(2 * width, 1), side, tokens // side))
 
 
 # Counted at the models' shapes where the interpreter is quick, and at smaller shapes that take the same plan
@@ -73,6 +88,7 @@ COUNTED_CALLS = {  # (batch, heads, queries, keys, head width)
 }
 
 
+@interpreter_only
 @pytest.mark.parametrize("call", COUNTED_CALLS)
 def test_pola_launches_per_call(triton_backend, gpu_checks_only, call):
     """Forward: one Triton launch and nothing else; forward and backward: at most three device kernels (the
@@ -91,6 +107,7 @@ def test_pola_launches_per_call(triton_backend, gpu_checks_only, call):
     assert inference.total == 1
 
 
+@interpreter_only
 @pytest.mark.parametrize("variant", ["plain", "rope", "mask", "packed"])
 def test_pacs_launches_per_call(triton_backend, variant):
     """As for Pola, at a Pola-Swin window's shape (two images: the temperatures' gradients are summed over them
@@ -148,10 +165,11 @@ def test_compiled_pola_calls_the_kernels_op(triton_backend, variant):
     q, k, v, power = _pola_inputs(2, 2, 40, 24, 16)
     kwargs = {}
     if variant == "mask":
-        kwargs["key_padding_mask"] = torch.rand(2, 24) < 0.3
+        kwargs["key_padding_mask"] = (torch.rand(2, 24) < 0.3).to(DEVICE)
     elif variant == "packed":
         q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
-        kwargs = {"cu_seqlens": torch.tensor([0, 15, 40]), "cu_seqlens_k": torch.tensor([0, 10, 24])}
+        kwargs = dict(zip(("cu_seqlens", "cu_seqlens_k"), _on_device(torch.tensor([0, 15, 40]),
+                                                                     torch.tensor([0, 10, 24]))))
     _compiled_equals_eager(lambda *x: pola_linear_attention(*x, **kwargs), (q, k, v, power),
                            "polaformer.pola_attention")
 
@@ -164,10 +182,10 @@ def test_compiled_pacs_calls_the_kernels_op(triton_backend, variant):
     if variant == "rope":
         kwargs["sin"], kwargs["cos"] = _rope(36, 8)
     elif variant == "mask":
-        kwargs["key_padding_mask"] = torch.rand(2, 36) < 0.3
+        kwargs["key_padding_mask"] = (torch.rand(2, 36) < 0.3).to(DEVICE)
     else:
         q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
-        kwargs["cu_seqlens"] = torch.tensor([0, 20, 36])
+        kwargs["cu_seqlens"] = torch.tensor([0, 20, 36], device=DEVICE)
     _compiled_equals_eager(lambda *x: pacs_linear_attention(*x, **kwargs), (q, k, v, ts, to),
                            "polaformer.pacs_attention")
 
@@ -188,15 +206,17 @@ def test_registered_pola_ops_pass_opcheck(triton_backend):
     """Schema, fake tensors (shapes, dtypes, strides) against the real kernels, autograd registration, and
     ahead-of-time tracing, for the options: key mask, packed queries and keys."""
     _opcheck_pola()
-    _opcheck_pola(mask=torch.rand(2, 12) < 0.3)
-    _opcheck_pola(packed=True, cu_seqlens=torch.tensor([0, 5, 20]), cu_seqlens_k=torch.tensor([0, 4, 12]))
+    _opcheck_pola(mask=(torch.rand(2, 12) < 0.3).to(DEVICE))
+    _opcheck_pola(packed=True, cu_seqlens=torch.tensor([0, 5, 20], device=DEVICE),
+                  cu_seqlens_k=torch.tensor([0, 4, 12], device=DEVICE))
 
 
 def test_registered_pacs_ops_pass_opcheck(triton_backend):
     q, k, v, ts, to = (t.detach() for t in _pacs_inputs(2, 2, 16, 8))
     sin, cos = _rope(16, 8)
-    for tables, mask, packed in (((sin, cos), None, None), ((None, None), torch.rand(2, 16) < 0.3, None),
-                                 ((sin, cos), None, torch.tensor([0, 6, 16]))):
+    mask = (torch.rand(2, 16) < 0.3).to(DEVICE)
+    offsets = torch.tensor([0, 6, 16], device=DEVICE)
+    for tables, mask, packed in (((sin, cos), None, None), ((None, None), mask, None), ((sin, cos), None, offsets)):
         inputs = (q[:1], k[:1], v[:1]) if packed is not None else (q, k, v)
         args = (*inputs, ts, to, *tables, 1e-6, mask, packed, packed, True)
         torch.library.opcheck(pacs._pacs_op, args)

@@ -2,9 +2,11 @@
 device ops per call, whatever the number of chunks and sequences, and no host read on a packed call; one
 registered op in a ``torch.compile(fullgraph=True)`` graph with eager's values and gradients; the registered
 ops' fake-tensor shapes and dtypes; and a second differentiation that raises instead of silently dropping a
-term. Under the interpreter (conftest.py) on CPU tensors."""
+term. Under the interpreter (conftest.py) on CPU tensors, in float64; skipped on a GPU, where the causal kernels'
+values are tests/backends/triton/test_causal_kernels.py's."""
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -16,6 +18,9 @@ from polaformer.backends.triton import causal as triton_causal
 from polaformer.ops import causal as causal_ops
 from polaformer.ops import causal_pacs_linear_attention, causal_pola_linear_attention, rope_1d
 from polaformer.ops.causal import CausalState
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="counts the interpreter's launches and host reads on float64 CPU tensors")
 
 D = 4
 

@@ -146,7 +146,7 @@ def test_interrupted_run_resumes_bit_identically(listops_dir, tmp_path):
 
 def test_resume_refuses_a_checkpoint_of_another_attention(listops_dir, tmp_path):
     train_lra(tiny_cfg(steps=4, eval_every=4), listops_dir, tmp_path / "run", show_progress=False)
-    with pytest.raises(LRAConfigError, match="attention"):
+    with pytest.raises(ConfigError, match="was trained with attention = 'pola', this run asks for 'softmax'"):
         train_lra(tiny_cfg(attention="softmax", steps=4, eval_every=4), listops_dir, tmp_path / "run",
                   resume="auto", show_progress=False)
 
@@ -225,6 +225,8 @@ def test_cli_curves_plots_runs_side_by_side(listops_dir, tmp_path, capsys):
     assert "pola: best dev" in printed and "softmax: best dev" in printed and "majority class" in printed
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert main(["lra", "curves", str(tmp_path), "--out", str(png)]) == 2
+    assert "curves.png already exists: --overwrite replaces it" in capsys.readouterr().err
+    assert main(["lra", "curves", str(tmp_path), "--out", str(png), "--overwrite"]) == 2
     assert "holds no metrics.json" in capsys.readouterr().err
 
 
