@@ -1,4 +1,5 @@
-"""The one training loop under every task (classification, LRA, detection, segmentation).
+"""The one training loop under every task (classification, detection, segmentation, LRA, language models,
+super-resolution, diffusion).
 
 A task (:class:`Task`) supplies its model, training set, optimizer, schedule, the loss of one
 batch and its evaluation; :class:`Engine` does everything else, once for all tasks:
