@@ -78,6 +78,13 @@ FLAG_KEYS = {
         "valid_lr": "data.valid_lr", "patch_size": "data.patch_size", "steps": "train.steps",
         "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
     },
+    "dense train": {  # detect train and segment train
+        "backbone": "model.backbone", "backbone_weights": "model.backbone_weights", "steps": "train.steps",
+        "epochs": "train.epochs", "batch_size": "data.batch_size", "lr": "train.lr",
+        "weight_decay": "train.weight_decay", "warmup_steps": "train.warmup_steps", "eval_every": "train.eval_every",
+        "save_every": "train.save_every", "seed": "train.seed", "workers": "data.workers",
+        "train_size": "data.train_size", "val_size": "data.val_size",
+    },
     "diffusion train": {
         "model": "model.name", "attention": "model.attention", "data": "data.name", "image_size": "data.image_size",
         "channels": "data.channels", "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
@@ -96,6 +103,12 @@ def set_flags(cfg, command: str, args: argparse.Namespace) -> None:
     for flag, key in FLAG_KEYS[command].items():
         if getattr(args, flag) is not None:
             cfg.set_path(key, getattr(args, flag), source=f"--{flag.replace('_', '-')}")
+
+
+def run_options(args: argparse.Namespace) -> dict[str, object]:
+    """The options every training command passes its task's ``train_*`` function unchanged."""
+    return {"resume": args.resume, "overwrite": args.overwrite, "device": args.device,
+            "allow_changed": args.allow_changed}
 
 
 def add_allow_changed(parser: argparse.ArgumentParser) -> None:

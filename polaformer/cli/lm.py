@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import add_allow_changed, flag_values, positive_int
+from .common import add_allow_changed, flag_values, positive_int, run_options
 
 __all__ = ["add_lm_parser"]
 
@@ -73,8 +73,7 @@ def cmd_lm_train(args: argparse.Namespace) -> int:
     if cfg.train.warmup_steps >= cfg.train.steps:
         cfg.train.warmup_steps = max(1, cfg.train.steps // 10)
     output = Path(args.output or f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_lm(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                       allow_changed=args.allow_changed)
+    summary = train_lm(cfg, output, **run_options(args))
     print(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
           f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} steps, "
           f"{summary['wall_time_s']:.0f}s) -> {output}")

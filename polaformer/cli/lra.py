@@ -5,7 +5,8 @@ import argparse
 from pathlib import Path
 
 from .bench import add_lra_bench_arguments
-from .common import add_allow_changed, add_overwrite, flag_values, parse_model_kwarg, positive_int, usage_error
+from .common import (add_allow_changed, add_overwrite, flag_values, parse_model_kwarg, positive_int, run_options,
+                     usage_error)
 
 __all__ = ["add_lra_parser"]
 
@@ -109,8 +110,7 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
         # a short run keeps the recipe's warm-up fraction instead of failing
         cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
     output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
-    summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                        allow_changed=args.allow_changed)
+    summary = train_lra(cfg, args.data, output, **run_options(args))
     print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at step "
           f"{summary['best_step']}; majority class {summary['majority_class_test_accuracy']:.2f}%; "
           f"{cfg.task}, {cfg.attention}, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")

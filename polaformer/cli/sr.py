@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import add_allow_changed, add_overwrite, flag_values, positive_int
+from .common import add_allow_changed, add_overwrite, flag_values, positive_int, run_options
 
 __all__ = ["add_sr_parser"]
 
@@ -93,8 +93,7 @@ def cmd_sr_train(args: argparse.Namespace) -> int:
 
     cfg = sr_config(args.config, args.opts, flag_values("sr train", args))
     output = Path(args.output or f"runs/sr/x{cfg.model.scale}")
-    summary = train_sr(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                       allow_changed=args.allow_changed)
+    summary = train_sr(cfg, output, **run_options(args))
     print(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
           f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
