@@ -17,7 +17,8 @@ only. The one foreign object the official files hold, their yacs ``CfgNode`` con
 as plain data through a stand-in allow-listed for the duration of the call (yacs itself is never
 imported). A file that names any other code is refused before that code runs.
 
-:func:`build_model_with_cfg` is timm's model builder with the same allow-list, so
+:func:`official_checkpoint_globals` is that allow-list as a context; the model families' builder
+(:func:`polaformer.models._helpers.build_model_with_cfg`) holds it while timm loads, so
 ``timm.create_model(name, pretrained=True, pretrained_cfg_overlay=dict(file=path))`` reads the
 authors' files too.
 
@@ -56,7 +57,6 @@ __all__ = [
     "UnsafeCheckpointError",
     "WriteError",
     "atomic_write",
-    "build_model_with_cfg",
     "CHECKSUM_KEY",
     "check_weight_values",
     "compare_state_dicts",
@@ -511,19 +511,3 @@ def _number(value: Any, kind: type) -> Any:
     if value is None:
         return None
     return kind(value.item() if isinstance(value, torch.Tensor) else value)
-
-
-# --- timm integration ------------------------------------------------------------------------
-
-def build_model_with_cfg(model_cls, variant: str, pretrained: bool, **kwargs) -> nn.Module:
-    """timm's ``build_model_with_cfg``, able to read the authors' checkpoint files.
-
-    timm reads ``pretrained_cfg_overlay=dict(file=...)`` with ``torch.load(weights_only=True)``,
-    which refuses the official files' yacs config; here the same allow-list as
-    :func:`load_checkpoint` is active while timm builds the model and loads its weights.
-    Family files call this instead of timm's (same arguments).
-    """
-    from timm.models import build_model_with_cfg as timm_build_model_with_cfg  # timm is heavy to import
-
-    with official_checkpoint_globals():
-        return timm_build_model_with_cfg(model_cls, variant, pretrained, **kwargs)

@@ -1,5 +1,6 @@
 """The package's layering, read from its import statements (those inside functions included):
-ops -> layers -> models -> engine -> tasks -> cli, backends beside ops, and no import circle anywhere."""
+ops -> layers -> models -> engine -> tasks -> cli, backends beside ops, no import circle anywhere, the tasks
+siblings, and docs/architecture.md's graph equal to the imports between the package's top-level parts."""
 from __future__ import annotations
 
 import ast
@@ -129,8 +130,62 @@ def test_no_layer_reaches_up():
 
 
 def test_tasks_are_siblings_over_the_engine():
-    tasks = {"polaformer.tasks.classification", "polaformer.tasks.lra", "polaformer.tasks.dense"}
+    tasks = {f"polaformer.tasks.{p.name}" for p in (PACKAGE / "tasks").iterdir() if (p / "__init__.py").exists()}
     assert tasks <= set(MODULES)
     crossing = [(module, owner) for module, owner, _ in IMPORTED_NAMES for task in tasks
                 if module.startswith(task) and owner.startswith("polaformer.tasks.") and not owner.startswith(task)]
     assert crossing == []
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+_LEFT_OUT = {"polaformer", "_startup", "__main__"}  # the package root, the entry point and its start-up
+
+
+def _part(module: str) -> str:
+    """The top-level part a module belongs to: ``ops``, ``engine``, ``backends.cpu``, ``checkpoint``, ..."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "polaformer"
+    return ".".join(parts[:2]) if parts[0] == "backends" and len(parts) > 1 else parts[0]
+
+
+def _drawn_graph() -> dict[str, set[str]]:
+    """The arrows of docs/architecture.md's graph block (``A ──► B, C`` lines)."""
+    text = ARCHITECTURE.read_text()
+    drawn = {}
+    for line in text.splitlines():
+        left, arrow, right = line.partition("──►")
+        if arrow and left.strip() and " " not in left.strip() and "`" not in line:
+            targets = right.strip()
+            drawn[left.strip()] = set() if targets == "(nothing)" else {t.strip() for t in targets.split(",")}
+    return drawn
+
+
+def _real_graph() -> dict[str, set[str]]:
+    graph = {_part(m): set() for m in MODULES if _part(m) not in _LEFT_OUT and _part(m) != "backends"}
+    for module, targets in EDGES.items():
+        for target in targets:
+            a, b = _part(module), _part(target)
+            if a != b and not {a, b} & (_LEFT_OUT | {"backends"}):
+                graph[a].add(b)
+    return graph
+
+
+def test_the_architecture_graph_is_the_import_graph():
+    drawn, real = _drawn_graph(), _real_graph()
+    assert sorted(drawn) == sorted(real), "every top-level package and module has one line in the graph"
+    wrong = {part: (sorted(drawn[part] - real[part]), sorted(real[part] - drawn[part]))
+             for part in real if drawn[part] != real[part]}
+    assert wrong == {}, "per part: (arrows drawn but not imported, imports not drawn)"
+
+
+def test_the_architecture_page_names_every_task():
+    tasks = sorted(p.name for p in (PACKAGE / "tasks").iterdir() if (p / "__init__.py").exists())
+    text = ARCHITECTURE.read_text()
+    assert len(tasks) >= 6
+    assert [task for task in tasks if f"`{task}`" not in text and f"`{task}/`" not in text] == []
+
+
+def test_the_graph_reader_sees_a_missing_arrow():
+    real = _real_graph()
+    assert "ops" in real["layers"] and "backends.cpu" in real["ops"]

@@ -1,4 +1,6 @@
-"""The README's Python examples run as written."""
+"""The README's Python examples run as written and print what their comments claim."""
+import contextlib
+import io
 import re
 from pathlib import Path
 
@@ -17,5 +19,14 @@ def test_readme_has_two_setup_commands_first():
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
-def test_readme_python_block_runs(index):
-    exec(compile(BLOCKS[index], f"README block {index}", "exec"), {})
+def test_readme_python_block_runs_and_prints_its_claims(index):
+    """Each ``print(...)  # CLAIM`` line prints CLAIM (``tensor(True)``, a shape), in order."""
+    claims = re.findall(r"^print\(.*\)\s*#\s*(.+?)\s*$", BLOCKS[index], flags=re.M)
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        exec(compile(BLOCKS[index], f"README block {index}", "exec"), {})
+    assert printed.getvalue().splitlines() == claims
+
+
+def test_readme_claims_the_padded_sequence_matches_its_unpadded_self():
+    assert any("# tensor(True)" in block for block in BLOCKS)

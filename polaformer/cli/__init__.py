@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
             return args.handler(args)
         except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
                 UnreadableFileError, TrainingDivergedError, FloatingPointError) as e:  # the last: an op's overflow
-            return usage_error(None, str(e))
+            return usage_error(getattr(args, "error_command", None), str(e))
         except OSError as e:  # the environment: a full disk, a file that cannot be written or read
             where = f": {e.filename}" if e.filename else ""
             return usage_error(None, f"{(e.strerror or str(e)).lower()}{where}")

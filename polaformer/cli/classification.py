@@ -9,8 +9,8 @@ from ..tasks.classification import DEFAULT_MODEL, evaluate_checkpoint, load_conf
 from ..engine.config import merge_opts
 from ..tasks.classification.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
 from ..data.folder import DatasetError
-from .common import (add_allow_changed, add_overwrite, is_main_process, one_line, parse_model_kwarg, positive_int,
-                     usage_error)
+from .common import (FLAG_KEYS, add_allow_changed, add_overwrite, is_main_process, one_line, parse_model_kwarg,
+                     positive_int, set_flags, usage_error)
 
 __all__ = ["add_classification_parsers"]
 
@@ -218,15 +218,6 @@ def add_classification_parsers(commands) -> None:
 
 
 
-# `train` options and the config keys they set (with --config or --data-path).
-TRAIN_FLAG_KEYS = {
-    "model": "MODEL.NAME", "data": "DATA.DATASET", "data_path": "DATA.DATA_PATH", "epochs": "TRAIN.EPOCHS",
-    "batch_size": "DATA.BATCH_SIZE", "lr": "TRAIN.BASE_LR", "weight_decay": "TRAIN.WEIGHT_DECAY",
-    "warmup_epochs": "TRAIN.WARMUP_EPOCHS", "label_smoothing": "MODEL.LABEL_SMOOTHING", "clip_grad": "TRAIN.CLIP_GRAD",
-    "augment": "AUG.DIGITS_SHIFT", "seed": "SEED", "device": "DEVICE", "output": "OUTPUT",
-}
-
-
 def cmd_train(args: argparse.Namespace) -> int:
     if args.data is not None and args.data_path is not None:
         return usage_error("train", f"give --data {args.data} or --data-path DIR, not both")
@@ -249,7 +240,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     opts = [*args.opts, *extra]
 
     if args.config is None and args.data_path is None:  # the digits demo
-        overrides = {key: getattr(args, key) for key in TRAIN_FLAG_KEYS if key not in ("model", "data", "data_path")}
+        overrides = {flag: getattr(args, flag) for flag in FLAG_KEYS["train"]
+                     if flag not in ("model", "data", "data_path")}
         config = make_config(args.model or DEFAULT_MODEL, args.data or DEFAULT_DATA,
                              model_kwargs=dict(args.model_kwargs or []), **overrides)
         metrics = run_training(config, opts=opts)
@@ -261,9 +253,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 0
 
     cfg = load_config(args.config, args.opts)
-    for name, key in TRAIN_FLAG_KEYS.items():
-        if getattr(args, name) is not None:
-            cfg.set_path(key, getattr(args, name), source=f"--{name.replace('_', '-')}")
+    set_flags(cfg, "train", args)
     cfg.MODEL.KWARGS.merge(dict(args.model_kwargs or []), source="--model-kwarg")
     merge_opts(cfg, extra)
     metrics = run_training(cfg)

@@ -1,4 +1,5 @@
-"""What every ``polaformer`` subcommand shares: one-line errors, exit statuses, option types."""
+"""What every ``polaformer`` subcommand shares: one-line errors, exit statuses, option types, and the table of the
+options that set configuration keys."""
 from __future__ import annotations
 
 import argparse
@@ -48,6 +49,66 @@ def parse_model_kwarg(text: str) -> tuple[str, object]:
     except yaml.YAMLError:
         raise argparse.ArgumentTypeError(f"cannot read the value of {text!r}") from None
 
+
+
+# The options of each training command and the configuration keys they set (option dest -> dotted key):
+# classification's keys are yacs-style (configs/), the step-based tasks' lower case.
+FLAG_KEYS = {
+    "train": {
+        "model": "MODEL.NAME", "data": "DATA.DATASET", "data_path": "DATA.DATA_PATH", "epochs": "TRAIN.EPOCHS",
+        "batch_size": "DATA.BATCH_SIZE", "lr": "TRAIN.BASE_LR", "weight_decay": "TRAIN.WEIGHT_DECAY",
+        "warmup_epochs": "TRAIN.WARMUP_EPOCHS", "label_smoothing": "MODEL.LABEL_SMOOTHING",
+        "clip_grad": "TRAIN.CLIP_GRAD", "augment": "AUG.DIGITS_SHIFT", "seed": "SEED", "device": "DEVICE",
+        "output": "OUTPUT",
+    },
+    "lra train": {
+        "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
+        "warmup_steps": "train.warmup_steps", "eval_every": "train.eval_every", "eval_batches": "train.eval_batches",
+        "save_every": "train.save_every", "seed": "train.seed", "workers": "train.num_workers",
+        "limit_train": "train.limit_train", "limit_dev": "train.limit_dev", "limit_test": "train.limit_test",
+        "amp": "train.amp",
+    },
+    "lm train": {
+        "model": "model.name", "attention": "model.attention", "context": "model.context", "steps": "train.steps",
+        "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every",
+        "max_bytes": "data.max_bytes", "seed": "train.seed",
+    },
+    "sr train": {
+        "scale": "model.scale", "train_hr": "data.train_hr", "train_lr": "data.train_lr", "valid_hr": "data.valid_hr",
+        "valid_lr": "data.valid_lr", "patch_size": "data.patch_size", "steps": "train.steps",
+        "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
+    },
+    "dense train": {  # detect train and segment train
+        "backbone": "model.backbone", "backbone_weights": "model.backbone_weights", "steps": "train.steps",
+        "epochs": "train.epochs", "batch_size": "data.batch_size", "lr": "train.lr",
+        "weight_decay": "train.weight_decay", "warmup_steps": "train.warmup_steps", "eval_every": "train.eval_every",
+        "save_every": "train.save_every", "seed": "train.seed", "workers": "data.workers",
+        "train_size": "data.train_size", "val_size": "data.val_size",
+    },
+    "diffusion train": {
+        "model": "model.name", "attention": "model.attention", "data": "data.name", "image_size": "data.image_size",
+        "channels": "data.channels", "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
+        "eval_every": "train.eval_every", "seed": "train.seed",
+    },
+}
+
+
+def flag_values(command: str, args: argparse.Namespace) -> dict[str, object]:
+    """``{config key: value}`` of the options of ``command`` (:data:`FLAG_KEYS`) given on the command line."""
+    return {key: getattr(args, flag) for flag, key in FLAG_KEYS[command].items() if getattr(args, flag) is not None}
+
+
+def set_flags(cfg, command: str, args: argparse.Namespace) -> None:
+    """Set the config key of every option of ``command`` given, naming the option in any error."""
+    for flag, key in FLAG_KEYS[command].items():
+        if getattr(args, flag) is not None:
+            cfg.set_path(key, getattr(args, flag), source=f"--{flag.replace('_', '-')}")
+
+
+def run_options(args: argparse.Namespace) -> dict[str, object]:
+    """The options every training command passes its task's ``train_*`` function unchanged."""
+    return {"resume": args.resume, "overwrite": args.overwrite, "device": args.device,
+            "allow_changed": args.allow_changed}
 
 
 def add_allow_changed(parser: argparse.ArgumentParser) -> None:

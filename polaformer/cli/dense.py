@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import add_allow_changed, add_overwrite, parse_model_kwarg, positive_int
+from .common import add_allow_changed, add_overwrite, flag_values, parse_model_kwarg, positive_int, run_options
 
 __all__ = ["add_dense_parsers"]
 
@@ -106,18 +106,13 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
     from ..tasks.dense.runner import train_task
 
     overrides = {
-        "model.backbone": args.backbone, "model.backbone_weights": args.backbone_weights,
+        **flag_values("dense train", args),
         "model.backbone_kwargs": dict(args.backbone_kwargs) if args.backbone_kwargs else None,
-        "train.steps": args.steps, "train.epochs": args.epochs, "data.batch_size": args.batch_size,
-        "train.lr": args.lr, "train.weight_decay": args.weight_decay, "train.warmup_steps": args.warmup_steps,
-        "train.eval_every": args.eval_every, "train.save_every": args.save_every, "train.seed": args.seed,
-        "data.workers": args.workers, "data.train_size": args.train_size, "data.val_size": args.val_size,
         **{f"model.{k}": v for k, v in extra_model.items()}, **{f"data.{k}": v for k, v in extra_data.items()},
     }
     recipe = load_recipe(task, args.config, overrides, opts=args.opts)
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
-    summary = train_task(task, recipe, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                         progress=not args.no_progress, allow_changed=args.allow_changed)
+    summary = train_task(task, recipe, output, progress=not args.no_progress, **run_options(args))
     print(json.dumps({**summary, "output": str(output)}))
     return 0
 

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..engine.config import ConfigError
-from .common import add_allow_changed, add_overwrite, positive_int
+from .common import add_allow_changed, add_overwrite, flag_values, positive_int, run_options
 
 __all__ = ["add_diffusion_parser"]
 
@@ -76,13 +76,9 @@ def cmd_diffusion_train(args: argparse.Namespace) -> int:
     opts = list(args.opts)
     if args.vae:
         opts += ["data.latent", "true", "data.vae", args.vae]
-    flags = {"model": "model.name", "attention": "model.attention", "data": "data.name",
-             "image_size": "data.image_size", "channels": "data.channels", "steps": "train.steps",
-             "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed"}
-    cfg = diffusion_config(args.config, opts, {key: getattr(args, flag) for flag, key in flags.items()})
+    cfg = diffusion_config(args.config, opts, flag_values("diffusion train", args))
     output = Path(args.output or f"runs/diffusion/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_diffusion(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                              allow_changed=args.allow_changed)
+    summary = train_diffusion(cfg, output, **run_options(args))
     print(f"valid loss (EMA): {summary['best_valid_loss']:.4f} ({cfg.model.name}, {cfg.model.attention}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
     return 0

@@ -7,7 +7,7 @@ import os
 import sys
 from pathlib import Path
 
-from .common import add_allow_changed, positive_int
+from .common import add_allow_changed, flag_values, positive_int, run_options
 
 __all__ = ["add_lm_parser"]
 
@@ -69,15 +69,11 @@ def _check_options(args: argparse.Namespace, names) -> None:
 def cmd_lm_train(args: argparse.Namespace) -> int:
     from ..tasks.lm import lm_config, train_lm
 
-    flags = {"model": "model.name", "attention": "model.attention", "context": "model.context",
-             "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
-             "eval_every": "train.eval_every", "max_bytes": "data.max_bytes", "seed": "train.seed"}
-    cfg = lm_config(args.config, args.opts, {key: getattr(args, flag) for flag, key in flags.items()})
+    cfg = lm_config(args.config, args.opts, flag_values("lm train", args))
     if cfg.train.warmup_steps >= cfg.train.steps:
         cfg.train.warmup_steps = max(1, cfg.train.steps // 10)
     output = Path(args.output or f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_lm(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                       allow_changed=args.allow_changed)
+    summary = train_lm(cfg, output, **run_options(args))
     print(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
           f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} steps, "
           f"{summary['wall_time_s']:.0f}s) -> {output}")

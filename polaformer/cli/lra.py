@@ -5,7 +5,8 @@ import argparse
 from pathlib import Path
 
 from .bench import add_lra_bench_arguments
-from .common import add_allow_changed, add_overwrite, parse_model_kwarg, positive_int, usage_error
+from .common import (add_allow_changed, add_overwrite, flag_values, parse_model_kwarg, positive_int, run_options,
+                     usage_error)
 
 __all__ = ["add_lra_parser"]
 
@@ -17,6 +18,7 @@ def add_lra_parser(commands) -> None:
         "lra", help="Long Range Arena: train/eval any attention, generate ListOps, benchmark (paper Tables 4 and 6)",
         description="The LRA benchmark as the PolaFormer paper ran it (Skyformer protocol). See docs/lra.md.",
     )
+    lra.set_defaults(error_command="lra")  # the one handler (polaformer.cli.main) names the command
     sub = lra.add_subparsers(dest="lra_command", required=True, metavar="COMMAND")
 
     train = sub.add_parser(
@@ -92,45 +94,23 @@ def add_lra_parser(commands) -> None:
     add_lra_bench_arguments(bench)
 
 
-def _errors():
-    from ..checkpoint import CheckpointError
-    from ..engine.config import ConfigError
-    from ..tasks.lra.data import LRADataError
-
-    return ConfigError, LRADataError, CheckpointError
-
-
-def _fail(message: str) -> int:
-    return usage_error("lra", message)
-
-
 def cmd_lra_train(args: argparse.Namespace) -> int:
-    from ..tasks.lra.config import LRAConfigError, check_lra_config, load_lra_config
+    from ..tasks.lra.config import LRAConfigError, load_lra_config
     from ..tasks.lra.train import train_lra
 
-    try:
-        if args.config is None and args.task is None:
-            raise LRAConfigError("give --task or --config")
-        cfg = load_lra_config(args.config, task=args.task, opts=args.opts or ())
-        if args.attention and args.attention != cfg.attention:
-            cfg.attention_options.clear()  # the file's options belong to the file's attention
-            cfg.attention = args.attention
-        cfg.attention_options.merge(dict(args.attention_options or []), source="--attention-option")
-        flags = {"steps": "steps", "batch_size": "batch_size", "lr": "lr", "warmup_steps": "warmup_steps",
-                 "eval_every": "eval_every", "eval_batches": "eval_batches", "save_every": "save_every",
-                 "seed": "seed", "workers": "num_workers", "limit_train": "limit_train", "limit_dev": "limit_dev",
-                 "limit_test": "limit_test", "amp": "amp"}
-        cfg.train.merge({key: getattr(args, flag) for flag, key in flags.items() if getattr(args, flag) is not None},
-                        source="the command line")
-        if args.steps is not None and args.warmup_steps is None and cfg.train.warmup_steps >= cfg.train.steps:
-            # a short run keeps the recipe's warm-up fraction instead of failing
-            cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
-        check_lra_config(cfg)
-        output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
-        summary = train_lra(cfg, args.data, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                            allow_changed=args.allow_changed)
-    except _errors() as e:
-        return _fail(str(e))
+    if args.config is None and args.task is None:
+        raise LRAConfigError("give --task or --config")
+    cfg = load_lra_config(args.config, task=args.task, opts=args.opts or (), overrides=flag_values("lra train", args),
+                          check=False)  # train_lra checks the final configuration
+    if args.attention and args.attention != cfg.attention:
+        cfg.attention_options.clear()  # the file's options belong to the file's attention
+        cfg.attention = args.attention
+    cfg.attention_options.merge(dict(args.attention_options or []), source="--attention-option")
+    if args.steps is not None and args.warmup_steps is None and cfg.train.warmup_steps >= cfg.train.steps:
+        # a short run keeps the recipe's warm-up fraction instead of failing
+        cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
+    output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
+    summary = train_lra(cfg, args.data, output, **run_options(args))
     print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at step "
           f"{summary['best_step']}; majority class {summary['majority_class_test_accuracy']:.2f}%; "
           f"{cfg.task}, {cfg.attention}, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
@@ -144,15 +124,12 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
     from ..tasks.lra.data import collate_lra, load_lra_split
     from ..tasks.lra.train import evaluate_lra, load_lra_model
 
-    try:
-        model, checkpoint = load_lra_model(args.checkpoint)
-        task = checkpoint["config"]["task"]
-        dataset = load_lra_split(task, args.data, args.split, limit=args.limit)
-        device = resolve_device(args.device)
-        loader = DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate_lra)
-        result = evaluate_lra(place_model(model, device, inference=True), loader, device)
-    except _errors() as e:
-        return _fail(str(e))
+    model, checkpoint = load_lra_model(args.checkpoint)
+    task = checkpoint["config"]["task"]
+    dataset = load_lra_split(task, args.data, args.split, limit=args.limit)
+    device = resolve_device(args.device)
+    loader = DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate_lra)
+    result = evaluate_lra(place_model(model, device, inference=True), loader, device)
     print(f"{args.split} accuracy: {result['accuracy']:.2f}% (loss {result['loss']:.4f}, {result['examples']} examples; "
           f"{task}, {checkpoint['config']['attention']}, step {checkpoint.get('num_updates', '?')}) <- {args.checkpoint}")
     return 0
@@ -162,9 +139,9 @@ def cmd_lra_generate(args: argparse.Namespace) -> int:
     from ..tasks.lra.listops import generate_listops
 
     if args.min_length > args.max_length:
-        return _fail(f"--min-length {args.min_length} exceeds --max-length {args.max_length}")
+        return usage_error("lra", f"--min-length {args.min_length} exceeds --max-length {args.max_length}")
     if args.max_args < 2:
-        return _fail(f"--max-args must be >= 2, got {args.max_args}")
+        return usage_error("lra", f"--max-args must be >= 2, got {args.max_args}")
     try:
         report = generate_listops(
             args.out, train=args.train, val=args.val, test=args.test, min_length=args.min_length,
@@ -172,7 +149,7 @@ def cmd_lra_generate(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
         )
     except (ValueError, OSError) as e:
-        return _fail(str(e))
+        return usage_error("lra", str(e))
     print(_listops_report_text(report, args.out))
     return 0
 
@@ -189,15 +166,11 @@ def _listops_report_text(report: dict, out: str) -> str:
 
 
 def cmd_lra_curves(args: argparse.Namespace) -> int:
-    from ..tasks.lra.config import LRAConfigError
     from ..engine.output import claim_outputs
     from ..tasks.lra.curves import plot_curves
 
     claim_outputs([args.out], args.overwrite, "--out")
-    try:
-        result = plot_curves(args.runs, args.out, title=args.title)
-    except LRAConfigError as e:
-        return _fail(str(e))
+    result = plot_curves(args.runs, args.out, title=args.title)
     for run in result["runs"]:
         print(f"{run['run']}: best dev {run['best_dev_accuracy']:.2f}%, test {run['test_accuracy']:.2f}% "
               f"({run['steps']} steps, {run['wall_time_s']:.0f} s)")

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import add_allow_changed, add_overwrite, positive_int
+from .common import add_allow_changed, add_overwrite, flag_values, positive_int, run_options
 
 __all__ = ["add_sr_parser"]
 
@@ -91,14 +91,9 @@ def _model(args: argparse.Namespace):
 def cmd_sr_train(args: argparse.Namespace) -> int:
     from ..tasks.sr import sr_config, train_sr
 
-    flags = {"scale": "model.scale", "train_hr": "data.train_hr", "train_lr": "data.train_lr",
-             "valid_hr": "data.valid_hr", "valid_lr": "data.valid_lr", "patch_size": "data.patch_size",
-             "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
-             "eval_every": "train.eval_every", "seed": "train.seed"}
-    cfg = sr_config(args.config, args.opts, {key: getattr(args, flag) for flag, key in flags.items()})
+    cfg = sr_config(args.config, args.opts, flag_values("sr train", args))
     output = Path(args.output or f"runs/sr/x{cfg.model.scale}")
-    summary = train_sr(cfg, output, resume=args.resume, overwrite=args.overwrite, device=args.device,
-                       allow_changed=args.allow_changed)
+    summary = train_sr(cfg, output, **run_options(args))
     print(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
           f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")

@@ -70,8 +70,9 @@ def save_checkpoint(
     return atomic_write(path, lambda f: torch.save(with_checksum(checkpoint), f))
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict:
-    """Load a checkpoint dict on the CPU, refusing anything but tensors and plain containers."""
+def read_run_checkpoint(path: str | os.PathLike) -> dict:
+    """One of our runs' checkpoint dicts, read on the CPU, refusing anything but tensors and plain containers
+    (weights of any origin, into a model: :func:`polaformer.checkpoint.load_checkpoint`)."""
     checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint, dict):
         raise CorruptCheckpointError(path, f"expected a dict, found {type(checkpoint).__name__}")

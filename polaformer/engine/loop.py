@@ -1,4 +1,5 @@
-"""The one training loop under every task (classification, LRA, detection, segmentation).
+"""The one training loop under every task (classification, detection, segmentation, LRA, language models,
+super-resolution, diffusion).
 
 A task (:class:`Task`) supplies its model, training set, optimizer, schedule, the loss of one
 batch and its evaluation; :class:`Engine` does everything else, once for all tasks:
@@ -49,8 +50,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 from tqdm import tqdm
 
-from ..checkpoint import CorruptCheckpointError
-from .checkpoint import atomic_write, load_task_weights, read_training_state, save_training_state
+from ..checkpoint import CorruptCheckpointError, atomic_write
+from .checkpoint import load_task_weights, read_training_state, save_training_state
 from .config import SEED, ConfigError
 from .device import amp_dtype, autocast, place_model, resolve_device
 from .distributed import DistContext, TrainSampler, all_gather_object, all_reduce_sum, barrier, init_distributed, shutdown

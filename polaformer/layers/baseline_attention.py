@@ -30,8 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import elu_feature, focused_feature, linear_attention
-from ..ops.pola_attention import full_precision
+from ..ops import elu_feature, focused_feature, full_precision, linear_attention
 
 __all__ = [
     "QKVAttention",

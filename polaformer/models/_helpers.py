@@ -1,5 +1,6 @@
 """What every family needs to behave as a timm model, in one place.
 
+- :func:`build_model_with_cfg`: timm's model builder, able to read the authors' checkpoint files.
 - :func:`factory_kwargs`: timm's ``device=``/``dtype=`` constructor arguments
   (``timm.create_model(name, device='meta')``).
 - :func:`check_image` and :func:`pos_table_for_grid`: the input check and the position-table
@@ -23,12 +24,13 @@ import functools
 import torch
 from timm.models import register_notrace_function, register_notrace_module
 
+from ..checkpoint import official_checkpoint_globals
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
 from ..ops import resample_grid_table
 from ..ops.dispatch import capturing, legacy_onnx_export
 
-__all__ = ["check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "pos_table_for_grid",
-           "refuse_unknown_kwargs", "without_timm_extras"]
+__all__ = ["build_model_with_cfg", "check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs",
+           "pos_table_for_grid", "refuse_unknown_kwargs", "without_timm_extras"]
 
 # what timm.create_model passes to a registered factory besides the model's own arguments
 _TIMM_EXTRAS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
@@ -36,6 +38,21 @@ _TIMM_EXTRAS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 # reason: input checks and key-table resampling decide in Python on the token grid
 for _layer in (PolaLinearAttention, SpatialReductionAttention, PacsLinearAttention, RopeSoftmaxAttention):
     register_notrace_module(_layer)
+
+
+def build_model_with_cfg(model_cls, variant: str, pretrained: bool, **kwargs):
+    """timm's ``build_model_with_cfg``, able to read the authors' checkpoint files.
+
+    timm reads ``pretrained_cfg_overlay=dict(file=...)`` with ``torch.load(weights_only=True)``,
+    which refuses the official files' yacs config; here the same allow-list as
+    :func:`polaformer.checkpoint.load_checkpoint` is active while timm builds the model and loads its
+    weights.
+    Family files call this instead of timm's (same arguments).
+    """
+    from timm.models import build_model_with_cfg as timm_build_model_with_cfg  # timm is heavy to import
+
+    with official_checkpoint_globals():
+        return timm_build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
 
 
 def factory_kwargs(init):

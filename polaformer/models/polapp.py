@@ -28,11 +28,12 @@ from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from .official import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from ..ops import tokens_to_map
-from ._helpers import check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs
+from ._helpers import (
+    build_model_with_cfg, check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs,
+)
 
 __all__ = ["PolaFormerPP"]
 

@@ -37,12 +37,12 @@ from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from .official import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs, pos_table_for_grid,
+    build_model_with_cfg, check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs,
+    pos_table_for_grid,
 )
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]

@@ -21,10 +21,9 @@ from timm.models.pvt_v2 import OverlapPatchEmbed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from ..checkpoint import build_model_with_cfg  # timm's, also reading the authors' checkpoint files
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
-from ._helpers import check_architecture, checkpoint_filter_fn, factory_kwargs
+from ._helpers import build_model_with_cfg, check_architecture, checkpoint_filter_fn, factory_kwargs
 from .pvt import PyramidBase
 
 __all__ = ["PolaPVTv2"]

@@ -33,6 +33,7 @@ from .naive import (
     power_attention_weights,
     softmax_attention_weights,
 )
+from ._common import full_precision
 from .layout import tokens_to_map
 from .pacs_attention import pacs_linear_attention
 from .pola_attention import linear_attention, pola_linear_attention, power_linear_attention
@@ -51,6 +52,7 @@ __all__ = [
     "causal_pola_step",
     "elu_feature",
     "focused_feature",
+    "full_precision",
     "learnable_power",
     "linear_attention",
     "linear_attention_weights",

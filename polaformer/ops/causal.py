@@ -30,7 +30,6 @@ grad takes the torch form), and is once-differentiable (a second differentiation
 """
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import NamedTuple
 
@@ -38,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import varlen
+from ._common import check_key_padding_mask, check_qkv, compute_dtype, full_precision, key_keep, swap_halves
 from .dispatch import capturing, triton_kernels
 from .feature_maps import check_power_values, pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
@@ -71,43 +71,10 @@ class _Stream(NamedTuple):
     eps: torch.Tensor | float  # a number or per-row (B, H, N, 1)
 
 
-def _autocast_off(device_type: str):
-    # dynamo before torch 2.14 cannot trace the availability query; a compiled call is on a real device
-    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _check_inputs(q, k, v, chunk_size=None):
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor")
-        if t.dim() != 4:
-            raise ValueError(f"q, k and v must be 4-D (batch, heads, tokens, head_dim); got {name}{tuple(t.shape)}")
-    if not (q.shape[:3] == k.shape[:3] == v.shape[:3]):
-        raise ValueError(f"causal attention needs q, k and v with the same batch, heads and tokens; "
-                         f"got q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}")
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
-    if v.shape[-1] < 2:
-        raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
+    check_qkv(q, k, v, causal=True)
     if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-
-
-def _check_mask(key_padding_mask, k) -> None:
-    if key_padding_mask is not None and (key_padding_mask.dtype != torch.bool
-                                         or key_padding_mask.shape != (k.shape[0], k.shape[-2])):
-        raise ValueError(f"key_padding_mask must be a bool (batch, tokens) = ({k.shape[0]}, {k.shape[-2]}) tensor, "
-                         f"True at padding; got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}")
-
-
-def _keep(key_padding_mask, k):
-    """(B, 1, N, 1) 0/1 factor of the valid keys, or None."""
-    if key_padding_mask is None:
-        return None
-    _check_mask(key_padding_mask, k)
-    return (~key_padding_mask).to(device=k.device, dtype=k.dtype)[:, None, :, None]
 
 
 def _host_checks(x: torch.Tensor) -> bool:
@@ -133,18 +100,6 @@ def _refuse_overflow(out: torch.Tensor, what: str, *inputs: torch.Tensor) -> Non
     if all(bool(t.isfinite().all()) for t in inputs):
         raise FloatingPointError(f"causal {what} overflowed {str(out.dtype).removeprefix('torch.')}; the causal "
                                  f"forms have no log-domain fallback: scale q and k down or compute in float64")
-
-
-def _compute_dtype(*tensors):
-    dtype = torch.float32
-    for t in tensors:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def _swap(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return torch.cat([x[..., d:], x[..., :d]], dim=-1)
 
 
 def _empty_state(phi_k, k_num, streams) -> CausalState:
@@ -261,16 +216,17 @@ def _from_kernel(final, streams: int) -> CausalState:
 def _pola_streams(q, k, v, power, eps):
     phi_q, phi_k = power_feature(q, power), power_feature(k, power)
     half = (v.shape[-1] + 1) // 2
-    swapped = _swap(phi_q)
+    swapped = swap_halves(phi_q)
     return [_Stream(phi_q, phi_q, v[..., :half], eps), _Stream(swapped, swapped, v[..., half:], eps)], phi_k, phi_k
 
 
 def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=None, cu_seqlens=None):
     _check_inputs(q, k, v, chunk_size)
-    dtype = _compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
+    dtype = compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
     kernels = _fused(q, state) if form == "chunked" else None
     if kernels is not None:
-        _check_mask(key_padding_mask, k)
+        if key_padding_mask is not None:
+            check_key_padding_mask(key_padding_mask, k)
         if not isinstance(power, torch.Tensor):
             power = torch.full((), power, dtype=dtype, device=q.device)
         check_power_values(power, not _host_checks(power))
@@ -281,10 +237,10 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
         return out, _from_kernel(final, 2)
     power = torch.as_tensor(power, dtype=dtype, device=q.device)
     check_power_values(power, not _host_checks(power))
-    with _autocast_off(q.device.type):
+    with full_precision(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)
-        keep = _keep(key_padding_mask, k)
+        keep = key_keep(key_padding_mask, k, k.dtype)[0]
         if form == "chunked":
             outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
         else:
@@ -326,22 +282,23 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
         if t.shape[-1] != two_d:
             raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
     _check_tables(sin, cos, q.shape[-2], two_d)
-    dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
+    dtype = compute_dtype(q, k, v, temp_same, temp_opposite)
     overflow = (f"PaCS attention (its exp features need |k| and |q|·temperature below about "
                 f"{int(math.log(torch.finfo(dtype).max))})")
     kernels = _fused(q, state) if form == "chunked" else None
     if kernels is not None:
-        _check_mask(key_padding_mask, k)
+        if key_padding_mask is not None:
+            check_key_padding_mask(key_padding_mask, k)
         out, final = kernels.causal_attention("pacs", q, k, v, (temp_same, temp_opposite), (sin, cos),
                                               key_padding_mask, cu_seqlens, _kernel_state(state), eps, chunk_size)
         _refuse_overflow(out, overflow, q, k, v, temp_same, temp_opposite)
         return out, _from_kernel(final, 2)
-    with _autocast_off(q.device.type):
+    with full_precision(q.device.type):
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if sin is not None:
             sin, cos = sin.to(dtype), cos.to(dtype)
         streams, phi_k, k_num = _pacs_streams(q, k, v, temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps)
-        keep = _keep(key_padding_mask, k)
+        keep = key_keep(key_padding_mask, k, k.dtype)[0]
         if form == "chunked":
             outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
         else:
@@ -463,8 +420,8 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
                                               eps=eps, chunk_size=chunk_size)
         _refuse_overflow(out, "linear attention", phi_q, phi_k, v)
         return out, _from_kernel(final, 1)
-    dtype = _compute_dtype(phi_q, phi_k, v)
-    with _autocast_off(phi_q.device.type):
+    dtype = compute_dtype(phi_q, phi_k, v)
+    with full_precision(phi_q.device.type):
         phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
         streams = [_Stream(phi_q, phi_q, v, eps)]
         if recurrent:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ._common import swap_halves
 from .feature_maps import pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
 
@@ -32,11 +33,6 @@ __all__ = [
     "naive_pacs_linear_attention",
     "softmax_attention_weights",
 ]
-
-
-def _swap_halves(x: torch.Tensor) -> torch.Tensor:
-    d = x.shape[-1] // 2
-    return torch.cat([x[..., d:], x[..., :d]], dim=-1)
 
 
 def linear_attention_weights(
@@ -80,7 +76,7 @@ def pola_attention_weights(
     phi_q = power_feature(q, power)
     phi_k = power_feature(k, power)
     same = linear_attention_weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
-    opposite = linear_attention_weights(_swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
+    opposite = linear_attention_weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
     return same, opposite
 
 
@@ -206,7 +202,7 @@ def naive_causal_pola_linear_attention(q, k, v, power, eps: float = 1e-6, key_pa
     """Reference of :func:`~polaformer.ops.causal_pola_linear_attention`: masked weights of both streams."""
     phi_q, phi_k = power_feature(q, power), power_feature(k, power)
     same = causal_linear_attention_weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
-    opposite = causal_linear_attention_weights(_swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
+    opposite = causal_linear_attention_weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
     v_same, v_opposite = v.chunk(2, dim=-1)
     return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
 

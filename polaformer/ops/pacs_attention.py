@@ -16,20 +16,20 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .causal import causal_pacs_linear_attention
-from .dispatch import capturing, triton_kernels
+from .dispatch import capturing, cpu_kernels, triton_kernels
 from .feature_maps import _expm1
-from .pola_attention import (
-    _block_tokens,
-    _check_eps,
-    _check_float,
-    _check_key_padding_mask,
-    _check_qkv,
-    _compute_dtype,
-    _key_keep,
-    _native_for,
-    _sum_to,
+from ._common import (
+    check_eps,
+    check_float,
+    check_key_padding_mask,
+    check_qkv,
+    compute_dtype,
     full_precision,
+    key_keep,
+    sum_to,
+    swap_halves,
 )
+from .pola_attention import _block_tokens
 from .rope import apply_rope
 from .varlen import check_cu_seqlens, pack, unpack
 
@@ -107,7 +107,7 @@ def _relu_halves(x: torch.Tensor, rope: bool, exp_minus_one: bool = False) -> to
 
     With ``exp_minus_one``, ``exp`` of that minus 1: the key features (one fused pass on the CPU).
     """
-    native = _native_for(x)
+    native = cpu_kernels(x)
     if native is not None and x.stride(-1) == 1:
         return native.pacs_halves(x, rope, exp_minus_one)[0]
     d = x.shape[-1]
@@ -124,7 +124,7 @@ def _pacs_exp_features(p_q: torch.Tensor, temps: torch.Tensor, tables=None, k_me
     """Both streams' query features ``exp(p_q ⊙ T_s) − 1``, (B, H, 2, N, 2d), their RoPE rotation (the
     features themselves without tables), and, given ``k_means`` (B, H, 2, 2d, 1), the normalisers
     ``φ·k_mean + eps`` (B, H, 2, N, 1) where the fused kernel forms them in its pass (else None)."""
-    native = _native_for(p_q)
+    native = cpu_kernels(p_q)
     if native is not None and p_q.is_contiguous():
         cos, cross = tables if tables is not None else (None, None)
         out = native.pacs_exp_features(p_q, temps, cos, cross, k_means, eps)
@@ -174,7 +174,7 @@ def _pacs_stacked_temperatures(temp_same, temp_opposite, d, rope, device):
 
 def _pacs_key_side(k, v, keep, m, tables):
     """Key features and what the queries multiply: ``(φk, rotated φk, [S_same ; swapped S_opp], key means)``."""
-    native = _native_for(k)
+    native = cpu_kernels(k)
     if native is not None and keep is None and k.stride(-1) == 1:
         # features and their rotation in one pass
         phi_k, k_num = native.pacs_halves(k, tables is not None, True,
@@ -189,11 +189,11 @@ def _pacs_key_side(k, v, keep, m, tables):
 
 def _pacs_key_products(phi_k, k_num, v, m, keep):
     """``([S_same ; swapped S_opp], key means)`` from the key features and their rotation."""
-    d, half = phi_k.shape[-1] // 2, v.shape[-1] // 2
+    half = v.shape[-1] // 2
     k_mean = phi_k.sum(dim=-2).div_(m if keep is None else m[..., 0])  # (B, H, 2d)
-    k_means = torch.stack([k_mean, torch.cat([k_mean[..., d:], k_mean[..., :d]], -1)], dim=2).unsqueeze(-1)
+    k_means = torch.stack([k_mean, swap_halves(k_mean)], dim=2).unsqueeze(-1)
     kv = torch.matmul(k_num.transpose(-2, -1), v).div_(m)  # (B, H, 2d, dv)
-    kvs = torch.stack([kv[..., :half], torch.cat([kv[..., d:, half:], kv[..., :d, half:]], -2)], dim=2)
+    kvs = torch.stack([kv[..., :half], swap_halves(kv[..., half:], -2)], dim=2)
     return kvs, k_means
 
 
@@ -234,7 +234,7 @@ def _pacs_fused(q, k, v, temps, tables, eps, keep):
     """The whole op on the native fused kernel (no key padding, unit channel strides, native kernels built):
     ``(out memory (B, N, H, dv), denom, kvs, k_means)``, the output marked by :func:`_overflowed` where a value
     came out non-finite; None where the kernel does not apply."""
-    native = _native_for(q)
+    native = cpu_kernels(q)
     if (native is None or keep is not None or not hasattr(native, "pacs_fused_forward")
             or q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1):
         return None
@@ -325,9 +325,8 @@ class _PacsAttention(torch.autograd.Function):
             grad_rhs = torch.matmul(phi_q.transpose(-2, -1), g)
             grad_kvs, grad_k_means = grad_rhs[..., :half], grad_rhs[..., half:]
         # Back to the key layout: the opposite stream's rows are swapped.
-        swap = lambda t: torch.cat([t[..., d:, :], t[..., :d, :]], -2)
-        grad_kv = torch.cat([grad_kvs[:, :, 0], swap(grad_kvs[:, :, 1])], -1).div_(m)  # (B, H, 2d, dv)
-        grad_k_mean = (grad_k_means[:, :, 0] + swap(grad_k_means[:, :, 1])).div_(m).transpose(-2, -1)
+        grad_kv = torch.cat([grad_kvs[:, :, 0], swap_halves(grad_kvs[:, :, 1], -2)], -1).div_(m)  # (B, H, 2d, dv)
+        grad_k_mean = (grad_k_means[:, :, 0] + swap_halves(grad_k_means[:, :, 1], -2)).div_(m).transpose(-2, -1)
 
         grad_v = torch.matmul(k_num, grad_kv) if ctx.needs_input_grad[2] else None
         grad_k = None
@@ -338,19 +337,19 @@ class _PacsAttention(torch.autograd.Function):
             if keep is not None:
                 grad_phi_k.mul_(keep)
             # d(exp(x) - 1) = phi + 1; padded rows are already zero
-            native = _native_for(k)
+            native = cpu_kernels(k)
             if native is not None and k.stride(-1) == 1 and grad_phi_k.stride(-1) == 1:
                 grad_k = native.pacs_key_backward(k, phi_k, grad_phi_k, ctx.rope)
             else:
                 grad_k = _unrelu(k, grad_phi_k.addcmul_(grad_phi_k, phi_k), ctx.rope)
 
         need_temps = ctx.needs_input_grad[3] or ctx.needs_input_grad[4]
-        native = _native_for(q)
+        native = cpu_kernels(q)
         if native is not None and q.stride(-1) == 1 and grad_phi_q.is_contiguous():
             # one pass: grad_q, and the temperatures' gradient summed over the tokens
             grad_q, grad_temps = native.pacs_query_backward(q, p_q, phi_q, grad_phi_q, temps, ctx.rope, need_temps)
             grad_q = grad_q if ctx.needs_input_grad[0] else None
-            grad_temps = _sum_to(grad_temps, temps.shape) if need_temps else None
+            grad_temps = sum_to(grad_temps, temps.shape) if need_temps else None
             return (grad_q, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
                     None, None, None, None, None)
 
@@ -360,7 +359,7 @@ class _PacsAttention(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             grad_p_q = torch.mul(grad_pre[:, :, 0], temps[:, :, 0]).addcmul_(grad_pre[:, :, 1], temps[:, :, 1])
             grad_q = _unrelu(q, grad_p_q, ctx.rope)
-        grad_temps = _sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape) if need_temps else None  # (tb, th, 2, 1, 2d)
+        grad_temps = sum_to(grad_pre.mul_(p_q.unsqueeze(2)), temps.shape) if need_temps else None  # (tb, th, 2, 1, 2d)
         return (grad_q, grad_k, grad_v, *_pacs_temperature_grads(ctx, grad_temps, d, q.device),
                 None, None, None, None, None)
 
@@ -372,9 +371,9 @@ def _pacs_backward_fused(ctx, grad_out):
     need_temps = needs[3] or needs[4]
     cos, cross = tables if tables else (None, None)
     grad_out = grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous()
-    grad_q, grad_k, grad_v, grad_temps = _native_for(q).pacs_fused_backward(
+    grad_q, grad_k, grad_v, grad_temps = cpu_kernels(q).pacs_fused_backward(
         grad_out, q, k, v, temps, cos, cross, kvs, k_means, denom, out_tok.transpose(1, 2), need_temps)
-    grad_temps = _sum_to(grad_temps, temps.shape) if need_temps else None
+    grad_temps = sum_to(grad_temps, temps.shape) if need_temps else None
     return (grad_q if needs[0] else None, grad_k if needs[1] else None, grad_v if needs[2] else None,
             *_pacs_temperature_grads(ctx, grad_temps, q.shape[-1], q.device), None, None, None, None, None)
 
@@ -385,8 +384,8 @@ def _pacs_temperature_grads(ctx, grad_temps, d, device):
         return None, None
     temp_inverse = _pacs_indices(d, ctx.rope, device)[1]
     grad_ts, grad_to = grad_temps.transpose(2, 3).flatten(-2).index_select(-1, temp_inverse).chunk(2, -1)
-    grad_ts = _sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
-    grad_to = _sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
+    grad_ts = sum_to(grad_ts, ctx.temp_shapes[0]) if ctx.needs_input_grad[3] else None
+    grad_to = sum_to(grad_to, ctx.temp_shapes[1]) if ctx.needs_input_grad[4] else None
     return grad_ts, grad_to
 
 
@@ -527,9 +526,9 @@ def pacs_linear_attention(
             raise ValueError("causal attention packs keys with the queries: pass cu_seqlens only")
         return causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps,
                                             key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
-    _check_float(q=q, k=k, v=v, temp_same=temp_same, temp_opposite=temp_opposite)
-    _check_qkv(q, k, v, even_head_dim=True)
-    _check_eps(eps)
+    check_qkv(q, k, v, even_head_dim=True)
+    check_float(temp_same=temp_same, temp_opposite=temp_opposite)
+    check_eps(eps)
     two_d = 2 * q.shape[-1]
     for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
         if t.shape[-1] != two_d:
@@ -548,7 +547,7 @@ def pacs_linear_attention(
             raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences carry their lengths")
         _check_packed(q, k, cu_seqlens, cu_seqlens_k, sin is not None)
     if key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, k)
+        check_key_padding_mask(key_padding_mask, k)
     # The kernels' RoPE works on channel pairs inside each half; tables for an odd head_dim take the plain path.
     pairs = sin is None or q.shape[-1] % 2 == 0
     kernels = triton_kernels(q) if pairs else None
@@ -558,8 +557,8 @@ def pacs_linear_attention(
                                       on_device(cu_seqlens), on_device(cu_seqlens_k))
     if cu_seqlens is not None:
         return _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, cu_seqlens_k)
-    dtype = _compute_dtype(q, k, v, temp_same, temp_opposite)
-    keep, m = _key_keep(key_padding_mask, k, dtype)
+    dtype = compute_dtype(q, k, v, temp_same, temp_opposite)
+    keep, m = key_keep(key_padding_mask, k, dtype)
     out_dtype = v.dtype
     # Off the CPU a finiteness test would wait for the device: there the log domain always runs.
     if capturing() or not pairs or q.device.type != "cpu":

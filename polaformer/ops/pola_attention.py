@@ -27,65 +27,38 @@ forward without gradients or key padding runs whole in one native call (``pola_f
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import torch
 from torch.autograd.function import once_differentiable
 
 from . import varlen
+from ._common import (
+    check_eps,
+    check_float,
+    check_key_padding_mask,
+    check_qkv,
+    compute_dtype,
+    full_precision,
+    key_keep,
+    sum_to,
+    swap_halves,
+)
 from .causal import causal_pola_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
 from .feature_maps import check_power_values
 
-__all__ = ["full_precision", "linear_attention", "pola_linear_attention", "power_linear_attention"]
-
-def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, even_head_dim: bool = False) -> None:
-    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        raise ValueError(
-            "q, k and v must be 4-D (batch, heads, tokens, head_dim); "
-            f"got q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
-        )
-    if q.shape[:2] != k.shape[:2] or k.shape[:2] != v.shape[:2]:
-        raise ValueError(
-            f"batch and head sizes differ: q{tuple(q.shape)}, k{tuple(k.shape)}, v{tuple(v.shape)}"
-        )
-    if q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k head_dim differ: {q.shape[-1]} vs {k.shape[-1]}")
-    if k.shape[-2] != v.shape[-2]:
-        raise ValueError(f"k and v token counts differ: {k.shape[-2]} vs {v.shape[-2]}")
-    if k.shape[-2] == 0:
-        raise ValueError("k and v need at least one token")
-    if even_head_dim and v.shape[-1] % 2:
-        raise ValueError(
-            f"value head_dim must be even to split into same-sign and opposite-sign halves, got {v.shape[-1]}"
-        )
-
-
-def _check_float(**tensors) -> None:
-    """Integer inputs would be computed in float and truncated back to integers: refuse them."""
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name} must be a tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
-
+__all__ = ["linear_attention", "pola_linear_attention", "power_linear_attention"]
 
 def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     """``power`` as a tensor that broadcasts to (B, H, 1, d); a Python number is one exponent for every channel."""
     if isinstance(power, (int, float)) and not isinstance(power, bool):
         power = torch.full((), float(power), dtype=q.dtype, device=q.device)  # filled there: no upload
-    _check_float(power=power)
+    check_float(power=power)
     target = (q.shape[0], q.shape[1], 1, q.shape[-1])
     if power.dim() > 4 or any(p not in (1, t) for p, t in zip(reversed(power.shape), reversed(target))):
         raise ValueError(f"power must broadcast to (B, H, 1, d) = {target}, got {tuple(power.shape)}")
     return power
-
-
-def _check_eps(eps) -> None:
-    """A NaN normaliser offset makes every output NaN, a negative one can divide by zero."""
-    if isinstance(eps, (int, float)) and not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps}")
 
 
 def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor):
@@ -95,17 +68,7 @@ def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: to
         return None
     if torch.is_autocast_enabled("cpu"):
         return None
-    return _native_for(q)
-
-
-def _check_key_padding_mask(key_padding_mask: torch.Tensor, k: torch.Tensor) -> None:
-    if key_padding_mask.dtype != torch.bool:
-        raise ValueError(f"key_padding_mask must be a bool tensor (True = padding), got {key_padding_mask.dtype}")
-    if key_padding_mask.shape != (k.shape[0], k.shape[-2]):
-        raise ValueError(
-            f"key_padding_mask must be (batch, keys) = ({k.shape[0]}, {k.shape[-2]}), "
-            f"got {tuple(key_padding_mask.shape)}"
-        )
+    return cpu_kernels(q)
 
 
 def _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k):
@@ -141,46 +104,9 @@ def _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k):
     return varlen.pack(out, query_offsets)
 
 
-def _key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):
-    """``(keep, count)``: a (B, 1, M, 1) 0/1 factor for the key rows and the (B, 1, 1, 1) number of
-    valid keys (at least 1, so an all-padding sequence gives zeros); ``(None, M)`` without a mask."""
-    if key_padding_mask is None:
-        return None, k.shape[-2]
-    _check_key_padding_mask(key_padding_mask, k)
-    keep = (~key_padding_mask).to(device=k.device, dtype=dtype)[:, None, :, None]
-    count = keep.sum(dim=-2, keepdim=True).clamp_min_(1.0)
-    return keep, count
-
-
-def _compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
-    dtype = torch.promote_types(tensors[0].dtype, torch.float32)
-    for t in tensors[1:]:
-        dtype = torch.promote_types(dtype, t.dtype)
-    return dtype
-
-
-def full_precision(device_type: str):
-    """Autocast off for the block (meta tensors, used for FLOP counting, have no autocast)."""
-    # dynamo before torch 2.14 cannot trace the availability query; a compiled call is on a real device
-    if torch.compiler.is_compiling() or torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
-
-
 def _same_sign_width(v: torch.Tensor) -> int:
     """Value channels of the same-sign stream: the first chunk of ``torch.chunk(v, 2, -1)``."""
     return (v.shape[-1] + 1) // 2
-
-
-def _swap_rows(x: torch.Tensor) -> torch.Tensor:
-    """Swap the two halves of dim -2 (the 2d feature axis of S)."""
-    d = x.shape[-2] // 2
-    return torch.cat([x[..., d:, :], x[..., :d, :]], dim=-2)
-
-
-def _native_for(x: torch.Tensor):
-    """The native CPU kernels when they apply to ``x``, else None (:func:`.dispatch.cpu_kernels`)."""
-    return cpu_kernels(x)
 
 
 def _power_features(x: torch.Tensor, power: torch.Tensor, keep_log: bool = True):
@@ -192,7 +118,7 @@ def _power_features(x: torch.Tensor, power: torch.Tensor, keep_log: bool = True)
     Returns the 2d-wide features and ``log|x|`` (kept for the exponent's gradient; None unless
     ``keep_log``). On the CPU the fused kernel does all of it in one pass.
     """
-    native = _native_for(x)
+    native = cpu_kernels(x)
     if native is not None and x.stride(-1) == 1:
         feat, log_abs = native.power_features(x, power, keep_log)
         return feat, (log_abs if keep_log else None)
@@ -213,7 +139,7 @@ def _power_backward(x, feat, log_abs, grad_feat, power, need_power_grad):
     ``grad_power`` broadcasts to ``power``'s shape (per element here, summed over the tokens by the
     fused kernel). ``grad_feat`` is a temporary of ours and is overwritten.
     """
-    native = _native_for(x)
+    native = cpu_kernels(x)
     if native is not None and x.stride(-1) == 1 and grad_feat.stride(-1) == 1:
         grad_x, grad_p = native.power_backward(x, feat, log_abs, grad_feat, power, need_power_grad)
         return grad_x, (grad_p if need_power_grad else None)
@@ -287,21 +213,21 @@ def _stream_rhs(kv: torch.Tensor, k_sum: torch.Tensor, m, half: int) -> torch.Te
     """``[S_same | swap_rows(S_opp) | km | swap(km)]``, the one right-hand side of both streams, from
     ``kv = φkᵀv`` (B, H, 2d, dv) and ``k_sum = Σφk`` (B, H, 2d), both divided by ``m`` here (``kv`` and
     ``k_sum`` may be overwritten)."""
-    native = _native_for(kv)
+    native = cpu_kernels(kv)
     if native is not None and not isinstance(m, torch.Tensor):
         return native.stream_rhs(kv, k_sum, float(m), half)
     kv, k_mean = kv.div_(m), k_sum.unsqueeze(-1).div_(m)
-    return torch.cat([kv[..., :half], _swap_rows(kv[..., half:]), k_mean, _swap_rows(k_mean)], dim=-1)
+    return torch.cat([kv[..., :half], swap_halves(kv[..., half:], -2), k_mean, swap_halves(k_mean, -2)], dim=-1)
 
 
 def _stream_rhs_backward(grad_rhs: torch.Tensor, m, half: int):
     """The gradients of ``kv`` and ``k_sum`` (B, H, 2d) from that of :func:`_stream_rhs`'s output."""
-    native = _native_for(grad_rhs)
+    native = cpu_kernels(grad_rhs)
     if native is not None and not isinstance(m, torch.Tensor):
         return native.stream_rhs_backward(grad_rhs, float(m), half)
     dv = grad_rhs.shape[-1] - 2
-    grad_kv = torch.cat([grad_rhs[..., :half], _swap_rows(grad_rhs[..., half:dv])], dim=-1).div_(m)
-    grad_k_sum = (grad_rhs[..., -2:-1] + _swap_rows(grad_rhs[..., -1:])).div_(m).squeeze(-1)
+    grad_kv = torch.cat([grad_rhs[..., :half], swap_halves(grad_rhs[..., half:dv], -2)], dim=-1).div_(m)
+    grad_k_sum = (grad_rhs[..., -2:-1] + swap_halves(grad_rhs[..., -1:], -2)).div_(m).squeeze(-1)
     return grad_kv, grad_k_sum
 
 
@@ -312,7 +238,7 @@ def _token_major_output(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
 
 def _normalise(res: torch.Tensor, eps: float, half: int, out: torch.Tensor) -> torch.Tensor:
     """Both streams' numerators (``res[..., :-2]``) over their normalisers into ``out``; returns the normalisers."""
-    native = _native_for(res)
+    native = cpu_kernels(res)
     if native is not None and out.stride(-1) == 1 and res.is_contiguous():
         return native.normalise(res, eps, half, out)
     denom = res[..., -2:].add_(eps)
@@ -323,7 +249,7 @@ def _normalise(res: torch.Tensor, eps: float, half: int, out: torch.Tensor) -> t
 
 def _output_grad(grad_out: torch.Tensor, denom: torch.Tensor, out: torch.Tensor, half: int) -> torch.Tensor:
     """Gradient at the products' output ``[numerators | normalisers]``: ``dO / z`` and ``-Σ (dO / z)·O`` per stream."""
-    native = _native_for(out)
+    native = cpu_kernels(out)
     if native is not None and out.stride(-1) == 1 and denom.stride(-1) == 1:
         return native.output_grad(grad_out if grad_out.stride(-1) == 1 else grad_out.contiguous(), denom, out, half)
     dv_ = out.shape[-1]
@@ -430,7 +356,7 @@ class _PolaPowerAttention(torch.autograd.Function):
         grad_q, grad_p_q = _power_backward(q, phi_q, log_q, grad_phi_q, power, need_power_grad)
         grad_k, grad_p_k = _power_backward(k, phi_k, log_k, grad_phi_k, power, need_power_grad)
         if ctx.needs_input_grad[3]:
-            grad_power = _sum_to(grad_p_q, power.shape) + _sum_to(grad_p_k, power.shape)
+            grad_power = sum_to(grad_p_q, power.shape) + sum_to(grad_p_k, power.shape)
         return (
             grad_q if ctx.needs_input_grad[0] else None,
             grad_k if ctx.needs_input_grad[1] else None,
@@ -440,19 +366,6 @@ class _PolaPowerAttention(torch.autograd.Function):
             None,
             None,
         )
-
-
-def _sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """Reduce a broadcast gradient back to ``shape``.
-
-    One dimension at a time, innermost first: a single multi-dimension ``sum`` over outer and
-    middle dimensions of a large tensor runs much slower on CPU.
-    """
-    lead = x.dim() - len(shape)
-    for i in reversed(range(x.dim())):
-        if i < lead or (shape[i - lead] == 1 and x.shape[i] != 1):
-            x = x.sum(dim=i, keepdim=True)
-    return x.reshape(shape)
 
 
 def pola_linear_attention(
@@ -517,18 +430,15 @@ def pola_linear_attention(
     if causal:
         return causal_pola_linear_attention(q, k, v, power, eps, key_padding_mask=key_padding_mask,
                                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
-    _check_float(q=q, k=k, v=v)
-    _check_qkv(q, k, v)
-    if v.shape[-1] < 2:
-        raise ValueError(f"value head_dim must be at least 2 to split into two polarity streams, got {v.shape[-1]}")
-    _check_eps(eps)
+    check_qkv(q, k, v)
+    check_eps(eps)
     graph = capturing()
     power = _as_power(power, q)
     packed = cu_seqlens is not None or cu_seqlens_k is not None
     if packed:
         cu_seqlens, cu_seqlens_k = _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k)
     elif key_padding_mask is not None:
-        _check_key_padding_mask(key_padding_mask, k)
+        check_key_padding_mask(key_padding_mask, k)
     kernels = triton_kernels(q)
     if kernels is not None:
         check_power_values(power, graph)
@@ -540,7 +450,7 @@ def pola_linear_attention(
     if packed:
         return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
     check_power_values(power, graph)
-    dtype = _compute_dtype(q, k, v, power)
+    dtype = compute_dtype(q, k, v, power)
     # Off the CPU the bound would wait for the device: there the log domain always runs.
     log_domain = graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype)
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
@@ -548,7 +458,7 @@ def pola_linear_attention(
         native = _native_forward(q, k, v, power)
         if native is not None:
             return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
-    keep, count = _key_keep(key_padding_mask, k, dtype)
+    keep, count = key_keep(key_padding_mask, k, dtype)
     if log_domain:
         attention = _pola_attention_graph
     elif needs_grad:
@@ -575,11 +485,10 @@ def power_linear_attention(
     ``key_padding_mask`` as :func:`pola_linear_attention`; the output is (B, H, N, dv), computed
     in at least float32 as there. Reference: :func:`~polaformer.ops.naive_power_linear_attention`.
     """
-    _check_float(q=q, k=k, v=v)
-    _check_qkv(q, k, v)
+    check_qkv(q, k, v, split_values=False)
     power = _as_power(power, q)
     check_power_values(power, capturing())
-    dtype = _compute_dtype(q, k, v, power)
+    dtype = compute_dtype(q, k, v, power)
     with full_precision(q.device.type):
         power = power.to(dtype)
         phi_q = torch.relu(q.to(dtype)) ** power
@@ -603,10 +512,10 @@ def linear_attention(
     by RoPE variants). Used for the ELU+1, ReLU and focused baselines.
     ``key_padding_mask`` (B, M), True at padding, as in :func:`pola_linear_attention`.
     """
-    _check_float(phi_q=phi_q, phi_k=phi_k, v=v)
+    check_float(phi_q=phi_q, phi_k=phi_k, v=v)
     num_q = phi_q if phi_q_num is None else phi_q_num
     num_k = phi_k if phi_k_num is None else phi_k_num
-    keep, m = _key_keep(key_padding_mask, phi_k, phi_k.dtype)
+    keep, m = key_keep(key_padding_mask, phi_k, phi_k.dtype)
     if keep is not None:
         phi_k, num_k = phi_k * keep, num_k * keep
     kv = torch.matmul(num_k.transpose(-2, -1), v) / m

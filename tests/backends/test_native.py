@@ -10,6 +10,7 @@ import polaformer.backends.cpu.native as native_mod
 import polaformer.ops.dispatch as dispatch
 import polaformer.ops.pacs_attention as pacs
 import polaformer.ops.pola_attention as pa
+from polaformer.ops._common import sum_to
 from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
 F64 = torch.float64
@@ -34,18 +35,20 @@ def native():
 
 
 @pytest.fixture
-def torch_ops(monkeypatch):
-    """Runs the op's torch-op versions: the attention module sees no native kernels."""
-    monkeypatch.setattr(pa, "cpu_kernels", lambda x: None)
+def torch_ops():
+    """Runs the ops' torch-op versions: the ``torch`` backend offers no native kernel."""
+    previous = dispatch.set_attention_backend("torch")
+    yield
+    dispatch.set_attention_backend(previous)
 
 
 def _torch_op(fn, *args, **kwargs):
-    original = pa.cpu_kernels
-    pa.cpu_kernels = lambda x: None
+    """``fn`` on the torch formulation (the ``torch`` backend offers no native kernel to any op)."""
+    previous = dispatch.set_attention_backend("torch")
     try:
         return fn(*args, **kwargs)
     finally:
-        pa.cpu_kernels = original
+        dispatch.set_attention_backend(previous)
 
 
 def _x(shape, dtype=F64, seed=0, token_major=False):
@@ -103,7 +106,7 @@ def test_power_backward_matches_torch_ops(native, d, need_power_grad):
     assert (grad_x[0, 1, 5, :2] == 0).all()
     if need_power_grad:
         assert grad_p.shape == (b, h, 1, d)
-        _equal_nan(pa._sum_to(grad_p, power.shape), pa._sum_to(ref_p, power.shape), rtol=1e-12)
+        _equal_nan(sum_to(grad_p, power.shape), sum_to(ref_p, power.shape), rtol=1e-12)
 
 
 def test_power_grad_does_not_depend_on_thread_count(native):

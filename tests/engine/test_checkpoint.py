@@ -22,7 +22,7 @@ from polaformer.checkpoint import (
     MissingWeightsError,
     UnsafeCheckpointError,
 )
-from polaformer.engine import load_checkpoint as load_engine_checkpoint
+from polaformer.engine import read_run_checkpoint
 from polaformer.engine import save_checkpoint
 
 # A yacs configuration as the official scripts build it (nested nodes, None, lists, tuples).
@@ -190,7 +190,7 @@ def test_our_training_checkpoint(tmp_path):
 def test_engine_reads_official_files_safely_but_wants_its_own(tmp_path):
     path = save_official(tmp_path / "max_acc.pth", digits())
     with pytest.raises(CorruptCheckpointError, match="not a polaformer checkpoint: no 'arch'"):
-        load_engine_checkpoint(path)
+        read_run_checkpoint(path)
 
 
 # --- timm: pretrained=True with a local file -------------------------------------------------

@@ -12,13 +12,13 @@ from polaformer.engine import (
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ModelBuildError,
-    atomic_write,
     create_model,
     create_model_from_checkpoint,
-    load_checkpoint,
     load_model_state,
+    read_run_checkpoint,
     save_checkpoint,
 )
+from polaformer.checkpoint import atomic_write
 from polaformer.tasks.classification import (
     DEFAULT_MODEL,
     TrainConfig,
@@ -78,7 +78,7 @@ def test_failed_checkpoint_write_keeps_the_previous_one(tmp_path, monkeypatch):
 
     assert path.read_bytes() == before
     assert leftovers(tmp_path) == []
-    restored = create_model_from_checkpoint(load_checkpoint(path), path)
+    restored = create_model_from_checkpoint(read_run_checkpoint(path), path)
     for key, value in model.state_dict().items():
         torch.testing.assert_close(restored.state_dict()[key], value)
 
@@ -94,7 +94,7 @@ def test_interrupted_write_of_a_new_file_leaves_nothing(tmp_path):
 def test_missing_checkpoint(tmp_path):
     path = tmp_path / "nope.pth"
     with pytest.raises(CheckpointNotFoundError) as info:
-        load_checkpoint(path)
+        read_run_checkpoint(path)
     assert str(info.value) == f"checkpoint not found: {path}"
     assert isinstance(info.value, FileNotFoundError)
 
@@ -108,7 +108,7 @@ def test_corrupt_checkpoint(tmp_path, content):
     path = tmp_path / "bad.pth"
     path.write_bytes(content)
     with pytest.raises(CorruptCheckpointError) as info:
-        load_checkpoint(path)
+        read_run_checkpoint(path)
     message = str(info.value)
     assert message.startswith(f"corrupt or unreadable checkpoint: {path} (")
     assert "\n" not in message
@@ -119,10 +119,10 @@ def test_corrupt_checkpoint_reasons_are_short(tmp_path):
     path = tmp_path / "empty.pth"
     path.write_bytes(b"")
     with pytest.raises(CorruptCheckpointError, match=r"\(empty file\)$"):
-        load_checkpoint(path)
+        read_run_checkpoint(path)
     path.write_text("x\n")
     with pytest.raises(CorruptCheckpointError, match=r"\(UnpicklingError: Unsupported operand 120\)$"):
-        load_checkpoint(path)
+        read_run_checkpoint(path)
 
 
 def test_truncated_checkpoint(tmp_path):
@@ -130,19 +130,19 @@ def test_truncated_checkpoint(tmp_path):
     save_tiny(path)
     path.write_bytes(path.read_bytes()[:1000])
     with pytest.raises(CorruptCheckpointError, match="corrupt or unreadable checkpoint"):
-        load_checkpoint(path)
+        read_run_checkpoint(path)
 
 
 def test_directory_is_not_a_checkpoint(tmp_path):
     with pytest.raises(CorruptCheckpointError, match="corrupt or unreadable checkpoint"):
-        load_checkpoint(tmp_path)
+        read_run_checkpoint(tmp_path)
 
 
 def test_pickled_code_is_refused(tmp_path):
     path = tmp_path / "evil.pth"
     torch.save({"model": {}, "arch": "x", "model_kwargs": {}, "num_classes": 10, "hook": nn.ReLU()}, path)
     with pytest.raises(CorruptCheckpointError, match="corrupt or unreadable checkpoint"):
-        load_checkpoint(path)
+        read_run_checkpoint(path)
 
 
 @pytest.mark.parametrize(
@@ -153,13 +153,13 @@ def test_valid_torch_file_that_is_not_a_checkpoint(tmp_path, obj, reason):
     path = tmp_path / "other.pth"
     torch.save(obj, path)
     with pytest.raises(CorruptCheckpointError, match=reason):
-        load_checkpoint(path)
+        read_run_checkpoint(path)
 
 
 def test_checkpoint_of_another_architecture_names_both(tmp_path):
     path = save_tiny(tmp_path / "checkpoint.pth", arch="some_other_vit")
     with pytest.raises(ArchitectureMismatchError) as info:
-        create_model_from_checkpoint(load_checkpoint(path), path, arch=TINY_ARCH)
+        create_model_from_checkpoint(read_run_checkpoint(path), path, arch=TINY_ARCH)
     message = str(info.value)
     assert "'some_other_vit'" in message and f"'{TINY_ARCH}'" in message and str(path) in message
 
@@ -167,7 +167,7 @@ def test_checkpoint_of_another_architecture_names_both(tmp_path):
 def test_weights_that_do_not_fit_the_model(tmp_path):
     path = save_tiny(tmp_path / "checkpoint.pth", tiny_model(depth=2, embed_dim=32))
     with pytest.raises(ArchitectureMismatchError) as info:
-        load_model_state(tiny_model(), load_checkpoint(path), arch=TINY_ARCH, path=path)
+        load_model_state(tiny_model(), read_run_checkpoint(path), arch=TINY_ARCH, path=path)
     message = str(info.value)
     assert "does not fit" in message and "unexpected keys" in message and "shape mismatches" in message
     assert "\n" not in message
@@ -176,7 +176,7 @@ def test_weights_that_do_not_fit_the_model(tmp_path):
 def test_checkpoint_round_trip(tmp_path):
     model = tiny_model()
     path = save_tiny(tmp_path / "checkpoint.pth", model)
-    checkpoint = load_checkpoint(path)
+    checkpoint = read_run_checkpoint(path)
     assert checkpoint["arch"] == TINY_ARCH
     assert checkpoint["model_kwargs"] == TINY_KWARGS
     assert (checkpoint["num_classes"], checkpoint["epoch"], checkpoint["metrics"]) == (10, 1, {"test_top1": 50.0})

@@ -170,7 +170,7 @@ def test_create_model_refuses_before_allocating(arch, kwargs, message):
 
 
 def test_checkpoint_with_wrong_metadata_via_the_api(tmp_path):
-    from polaformer.engine import load_checkpoint
+    from polaformer.engine import read_run_checkpoint
 
     model = create_model("pola_deit_digits", 10)
     good = {"model": model.state_dict(), "arch": "pola_deit_digits", "model_kwargs": {}, "num_classes": 10}
@@ -180,7 +180,7 @@ def test_checkpoint_with_wrong_metadata_via_the_api(tmp_path):
         path = tmp_path / "bad.pth"
         torch.save({**good, **change}, path)
         with pytest.raises(CorruptCheckpointError, match=message):
-            load_checkpoint(path)
+            read_run_checkpoint(path)
     complex_weights = {**good["model"], "head.weight": good["model"]["head.weight"].to(torch.complex64)}
     with pytest.raises(CorruptCheckpointError, match="'head.weight' is complex64"):
         create_model_from_checkpoint({**good, "model": complex_weights}, "x.pth")

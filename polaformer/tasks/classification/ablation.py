@@ -192,7 +192,7 @@ def _switch_text(row: AblationRow) -> tuple[str, str, str]:
             row.switches.get("local", "dwc"))
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def _write_bytes(path: Path, data: bytes) -> None:
     write_output(path, lambda f: f.write(data))
 
 
@@ -216,7 +216,7 @@ def write_report(result: AblationResult, output: str | os.PathLike) -> list[Path
         lines.append(f"| {row.label} | {polarity} | {coefficients} | {local} | {row.params:,} | {_mean_std(row)} | "
                      f"{paper} | {seconds:.0f} s |")
     md = output / "ablation.md"
-    _atomic_write(md, ("\n".join(lines) + "\n").encode())
+    _write_bytes(md, ("\n".join(lines) + "\n").encode())
 
     buffer = io.StringIO()
     writer = csv.writer(buffer, lineterminator="\n")
@@ -230,10 +230,10 @@ def write_report(result: AblationResult, output: str | os.PathLike) -> list[Path
             "" if row.paper is None else row.paper, " ".join(f"{t:.1f}" for t in row.wall_time_s),
         ])
     table = output / "ablation.csv"
-    _atomic_write(table, buffer.getvalue().encode())
+    _write_bytes(table, buffer.getvalue().encode())
 
     chart = output / "ablation.png"
-    _atomic_write(chart, _bar_chart(result))
+    _write_bytes(chart, _bar_chart(result))
     return [md, table, chart]
 
 

@@ -33,7 +33,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
 from ...data import DATASETS, DEFAULT_DATA, get_data_spec
-from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_checkpoint, load_model_state
+from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_model_state, read_run_checkpoint
 from ...engine.config import Config, ConfigError, merge_opts
 from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
@@ -417,7 +417,7 @@ def evaluate_checkpoint(
     match the checkpoint's architecture; NaN/inf weights are refused unless ``allow_nonfinite``.
     Returns ``(metrics, checkpoint)``.
     """
-    checkpoint = load_checkpoint(path)
+    checkpoint = read_run_checkpoint(path)
     model = create_model_from_checkpoint(checkpoint, path, arch=arch, allow_nonfinite=allow_nonfinite)
     data = data or _trained_on(checkpoint.get("config"))
     _, test_set = get_data_spec(data).build(augment=False)

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
+from ...checkpoint import atomic_write
 from ...data.digits import digits_split
 from ...data.folder import DatasetError, ImageFolderDataset
-from ...engine.checkpoint import atomic_write
 from ...engine.config import ConfigError
 
 __all__ = ["LATENT_SCALE", "digits_images", "folder_images", "load_images", "load_vae", "save_samples"]

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, unit)
@@ -101,10 +102,12 @@ def _file_task(path: str | os.PathLike) -> str | None:
     return probe.task
 
 
-def load_lra_config(path: str | os.PathLike | None = None, *, task: str | None = None,
-                    opts: Sequence[str] = ()) -> Config:
-    """Defaults of the task, then the file at ``path``, then ``opts``; the file's task must agree with
-    ``task``. Every key and type is checked (:func:`check_lra_config`)."""
+def load_lra_config(path: str | os.PathLike | None = None, *, task: str | None = None, opts: Sequence[str] = (),
+                    overrides: Mapping[str, Any] | None = None, check: bool = True) -> Config:
+    """Defaults of the task, then the file at ``path``, then ``opts``, then ``overrides`` (``{'train.lr': 1e-4}``,
+    from command-line flags); the file's task must agree with ``task``. Every key and type is checked
+    (:func:`check_lra_config`), unless ``check`` is false (a caller that changes the configuration further and
+    hands it to :func:`~polaformer.tasks.lra.train.train_lra`, which checks it)."""
     file_task = _file_task(path) if path is not None else None
     if file_task is not None and not isinstance(file_task, str):
         raise LRAConfigError(f"{path}: task must be a name, got {file_task!r}")
@@ -113,8 +116,9 @@ def load_lra_config(path: str | os.PathLike | None = None, *, task: str | None =
     chosen = file_task or task
     if chosen is None:
         raise LRAConfigError(f"{path} names no task" if path is not None else "give a config file or a task")
-    cfg = configure(lra_config(chosen), path, opts)
-    check_lra_config(cfg)
+    cfg = configure(lra_config(chosen), path, opts, overrides)
+    if check:
+        check_lra_config(cfg)
     return cfg
 
 

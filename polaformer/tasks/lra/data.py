@@ -49,6 +49,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import Dataset
 
+from ...data.folder import DatasetError
 from ...files import UnreadableFileError, open_regular, read_bytes, read_image, read_text
 from .listops import encode_listops_array
 
@@ -94,7 +95,7 @@ PATHFINDER_DIFFICULTIES = ("curv_baseline", "curv_contour_length_9", "curv_conto
 _SPLITS = ("train", "dev", "test")
 
 
-class LRADataError(ValueError):
+class LRADataError(DatasetError):
     """A missing, malformed or unsafe LRA data file; the message names the file and the problem."""
 
 
