@@ -145,6 +145,10 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
         os.replace(tmp, path)
     except BaseException as e:
         tmp.unlink(missing_ok=True)
+        interrupt = _interrupt_behind(e)
+        if interrupt is not None and interrupt is not e:
+            # Ctrl-C inside torch's zip writer: its cleanup fails ("unexpected pos") and would hide the interrupt
+            raise interrupt from None
         if isinstance(e, OSError) and not isinstance(e, CheckpointError):
             raise WriteError(path, e) from e
         if recording.error is not None and isinstance(e, Exception):  # a writer turned it into its own error
@@ -152,6 +156,17 @@ def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> P
         raise
     _fsync_dir(path.parent)
     return path
+
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt ``error`` is, or was raised while handling, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
 
 
 class _RecordingFile:

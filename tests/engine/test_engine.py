@@ -89,6 +89,25 @@ def test_interrupted_write_of_a_new_file_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_ctrl_c_inside_a_writer_whose_cleanup_fails_is_still_an_interrupt(tmp_path):
+    """torch's zip writer, interrupted mid-record, fails again in its own cleanup ("unexpected pos"): the command
+    must still see Ctrl-C (status 130), not that RuntimeError, and the previous file must stay."""
+    target = tmp_path / "checkpoint.pth"
+    atomic_write(target, lambda f: f.write(b"previous"))
+
+    def interrupted_writer(f):
+        try:
+            f.write(b"half")
+            raise KeyboardInterrupt
+        finally:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 31104 vs 30992")
+
+    with pytest.raises(KeyboardInterrupt):
+        atomic_write(target, interrupted_writer)
+    assert target.read_bytes() == b"previous"
+    assert leftovers(tmp_path) == []
+
+
 # --- loading errors --------------------------------------------------------------------------
 
 def test_missing_checkpoint(tmp_path):
