@@ -175,8 +175,8 @@ def methods(shape: Shape, smoke: bool) -> dict[str, Method]:
 
 
 def _inputs(shape: Shape, dtype, device, grad: bool, layout: str):
-    """q, k, v, the extra tensors (power, temperatures) and the output gradient, the same values for every
-    method; in ``layout``."""
+    """q, k, v, a function of the learned leaves giving the extra tensors (power, temperatures), and the output
+    gradient: the same values for every method, in ``layout``."""
     gen = torch.Generator().manual_seed(0)
     b, h, d = shape.batch, shape.heads, shape.head_dim
 
@@ -189,11 +189,11 @@ def _inputs(shape: Shape, dtype, device, grad: bool, layout: str):
     q, k, v = tensor(shape.queries, 0.5), tensor(shape.keys, 0.5), tensor(shape.keys)
     grad_out = tensor(shape.queries, requires_grad=False)
     weights = torch.zeros(1, h, 1, d, device=device, requires_grad=grad)
-    extra = {
-        "power": learnable_power(weights, 4.0),
-        "temp_same": torch.sigmoid(torch.zeros(1, h, 1, 2 * d, device=device, requires_grad=grad)),
-        "temp_opposite": torch.sigmoid(torch.ones(1, h, 1, 2 * d, device=device, requires_grad=grad)),
-    }
+    same, opposite = (torch.full((1, h, 1, 2 * d), value, device=device, requires_grad=grad) for value in (0.0, 1.0))
+
+    def extra():  # from the learned leaves in every step, as a model's forward computes them
+        return {"power": learnable_power(weights, 4.0), "temp_same": torch.sigmoid(same),
+                "temp_opposite": torch.sigmoid(opposite)}
     return q, k, v, extra, grad_out
 
 
@@ -202,10 +202,10 @@ def _step(fn, inputs, mode):
     if mode == "fwd":
         def step():
             with torch.no_grad():
-                fn(q, k, v, extra)
+                fn(q, k, v, extra())
     else:
-        def step():  # retains the graph of the extra tensors, built once
-            fn(q, k, v, extra).backward(grad_out, retain_graph=True)
+        def step():  # the extra tensors' graph is built inside the step, so a CUDA graph captures it whole
+            fn(q, k, v, extra()).backward(grad_out)
     return step
 
 

@@ -78,9 +78,11 @@ def exporting() -> bool:
     """True while a graph is captured for another runtime (torch.export, ONNX, TorchScript, FX symbolic
     tracing): these keep the plain torch formulation, which every runtime can run."""
     if torch.compiler.is_compiling():
-        # under dynamo only torch.export can be exporting; the other checks need not be traced (torch 2.11's
-        # dynamo breaks the graph on some of them)
-        return torch.compiler.is_exporting()
+        # Under dynamo only torch.export can be exporting, and the other checks need not be traced (torch
+        # 2.11's dynamo breaks the graph on some of them). The flag is read, not is_exporting() called: dynamo
+        # before torch 2.12 folds that call to True under torch.compile, which sent compiled calls on a GPU
+        # to the torch formulation.
+        return bool(getattr(torch.compiler, "_is_exporting_flag", False))
     return (
         torch.compiler.is_exporting()
         or torch.onnx.is_in_onnx_export()
