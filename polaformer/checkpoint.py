@@ -51,6 +51,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointNotFoundError",
     "CorruptCheckpointError",
+    "FileWeights",
     "LoadResult",
     "MissingWeightsError",
     "StateDictMismatch",
@@ -63,6 +64,7 @@ __all__ = [
     "load_checkpoint",
     "official_checkpoint_globals",
     "read_checkpoint",
+    "read_weights",
     "select_weights",
     "strip_wrapper_prefixes",
     "tensor_digest",
@@ -462,6 +464,45 @@ class LoadResult:
     config: dict | None = None  # the training configuration, as plain nested dicts
 
 
+@dataclass
+class FileWeights:
+    """The weights of one file, read to be loaded into a model (:func:`read_weights`)."""
+
+    path: Path
+    entry: str | None  # as LoadResult's
+    state_dict: dict[str, torch.Tensor]  # wrapper prefixes stripped
+    checkpoint: Any  # the whole file
+
+    @property
+    def source(self) -> str:
+        return f"{self.entry!r} weights" if self.entry else "state dict"
+
+    def result_fields(self) -> dict[str, Any]:
+        """The fields of a :class:`LoadResult` that the file gives: where the weights came from and, unless the
+        file is a plain state dict, its epoch, accuracies and configuration."""
+        extras = self.checkpoint if self.entry else {}
+        return dict(
+            path=self.path,
+            entry=self.entry,
+            epoch=_number(extras.get("epoch"), int),
+            max_accuracy=_number(extras.get("max_accuracy"), float),
+            max_accuracy_ema=_number(extras.get("max_accuracy_e"), float),
+            config=_plain_data(extras["config"]) if extras.get("config") is not None else None,
+        )
+
+
+def read_weights(path: str | os.PathLike, weights: str = "auto",
+                 map_location: str | torch.device = "cpu") -> FileWeights:
+    """The ``weights`` of the file at ``path`` (``'auto'``, ``'ema'`` or ``'raw'``: :func:`select_weights`), read
+    without running code stored in it (:func:`read_checkpoint`)."""
+    if weights not in ("auto", "ema", "raw"):
+        raise ValueError(f"weights must be 'auto', 'ema' or 'raw', got {weights!r}")
+    path = Path(path)
+    checkpoint = read_checkpoint(path, map_location)
+    entry, state_dict = select_weights(checkpoint, weights, path)
+    return FileWeights(path, entry, strip_wrapper_prefixes(state_dict), checkpoint)
+
+
 def load_checkpoint(
     model: nn.Module,
     path: str | os.PathLike,
@@ -488,13 +529,8 @@ def load_checkpoint(
     files naming code raise :class:`CheckpointNotFoundError`, :class:`CorruptCheckpointError`
     and :class:`UnsafeCheckpointError`.
     """
-    if weights not in ("auto", "ema", "raw"):
-        raise ValueError(f"weights must be 'auto', 'ema' or 'raw', got {weights!r}")
-    path = Path(path)
-    checkpoint = read_checkpoint(path, map_location)
-    entry, state_dict = select_weights(checkpoint, weights, path)
-    state_dict = strip_wrapper_prefixes(state_dict)
-    source = f"{entry!r} weights" if entry else "state dict"
+    found = read_weights(path, weights, map_location)
+    path, state_dict, source = found.path, found.state_dict, found.source
     mismatch = compare_state_dicts(model.state_dict(), state_dict)
     if mismatch and strict:
         raise ArchitectureMismatchError(
@@ -507,18 +543,8 @@ def load_checkpoint(
     check_weight_values(model.state_dict(), fitting, path, allow_nonfinite=allow_nonfinite)
     model.load_state_dict(fitting, strict=False)
     _logger.info("loaded %s from %s", source, path)
-    extras = checkpoint if entry else {}
-    return LoadResult(
-        path=path,
-        entry=entry,
-        missing_keys=mismatch.missing,
-        unexpected_keys=mismatch.unexpected,
-        mismatched_keys=list(mismatch.reshaped),
-        epoch=_number(extras.get("epoch"), int),
-        max_accuracy=_number(extras.get("max_accuracy"), float),
-        max_accuracy_ema=_number(extras.get("max_accuracy_e"), float),
-        config=_plain_data(extras["config"]) if extras.get("config") is not None else None,
-    )
+    return LoadResult(missing_keys=mismatch.missing, unexpected_keys=mismatch.unexpected,
+                      mismatched_keys=list(mismatch.reshaped), **found.result_fields())
 
 
 def _number(value: Any, kind: type) -> Any:

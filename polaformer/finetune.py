@@ -34,22 +34,12 @@ import math
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .checkpoint import (
-    ArchitectureMismatchError,
-    LoadResult,
-    _number,
-    _plain_data,
-    check_weight_values,
-    read_checkpoint,
-    select_weights,
-    strip_wrapper_prefixes,
-)
+from .checkpoint import ArchitectureMismatchError, LoadResult, check_weight_values, read_weights, strip_wrapper_prefixes
 from .ops import resample_grid_table
 
 __all__ = [
@@ -278,13 +268,8 @@ def load_for_finetune(
     Files that are missing, unreadable or name code raise the errors of
     :func:`polaformer.checkpoint.load_checkpoint`.
     """
-    if weights not in ("auto", "ema", "raw"):
-        raise ValueError(f"weights must be 'auto', 'ema' or 'raw', got {weights!r}")
-    path = Path(path)
-    checkpoint = read_checkpoint(path, map_location)
-    entry, state_dict = select_weights(checkpoint, weights, path)
-    state_dict = strip_wrapper_prefixes(state_dict)
-    source = f"{entry!r} weights" if entry else "state dict"
+    found = read_weights(path, weights, map_location)
+    path, state_dict, source = found.path, found.state_dict, found.source
 
     target = model.state_dict()
     classifier = _classifier_prefixes(model)
@@ -341,21 +326,9 @@ def load_for_finetune(
 
     check_weight_values(target, loadable, path)
     model.load_state_dict(loadable, strict=False)
-    extras = checkpoint if entry else {}
-    result = FinetuneLoadResult(
-        path=path,
-        entry=entry,
-        missing_keys=missing,
-        unexpected_keys=unexpected,
-        mismatched_keys=mismatched,
-        epoch=_number(extras.get("epoch"), int),
-        max_accuracy=_number(extras.get("max_accuracy"), float),
-        max_accuracy_ema=_number(extras.get("max_accuracy_e"), float),
-        config=_plain_data(extras["config"]) if extras.get("config") is not None else None,
-        resampled=resampled,
-        reinitialised=reinitialised,
-        from_model=from_model,
-    )
+    result = FinetuneLoadResult(missing_keys=missing, unexpected_keys=unexpected, mismatched_keys=mismatched,
+                                resampled=resampled, reinitialised=reinitialised, from_model=from_model,
+                                **found.result_fields())
     log = _logger.warning if problems else _logger.info
     log("loaded %s from %s into %s for fine-tuning: %s", source, path, type(model).__name__, result.describe())
     return result
