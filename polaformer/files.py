@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = ["MAX_CONFIG_BYTES", "MAX_IMAGE_BYTES", "UnreadableFileError", "open_regular", "read_bytes", "read_image",
-           "read_text"]
+           "read_image_or_raise", "read_text"]
 
 MAX_CONFIG_BYTES = 16 * 2**20  # a configuration or annotation list written by hand is far smaller
 MAX_IMAGE_BYTES = 2**30  # an encoded image; its decoded pixels are capped by PIL's MAX_IMAGE_PIXELS
@@ -103,3 +103,14 @@ def read_image(path: str | os.PathLike, limit: int = MAX_IMAGE_BYTES):
             detail = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise UnreadableFileError(path, f"cannot read the image ({detail})", detail) from None
     return image
+
+
+def read_image_or_raise(path: str | os.PathLike, error: type[Exception]):
+    """:func:`read_image`, a missing or unreadable file raised as ``error("cannot read image PATH: WHY")``, the
+    one line of the command that asked for it."""
+    try:
+        return read_image(path)
+    except FileNotFoundError:
+        raise error(f"cannot read image {path}: no such file") from None
+    except UnreadableFileError as e:
+        raise error(f"cannot read image {path}: {e.detail}") from None

@@ -34,7 +34,7 @@ from ..ops import (
 )
 from ..engine.limits import check_allocation
 from ..engine.output import claim_outputs, write_output
-from ..files import UnreadableFileError, read_image
+from ..files import read_image_or_raise
 from .rank import layer_ranks
 
 __all__ = [
@@ -242,12 +242,7 @@ def load_image(path: str | None, size: int, channels: int) -> np.ndarray:
 
         pil = Image.fromarray(data.astronaut())
     else:
-        try:
-            pil = read_image(path)
-        except FileNotFoundError:
-            raise AnalyzeError(f"cannot read image {path}: no such file") from None
-        except UnreadableFileError as e:
-            raise AnalyzeError(f"cannot read image {path}: {e.detail}") from None
+        pil = read_image_or_raise(path, AnalyzeError)
     pil = pil.convert("RGB")
     w, h = pil.size
     side = min(w, h)

@@ -15,7 +15,7 @@ from torch.utils.data import Dataset
 
 from ...data.folder import DatasetError
 from ...engine.output import write_image
-from ...files import UnreadableFileError, read_image as read_image_file
+from ...files import read_image_or_raise
 
 __all__ = ["IMAGE_SUFFIXES", "PHOTOS", "ImagePair", "RandomPatches", "bicubic_downscale", "embedded_photo",
            "folder_pairs", "image_to_tensor", "photo_pairs", "read_image", "save_image"]
@@ -41,13 +41,7 @@ def image_to_tensor(array: np.ndarray) -> torch.Tensor:
 def read_image(path: Path) -> torch.Tensor:
     """An image file as a (3, H, W) uint8 tensor; an unreadable file (not a regular file, not an image, a
     decompression bomb) is a one-line :class:`DatasetError`."""
-    try:
-        image = read_image_file(path)
-    except FileNotFoundError:
-        raise DatasetError(f"cannot read image {path}: no such file") from None
-    except UnreadableFileError as e:
-        raise DatasetError(f"cannot read image {path}: {e.detail}") from None
-    with image:
+    with read_image_or_raise(path, DatasetError) as image:
         return image_to_tensor(np.asarray(image.convert("RGB")))
 
 
