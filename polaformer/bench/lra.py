@@ -33,22 +33,9 @@ from typing import Callable
 import torch
 
 from ..runtime import tune_cpu_allocator
-from .harness import (
-    check_device,
-    loadavg,
-    log_log_axes,
-    machine_info,
-    markdown_table as table,
-    peak_rss_bytes,
-    pyplot,
-    release_freed_buffers,
-    reset_peak_rss,
-    rss_now_bytes,
-    run_child,
-    save_figure,
-    write_json,
-    write_text,
-)
+from .harness import (check_device, loadavg, log_log_axes, machine_info, markdown_table as table, peak_rss_bytes,
+                      pyplot, release_freed_buffers, reset_peak_rss, rss_now_bytes, run_child, save_figure, write_json,
+                      write_text)
 
 __all__ = [
     "DEFAULT_LENGTHS",

@@ -25,20 +25,8 @@ import torch.nn.functional as F
 from ..ops import (elu_feature, focused_feature, learnable_power, linear_attention, official_pola_linear_attention,
                    pola_linear_attention)
 from ..runtime import tune_cpu_allocator
-from .harness import (
-    log_log_axes,
-    machine_info,
-    markdown_table,
-    peak_rss_bytes,
-    pyplot,
-    release_freed_buffers,
-    reset_peak_rss,
-    rss_now_bytes,
-    run_child,
-    save_figure,
-    time_call,
-    write_json,
-)
+from .harness import (log_log_axes, machine_info, markdown_table, peak_rss_bytes, pyplot, release_freed_buffers,
+                      reset_peak_rss, rss_now_bytes, run_child, save_figure, time_call, write_json)
 
 __all__ = [
     "OP_METHODS",

@@ -657,6 +657,14 @@ def _release_dirs(data_dir: Path, sub: str) -> list[Path]:
     return [data_dir, data_dir / sub, data_dir / "lra_release" / sub, data_dir / "lra_release" / "lra_release" / sub]
 
 
+def _split_file(folder: Path, name: str, release: str) -> Path:
+    """``folder/name``, the file of one split of a release whose other split files ``folder`` holds."""
+    path = folder / name
+    if not path.is_file():
+        raise LRADataError(f"{path}: missing file (other {release} splits are there)")
+    return path
+
+
 def load_lra_split(
     task: str,
     data_dir: str | os.PathLike,
@@ -716,10 +724,7 @@ def load_lra_split(
         looked_for.append("basic_{train,val,test}.tsv (also in listops-1000/)")
         folder = _first_dir(_release_dirs(data_dir, "listops-1000"), _holds_any(file_names.values()))
         if folder is not None:
-            path = folder / file_names[split]
-            if not path.is_file():
-                raise LRADataError(f"{path}: missing file (other ListOps splits are there)")
-            return _load_listops_tsv(path, spec, limit, listops_tokens)
+            return _load_listops_tsv(_split_file(folder, file_names[split], "ListOps"), spec, limit, listops_tokens)
     elif task == "text":
         looked_for.append("aclImdb/{train,test}/{neg,pos}/*.txt")
         folder = _first_dir([data_dir / "aclImdb", data_dir], lambda d: (d / "train").is_dir() or (d / "test").is_dir())
@@ -730,10 +735,7 @@ def load_lra_split(
         looked_for.append("new_aan_pairs.{train,eval,test}.tsv (also in tsv_data/)")
         folder = _first_dir(_release_dirs(data_dir, "tsv_data"), _holds_any(file_names.values()))
         if folder is not None:
-            path = folder / file_names[split]
-            if not path.is_file():
-                raise LRADataError(f"{path}: missing file (other AAN splits are there)")
-            return _load_aan_tsv(path, spec, limit)
+            return _load_aan_tsv(_split_file(folder, file_names[split], "AAN"), spec, limit)
     elif task == "image":
         looked_for.append("cifar-10-batches-py/{data_batch_1..5,test_batch}")
         folder = _first_dir([data_dir / "cifar-10-batches-py", data_dir], _holds_any(_CIFAR_TRAIN + _CIFAR_TEST))
