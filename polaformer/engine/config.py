@@ -20,7 +20,7 @@ import ast
 import copy
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -274,17 +274,16 @@ class Config:
         node._set(leaf, value, source)
 
     def freeze(self) -> Config:
-        object.__setattr__(self, "_frozen", True)
-        for value in self._values.values():
-            if isinstance(value, Config):
-                value.freeze()
-        return self
+        return self._set_frozen(True)
 
     def defrost(self) -> Config:
-        object.__setattr__(self, "_frozen", False)
+        return self._set_frozen(False)
+
+    def _set_frozen(self, frozen: bool) -> Config:
+        object.__setattr__(self, "_frozen", frozen)
         for value in self._values.values():
             if isinstance(value, Config):
-                value.defrost()
+                value._set_frozen(frozen)
         return self
 
     @property
@@ -414,11 +413,12 @@ def merge_opts(cfg: Config, opts: Sequence[str]) -> Config:
 
 
 def configure(defaults: Config, path: str | os.PathLike | None = None, opts: Sequence[str] = (),
-              overrides: Mapping[str, Any] | None = None, rules: Mapping[str, Range] | None = None) -> Config:
+              overrides: Mapping[str, Any] | None = None, rules: Mapping[str, Range] | None = None,
+              check: Callable[[Config], None] | None = None) -> Config:
     """``defaults`` (changed in place and returned), then the YAML file at ``path``, then ``opts``
     (a flat ``['TRAIN.EPOCHS', '10', ...]`` list, each value read as YAML), then ``overrides``
     (``{'train.lr': 1e-4}`` from command-line flags; None values are skipped); then every key of
-    ``rules`` is checked (:func:`check_settings`)."""
+    ``rules`` is checked (:func:`check_settings`), and the whole by ``check``."""
     if path is not None:
         merge_file(defaults, path)
     merge_opts(defaults, opts)
@@ -427,4 +427,6 @@ def configure(defaults: Config, path: str | os.PathLike | None = None, opts: Seq
             defaults.set_path(dotted, value, source="the command line")
     if rules:
         check_settings(defaults, rules)
+    if check is not None:
+        check(defaults)
     return defaults
