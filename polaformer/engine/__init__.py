@@ -13,12 +13,14 @@ from .factory import ModelBuildError, create_model, create_model_from_checkpoint
 from .optim import build_optimizer, build_scheduler
 from .device import amp_dtype, autocast, resolve_device
 from .loop import Engine, LoopSettings, StepOutput, Task, TrainingDivergedError, TrainingInterrupted, train
+from .steps import StepTask, load_task_model, step_settings
 
 __all__ = [
     "ArchitectureMismatchError",
     "Engine",
     "LoopSettings",
     "StepOutput",
+    "StepTask",
     "Task",
     "CheckpointError",
     "CheckpointNotFoundError",
@@ -36,8 +38,10 @@ __all__ = [
     "create_model",
     "create_model_from_checkpoint",
     "load_model_state",
+    "load_task_model",
     "read_run_checkpoint",
     "resolve_device",
     "save_checkpoint",
+    "step_settings",
     "train",
 ]

@@ -8,8 +8,6 @@ noise and steps, ``best.pth`` (lowest EMA validation loss) and ``last.pth``.
 """
 from __future__ import annotations
 
-from pathlib import Path
-
 import timm
 import torch
 from torch import nn
@@ -17,20 +15,19 @@ from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_dit_*)
-from ...checkpoint import CorruptCheckpointError
-from ...engine.checkpoint import load_task_weights, read_task_checkpoint
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, fraction, unit)
 from ...engine.device import resolve_device
 from ...engine.limits import check_batch_memory
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, StepOutput, train
+from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
 from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
 __all__ = ["RULES", "DiffusionTask", "check_diffusion_config", "check_sample_request", "diffusion_config", "generate",
            "load_diffusion_model", "train_diffusion"]
 
-LAST, BEST = "last.pth", "best.pth"
+BEST = "best.pth"
 
 # the range of every numeric setting (engine/config.py checks them, naming the key)
 SIZE_OF_MODEL = COUNT.but(note="0: the named model's")
@@ -48,9 +45,10 @@ RULES = {
 }
 
 
-def diffusion_config(path=None, opts=(), overrides=None) -> Config:
+def diffusion_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Config:
     """The defaults (a tiny model on digits, pixel space), then a YAML file, then ``KEY VALUE`` overrides, then
-    ``overrides`` (``{'train.lr': 1e-4}``, from command-line flags); checked (:func:`check_diffusion_config`)."""
+    ``overrides`` (``{'train.lr': 1e-4}``, from command-line flags); checked (:func:`check_diffusion_config`)
+    unless ``check`` is false (a caller that hands it to :func:`train_diffusion`, which checks it)."""
     cfg = Config({
         # hidden_size / depth / num_heads / patch_size 0: those of the named model
         "model": {"name": "pola_dit_s_2", "attention": "pacs", "hidden_size": 64, "depth": 4, "num_heads": 4,
@@ -66,9 +64,7 @@ def diffusion_config(path=None, opts=(), overrides=None) -> Config:
         "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",
                    "guide_all_channels": False},
     })
-    cfg = configure(cfg, path, opts, overrides)
-    check_diffusion_config(cfg)
-    return cfg
+    return configure(cfg, path, opts, overrides, check=check_diffusion_config if check else None)
 
 
 def check_diffusion_config(cfg: Config) -> None:
@@ -119,14 +115,13 @@ def _scheduler(cfg: Config):
     return make_scheduler(d.train_timesteps, d.beta_start, d.beta_end)
 
 
-class DiffusionTask(Task):
+class DiffusionTask(StepTask):
     name = "diffusion"
     best_files = {BEST: "neg_valid_loss"}
-    resume_hint = "use another --output"
     resume_may_change = ("train.steps", "train.eval_every", "train.eval_samples", "train.num_workers", "sample")
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        super().__init__(cfg)
         self.vae = load_vae(cfg.data.vae) if cfg.data.latent else None
         train_x, train_y, valid_x, valid_y, self.num_classes = load_images(cfg.data)
         self.train_set = TensorDataset(train_x, train_y)
@@ -146,14 +141,9 @@ class DiffusionTask(Task):
         return build_model(self.cfg, self.num_classes, self.input_size, self.in_channels)
 
     def start_message(self, engine: Engine) -> str:
-        t = self.cfg.train
         mode = f"latents {self.in_channels}x{self.input_size}x{self.input_size}" if self.vae else "pixels"
-        return (f"training {self.cfg.model.name} ({self.cfg.model.attention}, {mode}): "
-                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.train_set)} images, "
-                f"{t.steps} steps of batch {t.batch_size}")
-
-    def settings(self) -> dict:
-        return self.cfg.to_dict()
+        return self.opening(engine, f"{self.cfg.model.name} ({self.cfg.model.attention}, {mode})",
+                            f"{len(self.train_set)} images")
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train
@@ -189,51 +179,35 @@ class DiffusionTask(Task):
                 "neg_valid_loss": -chosen["loss"], "elapsed_s": engine.elapsed}
 
     def describe(self, record: dict, improved: bool) -> str:
-        return (f"step {record['step']}/{self.cfg.train.steps}: train loss {record['train_loss']:.4f}, valid "
-                f"{record['valid_loss']:.4f} (EMA {record['ema_valid_loss']:.4f}){' (best)' if improved else ''}")
+        return self.evaluation_line(record, improved, f"train loss {record['train_loss']:.4f}, valid "
+                                                      f"{record['valid_loss']:.4f} "
+                                                      f"(EMA {record['ema_valid_loss']:.4f})")
 
     def summary(self, engine: Engine) -> dict:
-        return {"model": self.cfg.model.name, "attention": self.cfg.model.attention, "config": self.cfg.to_dict(),
-                "parameters": sum(p.numel() for p in engine.model.parameters()), "steps": engine.num_updates,
-                "best_valid_loss": -engine.best.get("neg_valid_loss", -float("inf")),
-                "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
+        return self.run_summary(engine, {"model": self.cfg.model.name, "attention": self.cfg.model.attention},
+                                {"best_valid_loss": -engine.best.get("neg_valid_loss", -float("inf"))})
 
     def metadata(self, engine: Engine) -> dict:
         return {"num_classes": self.num_classes}
 
 
-def train_diffusion(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-                    show_progress: bool = True, allow_changed=()) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
-    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+def train_diffusion(cfg: Config, output, **options) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``options``: resume, overwrite,
+    device, show_progress, allow_changed (:func:`~polaformer.engine.steps.step_settings`)."""
     check_diffusion_config(cfg)
-    t = cfg.train
-    settings = LoopSettings(
-        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
-        clip_grad_norm=t.clip_grad_norm or None, ema_decay=t.ema_decay or None, seed=t.seed,
-        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
-    )
-    return train(DiffusionTask(cfg), settings)
+    return train(DiffusionTask(cfg), step_settings(cfg, output, **options))
 
 
 def load_diffusion_model(path, ema: bool = True) -> tuple[nn.Module, Config, object]:
     """``(model, config, vae or None)`` from a checkpoint of :func:`train_diffusion`; the EMA weights where
     the checkpoint has them and ``ema``."""
-    checkpoint = read_task_checkpoint(path, DiffusionTask.name)
-    try:
-        cfg = diffusion_config()
-        cfg.merge(checkpoint["config"])
-        check_diffusion_config(cfg)
+    def rebuild(checkpoint):
+        cfg = saved_config(checkpoint, diffusion_config(check=False), check_diffusion_config)
         vae = load_vae(cfg.data.vae) if cfg.data.latent else None
         input_size, in_channels = model_geometry(cfg, vae)
-        model = build_model(cfg, int(checkpoint["num_classes"]), input_size, in_channels)
-        weights = checkpoint.get("model_ema") if ema and checkpoint.get("model_ema") is not None else \
-            checkpoint["model"]
-    except (KeyError, TypeError, RuntimeError, ConfigError) as e:
-        raise CorruptCheckpointError(path, f"not a usable diffusion checkpoint: {str(e).splitlines()[0]}") from None
-    load_task_weights(model, weights, path)  # NaN/inf or cast weights are refused here as everywhere
-    return model.eval(), cfg, vae
+        return build_model(cfg, int(checkpoint["num_classes"]), input_size, in_channels), cfg, vae
+
+    return load_task_model(path, DiffusionTask.name, "diffusion", rebuild, ema=ema)
 
 
 def check_sample_request(model: nn.Module, count: int, device="cpu") -> None:

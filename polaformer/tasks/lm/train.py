@@ -5,7 +5,6 @@ holds the unigram baseline of the same split, the bits per byte of a model that 
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import timm
 import torch
@@ -15,18 +14,17 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_lm_*)
-from ...checkpoint import CorruptCheckpointError
-from ...engine.checkpoint import load_task_weights, read_task_checkpoint
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, Range,
                               check_settings, configure, fraction, unit)
 from ...engine.limits import check_allocation
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, StepOutput, train
+from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
 from .data import ByteWindows, stdlib_corpus
 
 __all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
            "train_lm", "unigram_bits_per_byte"]
 
-LAST, BEST = "last.pth", "best.pth"
+BEST = "best.pth"
 
 # the range of every numeric setting (engine/config.py checks them, naming the key)
 RULES = {
@@ -45,9 +43,10 @@ SAMPLING = {
 }
 
 
-def lm_config(path=None, opts=(), overrides=None) -> Config:
+def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Config:
     """The defaults, then a YAML file, then ``KEY VALUE`` overrides, then ``overrides`` (``{'train.lr': 1e-3}``, from
-    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_lm_config`)."""
+    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_lm_config`)
+    unless ``check`` is false (a caller that hands it to :func:`train_lm`, which checks it)."""
     cfg = Config({
         "model": {"name": "pola_lm_tiny", "attention": "pola", "context": 128, "drop_rate": 0.0},
         "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
@@ -55,9 +54,7 @@ def lm_config(path=None, opts=(), overrides=None) -> Config:
         "train": {"steps": 600, "batch_size": 16, "lr": 3e-3, "warmup_steps": 50, "weight_decay": 0.01,
                   "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 25, "seed": 0, "num_workers": 0},
     })
-    cfg = configure(cfg, path, opts, overrides)
-    check_lm_config(cfg)
-    return cfg
+    return configure(cfg, path, opts, overrides, check=check_lm_config if check else None)
 
 
 def check_lm_config(cfg: Config) -> None:
@@ -114,14 +111,13 @@ def byte_windows(data: torch.Tensor, cfg: Config, split: str) -> ByteWindows:
     return ByteWindows(data, cfg.model.context)
 
 
-class LMTask(Task):
+class LMTask(StepTask):
     name = "lm"
     best_files = {BEST: "neg_valid_bpb"}
-    resume_hint = "use another --output"
     resume_may_change = ("train.steps", "train.eval_every", "train.eval_batches", "train.num_workers")
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        super().__init__(cfg)
         d = cfg.data
         self.train_bytes, self.valid_bytes = stdlib_corpus(d.max_bytes, d.valid_fraction, d.seed)
         self.train_set = byte_windows(self.train_bytes, cfg, "training")
@@ -133,13 +129,8 @@ class LMTask(Task):
         return build_lm(self.cfg)
 
     def start_message(self, engine: Engine) -> str:
-        t = self.cfg.train
-        return (f"training {self.cfg.model.name} ({self.cfg.model.attention}): "
-                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.train_bytes)} train / "
-                f"{len(self.valid_bytes)} valid bytes, {t.steps} steps of batch {t.batch_size}")
-
-    def settings(self) -> dict:
-        return self.cfg.to_dict()
+        return self.opening(engine, f"{self.cfg.model.name} ({self.cfg.model.attention})",
+                            f"{len(self.train_bytes)} train / {len(self.valid_bytes)} valid bytes")
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         t = self.cfg.train
@@ -170,43 +161,27 @@ class LMTask(Task):
                 "valid_bpb": bpb, "neg_valid_bpb": -bpb, "elapsed_s": engine.elapsed}
 
     def describe(self, record: dict, improved: bool) -> str:
-        return (f"step {record['step']}/{self.cfg.train.steps}: train {record['train_bpb']:.3f} bits/byte, "
-                f"valid {record['valid_bpb']:.3f}{' (best)' if improved else ''}")
+        return self.evaluation_line(record, improved, f"train {record['train_bpb']:.3f} bits/byte, "
+                                                      f"valid {record['valid_bpb']:.3f}")
 
     def summary(self, engine: Engine) -> dict:
-        return {"model": self.cfg.model.name, "attention": self.cfg.model.attention, "config": self.cfg.to_dict(),
-                "parameters": sum(p.numel() for p in engine.model.parameters()), "steps": engine.num_updates,
-                "best_valid_bpb": -engine.best.get("neg_valid_bpb", -float("inf")),
-                "unigram_valid_bpb": unigram_bits_per_byte(self.train_bytes, self.valid_bytes),
-                "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
+        return self.run_summary(
+            engine, {"model": self.cfg.model.name, "attention": self.cfg.model.attention},
+            {"best_valid_bpb": -engine.best.get("neg_valid_bpb", -float("inf")),
+             "unigram_valid_bpb": unigram_bits_per_byte(self.train_bytes, self.valid_bytes)})
 
 
-def train_lm(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-             show_progress: bool = True, allow_changed=()) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
-    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+def train_lm(cfg: Config, output, **options) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``options``: resume, overwrite,
+    device, show_progress, allow_changed (:func:`~polaformer.engine.steps.step_settings`)."""
     check_lm_config(cfg)
-    t = cfg.train
-    settings = LoopSettings(
-        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
-        save_every_steps=0, clip_grad_norm=t.clip_grad_norm or None, seed=t.seed, num_workers=t.num_workers,
-        device=device, resume=None if resume is None else str(resume), allow_changed=tuple(allow_changed),
-        overwrite=overwrite, last_name=LAST, show_progress=show_progress,
-    )
-    return train(LMTask(cfg), settings)
+    return train(LMTask(cfg), step_settings(cfg, output, **options))
 
 
 def load_lm_model(path) -> tuple[nn.Module, Config]:
     """The model a checkpoint of :func:`train_lm` holds, and its configuration."""
-    checkpoint = read_task_checkpoint(path, LMTask.name)
-    try:
-        cfg = lm_config(opts=[])
-        cfg.merge(checkpoint["config"])
-        check_lm_config(cfg)
-        model = build_lm(cfg)
-    except (KeyError, TypeError, RuntimeError, ConfigError) as e:
-        raise CorruptCheckpointError(path, f"not a usable language model checkpoint: {str(e).splitlines()[0]}") from None
-    load_task_weights(model, checkpoint["model"], path)  # NaN/inf or cast weights are refused here as everywhere
-    return model.eval(), cfg
+    def rebuild(checkpoint):
+        cfg = saved_config(checkpoint, lm_config(check=False), check_lm_config)
+        return build_lm(cfg), cfg
 
-
+    return load_task_model(path, LMTask.name, "language model", rebuild)

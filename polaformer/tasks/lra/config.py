@@ -116,10 +116,7 @@ def load_lra_config(path: str | os.PathLike | None = None, *, task: str | None =
     chosen = file_task or task
     if chosen is None:
         raise LRAConfigError(f"{path} names no task" if path is not None else "give a config file or a task")
-    cfg = configure(lra_config(chosen), path, opts, overrides)
-    if check:
-        check_lra_config(cfg)
-    return cfg
+    return configure(lra_config(chosen), path, opts, overrides, check=check_lra_config if check else None)
 
 
 def check_lra_config(cfg: Config) -> None:

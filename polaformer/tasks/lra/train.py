@@ -25,11 +25,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from ...checkpoint import CorruptCheckpointError
-from ...engine.checkpoint import load_task_weights, read_checkpoint, read_task_checkpoint
-from ...engine.device import autocast
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.checkpoint import read_checkpoint
 from ...engine.config import Config
+from ...engine.device import autocast
+from ...engine.loop import Engine, StepOutput, train
+from ...engine.steps import StepTask, load_task_model, step_settings
 from .config import LRAConfigError, check_lra_config, lra_config
 from .data import TASKS, collate_lra, load_lra_split
 from .model import LRAClassifier, LRAModelConfig
@@ -105,25 +105,17 @@ def _eval_loader(dataset: Dataset, batch_size: int, num_workers: int) -> DataLoa
 
 
 def load_lra_model(path: str | Path) -> tuple[LRAClassifier, dict]:
-    """Rebuild the model an LRA checkpoint holds (of any version); returns ``(model, checkpoint)``."""
-    checkpoint = read_task_checkpoint(path, LRATask.name)
-    cfg = _saved_config(checkpoint, path)
-    model = build_lra_model(cfg)
-    load_task_weights(model, checkpoint["model"], path)
-    return model, checkpoint
-
-
-def _saved_config(checkpoint: dict, path) -> Config:
-    raw = checkpoint.get("config")
-    try:
-        cfg = lra_config(raw["task"], {key: raw[key] for key in ("attention", "attention_options", "model")})
+    """Rebuild the model an LRA checkpoint holds (of any version), in eval mode; returns ``(model, checkpoint)``."""
+    def rebuild(checkpoint):
+        saved = checkpoint["config"]
+        cfg = lra_config(saved["task"], {key: saved[key] for key in ("attention", "attention_options", "model")})
         check_lra_config(cfg)
-    except (KeyError, TypeError, LRAConfigError) as e:
-        raise CorruptCheckpointError(path, f"its LRA configuration is unusable: {e}") from None
-    return cfg
+        return build_lra_model(cfg), checkpoint
+
+    return load_task_model(path, LRATask.name, "LRA", rebuild)
 
 
-class LRATask(Task):
+class LRATask(StepTask):
     """One attention on one LRA task: cross-entropy, dev accuracy, the best weights scored on test."""
 
     name = "lra"
@@ -134,7 +126,8 @@ class LRATask(Task):
                          "train.num_workers", "train.limit_dev", "train.limit_test")
 
     def __init__(self, cfg: Config, splits: LRASplits):
-        self.cfg, self.splits = cfg, splits
+        super().__init__(cfg)
+        self.splits = splits
         self.train_set, self.train_collate = splits.train, collate_lra
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
@@ -147,14 +140,10 @@ class LRATask(Task):
         return build_lra_model(self.cfg)
 
     def start_message(self, engine: Engine) -> str:
-        t = self.cfg.train
-        return (f"training {self.cfg.attention} on LRA {self.cfg.task}: "
-                f"{sum(p.numel() for p in engine.model.parameters())} parameters, {len(self.splits.train)} train / "
-                f"{len(self.splits.dev)} dev / {len(self.splits.test)} test examples, {t.steps} steps of batch "
-                f"{t.batch_size}, device {engine.device}")
-
-    def settings(self) -> dict:
-        return self.cfg.to_dict()
+        s = self.splits
+        return (self.opening(engine, f"{self.cfg.attention} on LRA {self.cfg.task}",
+                             f"{len(s.train)} train / {len(s.dev)} dev / {len(s.test)} test examples")
+                + f", device {engine.device}")
 
     def saved_settings(self, checkpoint: dict) -> dict | None:
         saved = checkpoint.get("config")
@@ -212,23 +201,14 @@ class LRATask(Task):
         }
 
     def describe(self, record: dict, improved: bool) -> str:
-        return (f"step {record['step']}/{self.cfg.train.steps}: train loss {record['train_loss']:.4f} acc "
-                f"{record['train_accuracy']:.2f}%, dev loss {record['dev_loss']:.4f} acc {record['dev_accuracy']:.2f}%"
-                f"{' (best)' if improved else ''}")
+        return self.evaluation_line(record, improved, f"train loss {record['train_loss']:.4f} acc "
+                                                      f"{record['train_accuracy']:.2f}%, dev loss "
+                                                      f"{record['dev_loss']:.4f} acc {record['dev_accuracy']:.2f}%")
 
     def summary(self, engine: Engine) -> dict:
-        return {
-            "task": self.cfg.task,
-            "attention": self.cfg.attention,
-            "config": self.cfg.to_dict(),
-            "parameters": sum(p.numel() for p in engine.model.parameters()),
-            "steps": engine.num_updates,
-            "evaluations": len(engine.history),
-            "best_dev_accuracy": engine.best.get("dev_accuracy", -1.0),
-            "best_step": engine.best_at.get("dev_accuracy", 0),
-            "history": engine.history,
-            "output": str(engine.output),
-        }
+        return self.run_summary(engine, {"task": self.cfg.task, "attention": self.cfg.attention}, {
+            "evaluations": len(engine.history), "best_dev_accuracy": engine.best.get("dev_accuracy", -1.0),
+            "best_step": engine.best_at.get("dev_accuracy", 0)})
 
     def finish(self, engine: Engine) -> dict:
         t = self.cfg.train
@@ -244,7 +224,6 @@ class LRATask(Task):
             "test_loss": test["loss"],
             "test_examples": test["examples"],
             "majority_class_test_accuracy": majority_rate(self.splits.test),
-            "wall_time_s": engine.elapsed,
         }
         log.info("test accuracy %.2f%% (best dev %.2f%% at step %d; majority class %.2f%%)", test["accuracy"],
                  summary["best_dev_accuracy"], summary["best_step"], summary["majority_class_test_accuracy"])
@@ -269,30 +248,20 @@ def train_lra(
     output: str | Path,
     *,
     resume: str | Path | None = None,
-    overwrite: bool = False,
-    device: str = "auto",
     splits: LRASplits | None = None,
-    show_progress: bool = True,
     on_step: Callable[[int], None] | None = None,
-    allow_changed=(),
+    **options,
 ) -> dict:
     """Train as ``cfg`` says on the task's files in ``data_dir`` (or on ``splits``); see the module docstring.
 
     ``resume``: ``"auto"`` (``output/last.pth`` if it exists, else from scratch) or a checkpoint path.
-    ``on_step(step)`` is called after every step (tests use it to interrupt a run); ``allow_changed``: settings a
-    resumed run may change (see :class:`~polaformer.engine.loop.Engine`). Returns the contents of ``metrics.json``.
+    ``on_step(step)`` is called after every step (tests use it to interrupt a run); ``options``: overwrite,
+    device, show_progress, allow_changed (:func:`~polaformer.engine.steps.step_settings`). Returns the contents of
+    ``metrics.json``.
     """
     check_lra_config(cfg)
     if splits is None:
         if data_dir is None:
             raise LRAConfigError("no data: give the task's data folder")
         splits = load_splits(cfg, data_dir)
-    t = cfg.train
-    settings = LoopSettings(
-        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every,
-        save_every_steps=t.save_every, clip_grad_value=t.clip_grad_value or None, amp=t.amp, seed=t.seed,
-        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
-        on_update=on_step,
-    )
-    return train(LRATask(cfg, splits), settings)
+    return train(LRATask(cfg, splits), step_settings(cfg, output, resume=resume, on_update=on_step, **options))

@@ -7,7 +7,6 @@ images, or tiled inference with ``eval.mode tile``), ``best.pth`` (highest PSNR-
 from __future__ import annotations
 
 import logging
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +14,12 @@ from torch import nn
 from tqdm import tqdm
 
 from ...checkpoint import CorruptCheckpointError, read_checkpoint
-from ...engine.checkpoint import load_task_weights, read_task_checkpoint
+from ...engine.checkpoint import load_task_weights
 from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
                               fraction)
 from ...engine.limits import check_allocation
-from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.loop import Engine, StepOutput, train
+from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
 from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
@@ -29,7 +29,7 @@ __all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upsca
 
 log = logging.getLogger(__name__)
 
-LAST, BEST = "last.pth", "best.pth"
+BEST = "best.pth"
 PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
 # basicsr's path.param_key_g: what the official test configs load (training also writes params_ema)
 OFFICIAL_PARAM_KEY = "params"
@@ -46,9 +46,10 @@ RULES = {
 }
 
 
-def sr_config(path=None, opts=(), overrides=None) -> Config:
+def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Config:
     """The defaults, then a YAML file, then ``KEY VALUE`` overrides, then ``overrides`` (``{'train.lr': 1e-4}``, from
-    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_sr_config`)."""
+    command-line flags) (:func:`~polaformer.engine.config.configure`); checked (:func:`check_sr_config`)
+    unless ``check`` is false (a caller that hands it to :func:`train_sr`, which checks it)."""
     cfg = Config({
         "model": {"scale": 4, "embed_dim": 48, "depths": [5, 5, 5, 5], "num_heads": [4, 4, 4, 4],
                   "window_size": 16, "mlp_ratio": 1.0},
@@ -60,9 +61,7 @@ def sr_config(path=None, opts=(), overrides=None) -> Config:
         # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
         "eval": {"mode": "chop", "tile": 192, "overlap": 16},
     })
-    cfg = configure(cfg, path, opts, overrides)
-    check_sr_config(cfg)
-    return cfg
+    return configure(cfg, path, opts, overrides, check=check_sr_config if check else None)
 
 
 def check_sr_config(cfg: Config) -> None:
@@ -138,14 +137,13 @@ def model_upscaler(model: nn.Module, cfg: Config, progress: bool = False):
     return upscale
 
 
-class SRTask(Task):
+class SRTask(StepTask):
     name = "sr"
     best_files = {BEST: "psnr_y"}
-    resume_hint = "use another --output"
     resume_may_change = ("train.steps", "train.eval_every", "train.num_workers", "eval")
 
     def __init__(self, cfg: Config):
-        self.cfg = cfg
+        super().__init__(cfg)
         d, scale = cfg.data, cfg.model.scale
         self.train_pairs = sr_pairs(d.train_hr, d.train_lr, scale, "train")
         self.valid_pairs = sr_pairs(d.valid_hr, d.valid_lr, scale, "valid")
@@ -156,13 +154,9 @@ class SRTask(Task):
         return build_sr_model(self.cfg)
 
     def start_message(self, engine: Engine) -> str:
-        t = self.cfg.train
-        return (f"training the x{self.cfg.model.scale} SR model: {sum(p.numel() for p in engine.model.parameters())} "
-                f"parameters, {len(self.train_pairs)} train / {len(self.valid_pairs)} valid images, {t.steps} steps "
-                f"of batch {t.batch_size} ({self.cfg.data.patch_size}-pixel HR patches)")
-
-    def settings(self) -> dict:
-        return self.cfg.to_dict()
+        return (self.opening(engine, f"the x{self.cfg.model.scale} SR model",
+                             f"{len(self.train_pairs)} train / {len(self.valid_pairs)} valid images")
+                + f" ({self.cfg.data.patch_size}-pixel HR patches)")
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
         return torch.optim.Adam(model.parameters(), lr=self.cfg.train.lr, betas=(0.9, 0.99))
@@ -189,30 +183,21 @@ class SRTask(Task):
                 "ssim_y": r["ssim_y"], "elapsed_s": engine.elapsed}
 
     def describe(self, record: dict, improved: bool) -> str:
-        return (f"step {record['step']}/{self.cfg.train.steps}: train L1 {record['train_l1']:.4f}, valid PSNR-Y "
-                f"{record['psnr_y']:.2f} dB, SSIM-Y {record['ssim_y']:.4f}{' (best)' if improved else ''}")
+        return self.evaluation_line(record, improved, f"train L1 {record['train_l1']:.4f}, valid PSNR-Y "
+                                                      f"{record['psnr_y']:.2f} dB, SSIM-Y {record['ssim_y']:.4f}")
 
     def summary(self, engine: Engine) -> dict:
         best = max(engine.history, key=lambda r: r["psnr_y"], default={})
-        return {"scale": self.cfg.model.scale, "config": self.cfg.to_dict(),
-                "parameters": sum(p.numel() for p in engine.model.parameters()), "steps": engine.num_updates,
-                "best_psnr_y": best.get("psnr_y"), "best_ssim_y": best.get("ssim_y"),
-                "bicubic_psnr_y": self.bicubic["psnr_y"], "bicubic_ssim_y": self.bicubic["ssim_y"],
-                "history": engine.history, "output": str(engine.output), "wall_time_s": engine.elapsed}
+        return self.run_summary(engine, {"scale": self.cfg.model.scale}, {
+            "best_psnr_y": best.get("psnr_y"), "best_ssim_y": best.get("ssim_y"),
+            "bicubic_psnr_y": self.bicubic["psnr_y"], "bicubic_ssim_y": self.bicubic["ssim_y"]})
 
 
-def train_sr(cfg: Config, output, *, resume=None, overwrite: bool = False, device: str = "auto",
-             show_progress: bool = True, allow_changed=()) -> dict:
-    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``allow_changed``: settings a
-    resumed run may change (see :class:`~polaformer.engine.loop.Engine`)."""
+def train_sr(cfg: Config, output, **options) -> dict:
+    """Train as ``cfg`` says into ``output``; returns ``metrics.json``'s contents. ``options``: resume, overwrite,
+    device, show_progress, allow_changed (:func:`~polaformer.engine.steps.step_settings`)."""
     check_sr_config(cfg)
-    t = cfg.train
-    settings = LoopSettings(
-        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every, seed=t.seed,
-        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
-        allow_changed=tuple(allow_changed), overwrite=overwrite, last_name=LAST, show_progress=show_progress,
-    )
-    return train(SRTask(cfg), settings)
+    return train(SRTask(cfg), step_settings(cfg, output, **options))
 
 
 def official_state_dict(checkpoint, path, param_key: str = OFFICIAL_PARAM_KEY) -> dict:
@@ -242,17 +227,13 @@ def load_sr_model(path, *, official_scale: int | None = None,
     that scale loaded from the authors' basicsr file (:func:`official_state_dict`: ``params`` unless
     ``param_key`` names another entry, such as ``params_ema``) or a plain state dict."""
     if official_scale is None:
-        checkpoint = read_task_checkpoint(path, SRTask.name)
-        try:
-            cfg = sr_config(opts=[])
-            cfg.merge(checkpoint["config"])
-            check_sr_config(cfg)
-        except (KeyError, TypeError, ConfigError) as e:
-            raise CorruptCheckpointError(path, f"not a usable SR checkpoint: {str(e).splitlines()[0]}") from None
-        state_dict = checkpoint["model"]
-    else:
-        cfg = sr_config(opts=["model.scale", str(official_scale)])
-        state_dict = official_state_dict(read_checkpoint(path), path, param_key)
+        def rebuild(checkpoint):
+            cfg = saved_config(checkpoint, sr_config(check=False), check_sr_config)
+            return build_sr_model(cfg), cfg
+
+        return load_task_model(path, SRTask.name, "SR", rebuild)
+    cfg = sr_config(opts=["model.scale", str(official_scale)])
+    state_dict = official_state_dict(read_checkpoint(path), path, param_key)
     model = build_sr_model(cfg)
     load_task_weights(model, state_dict, path)
     return model.eval(), cfg
