@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import yaml
 
@@ -105,10 +106,43 @@ def set_flags(cfg, command: str, args: argparse.Namespace) -> None:
             cfg.set_path(key, getattr(args, flag), source=f"--{flag.replace('_', '-')}")
 
 
+def add_command_group(commands, name: str, help: str, description: str, **defaults):
+    """The command ``polaformer NAME COMMAND ...`` (its subcommands added to what this returns); ``defaults``:
+    values its every subcommand's arguments hold (``error_command``: the command its errors name)."""
+    parser = commands.add_parser(name, help=help, description=description)
+    parser.set_defaults(**defaults)
+    return parser.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
+
+
+def add_train_options(parser: argparse.ArgumentParser, flags, *, output: str, opts_example: str) -> None:
+    """The options of a step-based ``train`` subcommand after its own: one ``(flag, type, help)`` row of
+    ``flags`` per option that sets a configuration key (:data:`FLAG_KEYS`), then ``--opts``, ``--output``
+    (default: ``output``), ``--resume``, ``--allow-changed``, ``--overwrite`` and ``--device``, which
+    :func:`run_options` hands on."""
+    for flag, kind, text in flags:
+        parser.add_argument(flag, type=kind, help=text)
+    parser.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
+                        help=f"override any config key, e.g. --opts {opts_example}")
+    parser.add_argument("--output", metavar="DIR", help=f"output folder (default: {output})")
+    parser.add_argument("--resume", metavar="auto|FILE",
+                        help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
+    add_allow_changed(parser)
+    parser.add_argument("--overwrite", action="store_true",
+                        help="start afresh in an output folder that holds a run, replacing its files")
+    parser.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
+
+
 def run_options(args: argparse.Namespace) -> dict[str, object]:
     """The options every training command passes its task's ``train_*`` function unchanged."""
     return {"resume": args.resume, "overwrite": args.overwrite, "device": args.device,
             "allow_changed": args.allow_changed}
+
+
+def train_into(train, cfg, args: argparse.Namespace, default_output: str, *data) -> tuple[Path, dict]:
+    """``train(cfg, *data, OUTPUT, **run_options(args))``, OUTPUT being ``--output`` or ``default_output``;
+    returns OUTPUT and what ``train`` returned (the run's summary)."""
+    output = Path(args.output or default_output)
+    return output, train(cfg, *data, output, **run_options(args))
 
 
 def add_allow_changed(parser: argparse.ArgumentParser) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import add_allow_changed, add_overwrite, flag_values, parse_model_kwarg, positive_int, run_options
+from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg, positive_int,
+                     run_options)
 
 __all__ = ["add_dense_parsers"]
 
@@ -16,7 +17,7 @@ def _common_train(parser, task: str) -> None:
                         help="ImageNet checkpoint for the backbone (ours or the authors'); position tables resampled")
     parser.add_argument("--backbone-kwarg", dest="backbone_kwargs", action="append", type=parse_model_kwarg,
                         metavar="KEY=VALUE", help="timm.create_model option of the backbone, e.g. img_size=512; repeatable")
-    for flag, kind, text in (
+    add_train_options(parser, (
         ("--steps", positive_int, "optimizer steps (train.steps; overrides train.epochs)"),
         ("--epochs", float, "epochs (train.epochs)"),
         ("--batch-size", positive_int, "images per step (data.batch_size)"),
@@ -29,16 +30,7 @@ def _common_train(parser, task: str) -> None:
         ("--workers", int, "data loading processes (data.workers)"),
         ("--train-size", positive_int, "digits: number of training canvases (data.train_size)"),
         ("--val-size", positive_int, "digits: number of validation canvases (data.val_size)"),
-    ):
-        parser.add_argument(flag, type=kind, help=text)
-    parser.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
-                        help="override recipe keys, e.g. --opts train.lr 1e-4 data.batch_size 4")
-    parser.add_argument("--output", metavar="DIR", help=f"output folder (default: runs/{task}/BACKBONE)")
-    parser.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
-    add_allow_changed(parser)
-    parser.add_argument("--overwrite", action="store_true",
-                        help="start afresh in an output folder that holds a run, replacing its files")
-    parser.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
+    ), output=f"runs/{task}/BACKBONE", opts_example="train.lr 1e-4 data.batch_size 4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -50,12 +42,11 @@ def _coco_options(parser, train: bool) -> None:
 
 
 def add_dense_parsers(commands) -> None:
-    detect = commands.add_parser(
-        "detect", help="detection / instance segmentation with torchvision detectors on Pola backbones",
-        description="RetinaNet, FCOS, Faster, Mask and Cascade Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
-                    "options: the embedded digit scenes.",
+    sub = add_command_group(
+        commands, "detect", "detection / instance segmentation with torchvision detectors on Pola backbones",
+        "RetinaNet, FCOS, Faster, Mask and Cascade Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
+        "options: the embedded digit scenes.",
     )
-    sub = detect.add_subparsers(dest="detect_command", required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="train a detector; writes last.pth/best.pth (atomically) and metrics.json")
     _common_train(train, "detect")
     train.add_argument("--detector", choices=("retinanet", "fcos", "fasterrcnn", "maskrcnn", "cascade_mask_rcnn"),
@@ -79,12 +70,11 @@ def add_dense_parsers(commands) -> None:
     add_overwrite(predict, "drawings in --out")
     predict.set_defaults(handler=cmd_detect_predict)
 
-    segment = commands.add_parser(
-        "segment", help="semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
-        description="Semantic FPN and UPerNet from segmentation_models_pytorch, or LightHamHead, on a Pola encoder (docs/dense.md). "
-                    "Without --root: the embedded digit scenes.",
+    sub = add_command_group(
+        commands, "segment", "semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
+        "Semantic FPN and UPerNet from segmentation_models_pytorch, or LightHamHead, on a Pola encoder "
+        "(docs/dense.md). Without --root: the embedded digit scenes.",
     )
-    sub = segment.add_subparsers(dest="segment_command", required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="train a segmenter; writes last.pth/best.pth (atomically) and metrics.json")
     _common_train(train, "segment")
     train.add_argument("--decoder", choices=("fpn", "upernet", "lightham"), help="model.decoder")

@@ -7,16 +7,15 @@ import argparse
 from pathlib import Path
 
 from ..engine.config import ConfigError
-from .common import add_allow_changed, add_overwrite, flag_values, positive_int, run_options
+from .common import add_command_group, add_overwrite, add_train_options, flag_values, positive_int, train_into
 
 __all__ = ["add_diffusion_parser"]
 
 
 def add_diffusion_parser(commands) -> None:
-    diffusion = commands.add_parser("diffusion", help="class-conditional diffusion transformers (PolaDiT)",
-                                    description="Train PolaDiT on digits or an image folder, sample with "
-                                                "classifier-free guidance, score with FID. See docs/diffusion.md.")
-    sub = diffusion.add_subparsers(dest="diffusion_command", required=True, metavar="COMMAND")
+    sub = add_command_group(commands, "diffusion", "class-conditional diffusion transformers (PolaDiT)",
+                            "Train PolaDiT on digits or an image folder, sample with classifier-free guidance, "
+                            "score with FID. See docs/diffusion.md.")
 
     train = sub.add_parser("train", help="train one model (step-based, resumable, EMA)")
     train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, diffusion, "
@@ -25,18 +24,12 @@ def add_diffusion_parser(commands) -> None:
     train.add_argument("--attention", choices=("pacs", "softmax"), help="model.attention")
     train.add_argument("--data", help="'digits' or a root/<class>/<image> folder (data.name)")
     train.add_argument("--vae", metavar="DIR", help="a local AutoencoderKL folder: train on its latents")
-    for flag, kind, text in (("--image-size", positive_int, "data.image_size"),
-                             ("--channels", positive_int, "data.channels"),
-                             ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int,
-                             "train.batch_size"), ("--lr", float, "train.lr"),
-                             ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")):
-        train.add_argument(flag, type=kind, help=text)
-    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
-    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/diffusion/MODEL-ATTENTION)")
-    train.add_argument("--resume", metavar="auto|FILE")
-    add_allow_changed(train)
-    train.add_argument("--overwrite", action="store_true")
-    train.add_argument("--device", default="auto")
+    add_train_options(train, (
+        ("--image-size", positive_int, "data.image_size"), ("--channels", positive_int, "data.channels"),
+        ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
+        ("--lr", float, "train.lr"), ("--eval-every", positive_int, "train.eval_every"),
+        ("--seed", int, "train.seed")), output="runs/diffusion/MODEL-ATTENTION",
+        opts_example="train.ema_decay 0.99 sample.steps 100")
     train.set_defaults(handler=cmd_diffusion_train)
 
     sample = sub.add_parser("sample", help="draw class-conditional samples from a checkpoint (EMA weights)")
@@ -76,9 +69,8 @@ def cmd_diffusion_train(args: argparse.Namespace) -> int:
     opts = list(args.opts)
     if args.vae:
         opts += ["data.latent", "true", "data.vae", args.vae]
-    cfg = diffusion_config(args.config, opts, flag_values("diffusion train", args))
-    output = Path(args.output or f"runs/diffusion/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_diffusion(cfg, output, **run_options(args))
+    cfg = diffusion_config(args.config, opts, flag_values("diffusion train", args), check=False)  # checked there
+    output, summary = train_into(train_diffusion, cfg, args, f"runs/diffusion/{cfg.model.name}-{cfg.model.attention}")
     print(f"valid loss (EMA): {summary['best_valid_loss']:.4f} ({cfg.model.name}, {cfg.model.attention}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
     return 0

@@ -5,34 +5,25 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
-from .common import add_allow_changed, flag_values, positive_int, run_options
+from .common import add_command_group, add_train_options, flag_values, positive_int, train_into
 
 __all__ = ["add_lm_parser"]
 
 
 def add_lm_parser(commands) -> None:
-    lm = commands.add_parser("lm", help="byte-level causal language models (pola | pacs | elu | softmax attention)",
-                             description="Causal language models on the Python standard library's own files. "
-                                         "See docs/causal.md.")
-    sub = lm.add_subparsers(dest="lm_command", required=True, metavar="COMMAND")
+    sub = add_command_group(commands, "lm", "byte-level causal language models (pola | pacs | elu | softmax attention)",
+                            "Causal language models on the Python standard library's own files. See docs/causal.md.")
 
     train = sub.add_parser("train", help="train one model (step-based, resumable); reports bits per byte")
     train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, train keys)")
     train.add_argument("--model", help="timm name, e.g. pola_lm_tiny (model.name)")
     train.add_argument("--attention", choices=("pola", "pacs", "elu", "softmax"), help="model.attention")
-    for flag, kind, text in (("--steps", positive_int, "train.steps"), ("--batch-size", positive_int,
-                             "train.batch_size"), ("--context", positive_int, "model.context"),
-                             ("--lr", float, "train.lr"), ("--eval-every", positive_int, "train.eval_every"),
-                             ("--max-bytes", int, "data.max_bytes (0: all)"), ("--seed", int, "train.seed")):
-        train.add_argument(flag, type=kind, help=text)
-    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
-    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lm/MODEL-ATTENTION)")
-    train.add_argument("--resume", metavar="auto|FILE")
-    add_allow_changed(train)
-    train.add_argument("--overwrite", action="store_true")
-    train.add_argument("--device", default="auto")
+    add_train_options(train, (
+        ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
+        ("--context", positive_int, "model.context"), ("--lr", float, "train.lr"),
+        ("--eval-every", positive_int, "train.eval_every"), ("--max-bytes", int, "data.max_bytes (0: all)"),
+        ("--seed", int, "train.seed")), output="runs/lm/MODEL-ATTENTION", opts_example="train.warmup_steps 100")
     train.set_defaults(handler=cmd_lm_train)
 
     evaluate = sub.add_parser("eval", help="validation bits per byte of a checkpoint")
@@ -69,11 +60,10 @@ def _check_options(args: argparse.Namespace, names) -> None:
 def cmd_lm_train(args: argparse.Namespace) -> int:
     from ..tasks.lm import lm_config, train_lm
 
-    cfg = lm_config(args.config, args.opts, flag_values("lm train", args))
+    cfg = lm_config(args.config, args.opts, flag_values("lm train", args), check=False)  # train_lm checks it
     if cfg.train.warmup_steps >= cfg.train.steps:
         cfg.train.warmup_steps = max(1, cfg.train.steps // 10)
-    output = Path(args.output or f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
-    summary = train_lm(cfg, output, **run_options(args))
+    output, summary = train_into(train_lm, cfg, args, f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
     print(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
           f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} steps, "
           f"{summary['wall_time_s']:.0f}s) -> {output}")

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 from .bench import add_lra_bench_arguments
-from .common import (add_allow_changed, add_overwrite, flag_values, parse_model_kwarg, positive_int, run_options,
-                     usage_error)
+from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg, positive_int,
+                     train_into, usage_error)
 
 __all__ = ["add_lra_parser"]
 
@@ -14,12 +13,12 @@ TASK_NAMES = ("listops", "text", "retrieval", "image", "pathfinder")
 
 
 def add_lra_parser(commands) -> None:
-    lra = commands.add_parser(
-        "lra", help="Long Range Arena: train/eval any attention, generate ListOps, benchmark (paper Tables 4 and 6)",
-        description="The LRA benchmark as the PolaFormer paper ran it (Skyformer protocol). See docs/lra.md.",
+    sub = add_command_group(
+        commands, "lra",
+        "Long Range Arena: train/eval any attention, generate ListOps, benchmark (paper Tables 4 and 6)",
+        "The LRA benchmark as the PolaFormer paper ran it (Skyformer protocol). See docs/lra.md.",
+        error_command="lra",  # the one handler (polaformer.cli.main) names the command
     )
-    lra.set_defaults(error_command="lra")  # the one handler (polaformer.cli.main) names the command
-    sub = lra.add_subparsers(dest="lra_command", required=True, metavar="COMMAND")
 
     train = sub.add_parser(
         "train", help="train one attention on one task (step-based, resumable), then score the test split",
@@ -32,7 +31,8 @@ def add_lra_parser(commands) -> None:
     train.add_argument("--attention", metavar="NAME", help="token mixer (default: the config's; see docs/lra.md)")
     train.add_argument("--attention-option", dest="attention_options", action="append", type=parse_model_kwarg,
                        metavar="KEY=VALUE", help="option of that attention, e.g. alpha=3 or gate_init=zeros; repeatable")
-    for flag, kind, help_text in (
+    train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
+    add_train_options(train, (
         ("--steps", positive_int, "optimizer steps (train.steps)"),
         ("--batch-size", positive_int, "batch size (train.batch_size)"),
         ("--lr", float, "peak learning rate (train.lr)"),
@@ -45,17 +45,7 @@ def add_lra_parser(commands) -> None:
         ("--limit-train", positive_int, "use the first N training examples"),
         ("--limit-dev", positive_int, "use the first N dev examples"),
         ("--limit-test", positive_int, "use the first N test examples"),
-    ):
-        train.add_argument(flag, type=kind, help=help_text)
-    train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
-    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
-                       help="override config keys, e.g. --opts train.lr 2e-4 model.num_layers 4")
-    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/lra/TASK-ATTENTION)")
-    train.add_argument("--resume", metavar="auto|FILE", help="continue: 'auto' from OUTPUT/last.pth if present, or FILE")
-    add_allow_changed(train)
-    train.add_argument("--overwrite", action="store_true",
-                       help="start afresh in an output folder that holds a run, replacing its files")
-    train.add_argument("--device", default="auto", help="'cpu', 'cuda', ... (default: cuda if available)")
+    ), output="runs/lra/TASK-ATTENTION", opts_example="train.lr 2e-4 model.num_layers 4")
     train.set_defaults(handler=cmd_lra_train)
 
     evaluate = sub.add_parser("eval", help="score a checkpoint of 'lra train' on a split")
@@ -109,8 +99,7 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
     if args.steps is not None and args.warmup_steps is None and cfg.train.warmup_steps >= cfg.train.steps:
         # a short run keeps the recipe's warm-up fraction instead of failing
         cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
-    output = Path(args.output or f"runs/lra/{cfg.task}-{cfg.attention}")
-    summary = train_lra(cfg, args.data, output, **run_options(args))
+    output, summary = train_into(train_lra, cfg, args, f"runs/lra/{cfg.task}-{cfg.attention}", args.data)
     print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at step "
           f"{summary['best_step']}; majority class {summary['majority_class_test_accuracy']:.2f}%; "
           f"{cfg.task}, {cfg.attention}, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")

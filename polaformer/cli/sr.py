@@ -6,35 +6,27 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import add_allow_changed, add_overwrite, flag_values, positive_int, run_options
+from .common import add_command_group, add_overwrite, add_train_options, flag_values, positive_int, train_into
 
 __all__ = ["add_sr_parser"]
 
 
 def add_sr_parser(commands) -> None:
-    sr = commands.add_parser("sr", help="single-image super-resolution with PaCS attention (x2/x3/x4)",
-                             description="Super-resolution with the PolaFormer++ lightSR model. Data: a folder of "
-                                         "HR images (LR made by bicubic downscaling), HR and LR folders, or "
-                                         "'photos' (those of scikit-image and scikit-learn). See "
-                                         "docs/super_resolution.md.")
-    sub = sr.add_subparsers(dest="sr_command", required=True, metavar="COMMAND")
+    sub = add_command_group(commands, "sr", "single-image super-resolution with PaCS attention (x2/x3/x4)",
+                            "Super-resolution with the PolaFormer++ lightSR model. Data: a folder of HR images (LR "
+                            "made by bicubic downscaling), HR and LR folders, or 'photos' (those of scikit-image and "
+                            "scikit-learn). See docs/super_resolution.md.")
 
     train = sub.add_parser("train", help="train a model (step-based, resumable); reports PSNR-Y/SSIM-Y")
     train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, train, eval keys)")
-    for flag, kind, text in (
-            ("--scale", positive_int, "model.scale"), ("--train-hr", str, "data.train_hr (folder or 'photos')"),
-            ("--train-lr", str, "data.train_lr (folder; default: bicubic from HR)"),
-            ("--valid-hr", str, "data.valid_hr (folder or 'photos')"), ("--valid-lr", str, "data.valid_lr"),
-            ("--patch-size", positive_int, "data.patch_size (HR pixels)"), ("--steps", positive_int, "train.steps"),
-            ("--batch-size", positive_int, "train.batch_size"), ("--lr", float, "train.lr"),
-            ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")):
-        train.add_argument(flag, type=kind, help=text)
-    train.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE", help="override any config key")
-    train.add_argument("--output", metavar="DIR", help="output folder (default: runs/sr/xSCALE)")
-    train.add_argument("--resume", metavar="auto|FILE")
-    add_allow_changed(train)
-    train.add_argument("--overwrite", action="store_true")
-    train.add_argument("--device", default="auto")
+    add_train_options(train, (
+        ("--scale", positive_int, "model.scale"), ("--train-hr", str, "data.train_hr (folder or 'photos')"),
+        ("--train-lr", str, "data.train_lr (folder; default: bicubic from HR)"),
+        ("--valid-hr", str, "data.valid_hr (folder or 'photos')"), ("--valid-lr", str, "data.valid_lr"),
+        ("--patch-size", positive_int, "data.patch_size (HR pixels)"), ("--steps", positive_int, "train.steps"),
+        ("--batch-size", positive_int, "train.batch_size"), ("--lr", float, "train.lr"),
+        ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")),
+        output="runs/sr/xSCALE", opts_example="eval.mode tile data.repeats 10")
     train.set_defaults(handler=cmd_sr_train)
 
     evaluate = sub.add_parser("eval", help="PSNR-Y/SSIM-Y of a model against bicubic upsampling")
@@ -91,9 +83,8 @@ def _model(args: argparse.Namespace):
 def cmd_sr_train(args: argparse.Namespace) -> int:
     from ..tasks.sr import sr_config, train_sr
 
-    cfg = sr_config(args.config, args.opts, flag_values("sr train", args))
-    output = Path(args.output or f"runs/sr/x{cfg.model.scale}")
-    summary = train_sr(cfg, output, **run_options(args))
+    cfg = sr_config(args.config, args.opts, flag_values("sr train", args), check=False)  # train_sr checks it
+    output, summary = train_into(train_sr, cfg, args, f"runs/sr/x{cfg.model.scale}")
     print(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
           f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
           f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")

@@ -1,7 +1,10 @@
 """The step-based tasks' share of the engine (polaformer.engine.steps): LoopSettings read from a config tree's
-``train`` section and a task's model loaded back from its run checkpoint."""
+``train`` section, a task's model loaded back from its run checkpoint, and each ``train`` command checking its
+final configuration once."""
 from __future__ import annotations
 
+import importlib
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,7 +12,8 @@ import torch
 from torch import nn
 
 from polaformer.checkpoint import CorruptCheckpointError, with_checksum
-from polaformer.engine.config import Config
+from polaformer.cli import main
+from polaformer.engine.config import Config, ConfigError
 from polaformer.engine.steps import load_task_model, saved_config, step_settings
 
 
@@ -71,3 +75,49 @@ def test_load_task_model_refuses_unusable_files_in_one_line(tmp_path, checkpoint
     with pytest.raises(CorruptCheckpointError, match=message) as info:
         load_task_model(path, "toy", "toy", _rebuild)
     assert len(str(info.value).splitlines()) == 1
+
+
+class Stop(Exception):
+    pass
+
+
+def _counted(monkeypatch, module, name):
+    original, calls = getattr(module, name), []
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    for held in [m for key, m in sys.modules.items() if key.startswith("polaformer")]:
+        if getattr(held, name, None) is original:
+            monkeypatch.setattr(held, name, counting)
+    return calls
+
+
+@pytest.mark.parametrize("task, task_class, argv", [
+    ("lm", "LMTask", ["--context", "16", "--steps", "5"]),
+    ("sr", "SRTask", ["--scale", "2", "--steps", "5"]),
+    ("diffusion", "DiffusionTask", ["--steps", "5"]),
+])
+def test_a_train_command_checks_its_final_configuration_once(task, task_class, argv, monkeypatch, tmp_path):
+    """The walk from the flags to the task's data: the configuration is checked once, as it will be trained."""
+    module = importlib.import_module(f"polaformer.tasks.{task}.train")
+    checks = _counted(monkeypatch, module, f"check_{task}_config")
+
+    def stop(cfg):
+        raise Stop
+
+    monkeypatch.setattr(module, task_class, stop)  # the data are the task's, past the walk that is tested
+    with pytest.raises(Stop):
+        main([task, "train", *argv, "--output", str(tmp_path / "run")])
+    assert len(checks) == 1 and checks[0][0].train.steps == 5
+
+
+def test_a_bad_configuration_of_a_train_command_is_still_refused(tmp_path, capsys):
+    assert main(["lm", "train", "--attention", "pola", "--opts", "model.drop_rate", "1.5", "--output",
+                 str(tmp_path / "run")]) == 2
+    assert "model.drop_rate" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="model.drop_rate"):
+        from polaformer.tasks.lm import lm_config
+
+        lm_config(opts=["model.drop_rate", "1.5"])

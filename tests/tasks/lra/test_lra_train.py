@@ -189,6 +189,37 @@ def test_cli_attention_options_eval_and_errors(listops_dir, tmp_path, capsys):
     assert "bad.pth" in capsys.readouterr().err
 
 
+def counted(monkeypatch, module, name):
+    """Every call of ``module.name``, wherever the package holds that function, recorded in the returned list."""
+    import sys
+
+    original, calls = getattr(module, name), []
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return original(*args, **kwargs)
+
+    for held in [m for key, m in sys.modules.items() if key.startswith("polaformer")]:
+        if getattr(held, name, None) is original:
+            monkeypatch.setattr(held, name, counting)
+    return calls
+
+
+def test_cli_train_checks_the_final_configuration_once(listops_dir, tmp_path, monkeypatch, capsys):
+    import polaformer.tasks.lra.config as lra_config_module
+
+    checks = counted(monkeypatch, lra_config_module, "check_lra_config")
+    ranges = counted(monkeypatch, lra_config_module, "check_settings")
+    assert main(["lra", "train", "--task", "listops", "--data", str(listops_dir), "--attention", "pola",
+                 "--attention-option", "alpha=5", "--steps", "2", "--batch-size", "8", "--eval-every", "2",
+                 "--opts", "model.dim", "16", "model.head_dim", "8", "model.num_layers", "1", "--output",
+                 str(tmp_path / "run")]) == 0
+    assert len(checks) == 1 and len(ranges) == 1
+    (checked,) = checks[0]  # the configuration as trained: flags, options and the shortened warm-up applied
+    assert checked.attention == "pola" and checked.attention_options.to_dict() == {"alpha": 5}
+    assert (checked.train.steps, checked.train.warmup_steps, checked.model.dim) == (2, 0, 16)
+
+
 def test_cli_generate_listops_reports_labels_and_lengths(tmp_path, capsys):
     assert main(["lra", "generate", "listops", "--out", str(tmp_path), "--train", "20", "--val", "5", "--test", "5",
                  "--min-length", "10", "--max-length", "30", "--max-depth", "3"]) == 0
