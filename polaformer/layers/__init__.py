@@ -26,7 +26,7 @@ from .causal_attention import (
 )
 from .deformable import DeformableDepthwiseConv1d, DeformableDepthwiseConv2d
 from .pola_attention import LOCAL_BRANCHES, PolaLinearAttention
-from .polapp_attention import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
+from .pacs_attention import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from .sequence_attention import GATE_INITS, PacsSequenceAttention, PolaMultiheadAttention, PolaSequenceAttention
 from .sr_attention import SpatialReductionAttention
 from .window_attention import WindowAttention

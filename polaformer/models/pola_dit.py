@@ -18,7 +18,7 @@ from timm.layers import Attention, Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers.dit_attention import PacsGridAttention
+from ..layers.pacs_grid_attention import PacsGridAttention
 from ..ops.dispatch import capturing
 from ._helpers import check_architecture, refuse_unknown_kwargs
 
