@@ -14,17 +14,18 @@ from __future__ import annotations
 import math
 
 import torch
-from timm.layers import Attention, Mlp, PatchEmbed
+from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers.pacs_grid_attention import PacsGridAttention
+from ..layers.registry import sequence_attentions
 from ..ops.dispatch import capturing
 from ._helpers import check_architecture, refuse_unknown_kwargs
 
 __all__ = ["ATTENTIONS", "PolaDiT", "sincos_pos_table", "timestep_frequencies"]
 
-ATTENTIONS = ("pacs", "softmax")
+# the grid token mixers of polaformer.layers.registry.SEQUENCE_ATTENTIONS, by name ("pacs", "softmax")
+ATTENTIONS = sequence_attentions("grid")
 
 
 def sincos_pos_table(dim: int, grid: int) -> torch.Tensor:
@@ -92,10 +93,7 @@ class DiTBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, attention: str):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        if attention == "pacs":
-            self.attn = PacsGridAttention(dim, num_heads)
-        else:
-            self.attn = Attention(dim, num_heads, qkv_bias=True)
+        self.attn = ATTENTIONS[attention](dim, num_heads)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))

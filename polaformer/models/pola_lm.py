@@ -17,23 +17,14 @@ from timm.layers import Mlp
 from timm.models import generate_default_cfgs, register_model
 from torch import nn
 
-from ..layers import (
-    EluCausalSelfAttention,
-    PacsCausalSelfAttention,
-    PolaCausalSelfAttention,
-    SoftmaxCausalSelfAttention,
-)
+from ..layers.registry import sequence_attentions
 from ..ops.dispatch import capturing
 from ._helpers import check_architecture, refuse_unknown_kwargs
 
 __all__ = ["ATTENTIONS", "PolaLM"]
 
-ATTENTIONS = {
-    "pola": PolaCausalSelfAttention,
-    "pacs": PacsCausalSelfAttention,
-    "elu": EluCausalSelfAttention,
-    "softmax": SoftmaxCausalSelfAttention,
-}
+# the causal token mixers of polaformer.layers.registry.SEQUENCE_ATTENTIONS, by name
+ATTENTIONS = sequence_attentions("causal")
 
 
 class Block(nn.Module):
