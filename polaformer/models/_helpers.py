@@ -40,9 +40,9 @@ from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttent
 from ..ops import resample_grid_table
 from ..ops.dispatch import capturing, legacy_onnx_export
 
-__all__ = ["ClassifierMixin", "build_image_model", "build_model_with_cfg", "check_global_pool", "check_image", "checkpoint_filter_fn",
-           "empty_batch", "factory_kwargs", "image_cfg", "pos_table_for_grid", "refuse_unknown_kwargs",
-           "register_variants", "trunc_normal_init", "without_timm_extras"]
+__all__ = ["ClassifierMixin", "build_image_model", "build_model_with_cfg", "check_global_pool", "check_image",
+           "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "image_cfg", "pos_table_for_grid",
+           "refuse_unknown_kwargs", "register_variants", "trunc_normal_init", "without_timm_extras"]
 
 # what timm.create_model passes to a registered factory besides the model's own arguments
 _TIMM_EXTRAS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
