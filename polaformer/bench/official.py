@@ -254,7 +254,7 @@ def cores_replaced(linear, softmax=None):
     """Our models with the Pola and PaCS cores replaced by ``linear`` and, if given, the softmax cores (SDPA
     and the explicit softmax op of Swin's windows and PolaFormer++'s softmax blocks) by ``softmax``."""
     import polaformer.layers.pola_attention as pola_layer
-    import polaformer.layers.polapp_attention as polapp_layer
+    import polaformer.layers.pacs_attention as polapp_layer
     import polaformer.layers.window_attention as window_layer
 
     saved = (pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention,

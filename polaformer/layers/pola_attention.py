@@ -38,8 +38,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pola_linear_attention, power_linear_attention, resample_grid_table, tokens_to_map
+from ..ops import learnable_power, pola_linear_attention, power_linear_attention, resample_grid_table
 from .deformable import DeformableDepthwiseConv2d
+from .sr_attention import add_spatial_reduction, spatially_reduced
 
 __all__ = ["LOCAL_BRANCHES", "PolaLinearAttention", "check_ablation_switches"]
 
@@ -145,9 +146,7 @@ class PolaLinearAttention(nn.Module):
             self.kv = nn.Linear(dim, 2 * dim, bias=qkv_bias)
         self.proj = nn.Linear(dim, dim)
         self.proj_drop = nn.Dropout(proj_drop)
-        if sr_ratio > 1:
-            self.sr = nn.Conv2d(dim, dim, kernel_size=sr_ratio, stride=sr_ratio)
-            self.norm = nn.LayerNorm(dim)
+        add_spatial_reduction(self, dim, sr_ratio)
         if local == "dwc":
             self.dwc = nn.Conv2d(head_dim, head_dim, kernel_size, padding=kernel_size // 2, groups=head_dim)
         elif local == "dcn":
@@ -190,13 +189,7 @@ class PolaLinearAttention(nn.Module):
             q, g = self.qg(x).reshape(b, n, 2, c).unbind(2)
         else:
             q, g = self.q(x), None
-        if self.sr_ratio > 1:
-            if height < self.sr_ratio or width < self.sr_ratio:
-                raise ValueError(
-                    f"token grid {height}x{width} is smaller than the spatial reduction ratio {self.sr_ratio}"
-                )
-            grid = tokens_to_map(x, height, width)
-            x = self.norm(self.sr(grid).flatten(2).transpose(1, 2))
+        x = spatially_reduced(self, x, height, width)
         k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
         return q, k, v, g
 

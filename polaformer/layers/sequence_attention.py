@@ -130,14 +130,8 @@ class _SequenceAttention(nn.Module):
     def _local_conv(self) -> nn.Module:
         return self.dcn if self.local == "dcn" else self.dwc
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor | None = None,
-        value: torch.Tensor | None = None,
-        key_padding_mask: torch.Tensor | None = None,
-        causal: bool = False,
-    ) -> torch.Tensor:
+    def forward(self, query: torch.Tensor, key: torch.Tensor | None = None, value: torch.Tensor | None = None,
+                key_padding_mask: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
         """Self-attention when ``key`` is None, else cross-attention to ``key`` / ``value``.
 
         ``query``: (B, N, dim); ``key``: (B, M, kdim), ``value``: (B, M, vdim),
@@ -205,23 +199,10 @@ class PolaSequenceAttention(_SequenceAttention):
         eps: added to each stream's normaliser.
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        *,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        qkv_bias: bool = True,
-        proj_drop: float = 0.0,
-        kernel_size: int = 5,
-        alpha: float = 4.0,
-        gate_init: str = "kaiming_uniform",
-        eps: float = 1e-6,
-        polarity: bool = True,
-        polarity_coefficients: bool = True,
-        local: str = "dwc",
-    ):
+    def __init__(self, dim: int, num_heads: int = 8, *, kdim: int | None = None, vdim: int | None = None,
+                 qkv_bias: bool = True, proj_drop: float = 0.0, kernel_size: int = 5, alpha: float = 4.0,
+                 gate_init: str = "kaiming_uniform", eps: float = 1e-6, polarity: bool = True,
+                 polarity_coefficients: bool = True, local: str = "dwc"):
         check_ablation_switches(polarity, polarity_coefficients, local)
         check_heads(dim, num_heads)  # before dim // num_heads below
         super().__init__(dim, num_heads, kdim=kdim, vdim=vdim, qkv_bias=qkv_bias, proj_drop=proj_drop,
@@ -259,21 +240,10 @@ class PacsSequenceAttention(_SequenceAttention):
     Arguments as :class:`PolaSequenceAttention` (without ``alpha`` and ``polarity``).
     """
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int = 8,
-        *,
-        kdim: int | None = None,
-        vdim: int | None = None,
-        qkv_bias: bool = True,
-        proj_drop: float = 0.0,
-        kernel_size: int = 5,
-        gate_init: str = "kaiming_uniform",
-        eps: float = 1e-6,
-        polarity_coefficients: bool = True,
-        local: str = "dwc",
-    ):
+    def __init__(self, dim: int, num_heads: int = 8, *, kdim: int | None = None, vdim: int | None = None,
+                 qkv_bias: bool = True, proj_drop: float = 0.0, kernel_size: int = 5,
+                 gate_init: str = "kaiming_uniform", eps: float = 1e-6, polarity_coefficients: bool = True,
+                 local: str = "dwc"):
         super().__init__(dim, num_heads, kdim=kdim, vdim=vdim, qkv_bias=qkv_bias, proj_drop=proj_drop,
                          gate_init=gate_init, dwc_channels=dim, kernel_size=kernel_size,
                          polarity_coefficients=polarity_coefficients, local=local)

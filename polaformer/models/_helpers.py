@@ -1,6 +1,7 @@
 """What every family needs to behave as a timm model, in one place.
 
-- :func:`build_model_with_cfg`: timm's model builder, able to read the authors' checkpoint files.
+- :func:`build_model_with_cfg`: timm's model builder, able to read the authors' checkpoint files;
+  :func:`build_image_model`: the same with the image families' checkpoint filter and feature getter.
 - :func:`factory_kwargs`: timm's ``device=``/``dtype=`` constructor arguments
   (``timm.create_model(name, device='meta')``).
 - :func:`check_image` and :func:`pos_table_for_grid`: the input check and the position-table
@@ -15,22 +16,33 @@
 - :func:`checkpoint_filter_fn`: the families' ``pretrained_filter_fn``: a checkpoint made for
   another input size loads through ``timm.create_model(..., pretrained=True)`` with its position
   tables resampled (the same resampling as :func:`polaformer.finetune.load_for_finetune`).
+- :func:`image_cfg` and :func:`register_variants`: a family's default cfgs and its ``@register_model``
+  entry points, one per variant of its table of sizes.
+- :class:`ClassifierMixin`, :func:`check_global_pool` and :func:`trunc_normal_init`: timm's classifier API
+  (``get_classifier``, ``reset_classifier``, ``set_grad_checkpointing``) and weight initialisation, as the
+  image families share them.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
+import sys
+from typing import Callable, Iterable
 
 import torch
-from timm.models import register_notrace_function, register_notrace_module
+from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+from timm.layers import get_device_dtype, trunc_normal_
+from timm.models import register_model, register_notrace_function, register_notrace_module
+from torch import nn
 
 from ..checkpoint import official_checkpoint_globals
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
 from ..ops import resample_grid_table
 from ..ops.dispatch import capturing, legacy_onnx_export
 
-__all__ = ["build_model_with_cfg", "check_image", "checkpoint_filter_fn", "empty_batch", "factory_kwargs",
-           "pos_table_for_grid", "refuse_unknown_kwargs", "without_timm_extras"]
+__all__ = ["ClassifierMixin", "build_image_model", "build_model_with_cfg", "check_global_pool", "check_image",
+           "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "image_cfg", "pos_table_for_grid",
+           "refuse_unknown_kwargs", "register_variants", "trunc_normal_init", "without_timm_extras"]
 
 # what timm.create_model passes to a registered factory besides the model's own arguments
 _TIMM_EXTRAS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
@@ -53,6 +65,14 @@ def build_model_with_cfg(model_cls, variant: str, pretrained: bool, **kwargs):
 
     with official_checkpoint_globals():
         return timm_build_model_with_cfg(model_cls, variant, pretrained, **kwargs)
+
+
+def build_image_model(model_cls, variant: str, pretrained: bool, default_out_indices=(0, 1, 2, 3), **kwargs):
+    """:func:`build_model_with_cfg` as the image families call it: :func:`checkpoint_filter_fn` filters the
+    pretrained weights, and ``features_only`` models read ``forward_intermediates`` (timm's 'getter') at
+    ``out_indices``, ``default_out_indices`` unless given."""
+    return build_model_with_cfg(model_cls, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
+                                feature_cfg=dict(out_indices=default_out_indices, feature_cls="getter"), **kwargs)
 
 
 def factory_kwargs(init):
@@ -193,3 +213,82 @@ def checkpoint_filter_fn(state_dict: dict, model: torch.nn.Module) -> dict:
     from ..finetune import adapt_state_dict  # finetune imports the checkpoint machinery; only needed here
 
     return adapt_state_dict(state_dict, model)
+
+
+def image_cfg(**kwargs) -> dict:
+    """An ImageNet-1k family's default pretrained cfg: 224×224 inputs evaluated as the official code does
+    (``polaformer eval``): a square bicubic resize to size / ``crop_pct``, then a centre crop ('squash' in
+    timm). ``kwargs`` (``first_conv``, ``pool_size``, ``license`` ...) add to it or override it."""
+    return {
+        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
+        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
+        "std": IMAGENET_DEFAULT_STD, "classifier": "head", **kwargs,
+    }
+
+
+def register_variants(module: str, variants: Iterable[str], create: Callable[..., nn.Module]) -> None:
+    """A family's timm entry points: for each variant name, ``name(pretrained=False, **kwargs)`` returning
+    ``create(name, pretrained, **kwargs)``, registered with timm's ``register_model`` and set on the family
+    module ``module`` (its ``__name__``) under that name, as a ``@register_model def name(...)`` there would
+    be. timm reads the module's ``default_cfgs`` while registering: define it first."""
+    namespace = sys.modules[module]
+    for name in variants:
+        entry_point = _entry_point(name, create)
+        entry_point.__module__ = module
+        setattr(namespace, name, register_model(entry_point))
+
+
+def _entry_point(name: str, create: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+    def entry_point(pretrained: bool = False, **kwargs) -> nn.Module:
+        return create(name, pretrained, **kwargs)
+
+    entry_point.__name__ = entry_point.__qualname__ = name
+    entry_point.__doc__ = f"``{name}``: ``timm.create_model({name!r}, pretrained=False, **kwargs)``."
+    return entry_point
+
+
+def check_global_pool(global_pool, pools: tuple[str, ...] = ("avg", "")) -> str:
+    """``global_pool`` if it is one of ``pools``, else a ValueError naming them."""
+    if global_pool not in pools:
+        names = ", ".join(map(repr, pools[:-1])) + f" or {pools[-1]!r}" if len(pools) > 1 else repr(pools[0])
+        raise ValueError(f"global_pool must be {names}, got {global_pool!r}")
+    return global_pool
+
+
+class ClassifierMixin:
+    """timm's classifier API for a model with a ``head`` on ``num_features`` channels (an ``nn.Linear``, or
+    Identity for 0 classes) after the pooling named by the string ``global_pool`` (one of ``global_pools``),
+    and a ``grad_checkpointing`` flag its forward reads."""
+
+    global_pools: tuple[str, ...] = ("avg", "")
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable=True):
+        self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def get_classifier(self):
+        return self.head
+
+    def reset_classifier(self, num_classes, global_pool=None):
+        if global_pool is not None:
+            self.global_pool = check_global_pool(global_pool, self.global_pools)
+        self.num_classes = num_classes
+        dd = get_device_dtype(self)
+        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
+        self.head.train(self.training)
+
+
+def trunc_normal_init(module: nn.Module, layer: type[nn.Module] = nn.Linear) -> None:
+    """timm's initialisation of one module: a ``layer``'s weight truncated normal (std 0.02) and its bias
+    zero; a LayerNorm's weight one and bias zero (as built). For ``model.apply`` or a loop over
+    ``model.modules()``."""
+    if isinstance(module, layer):
+        trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)
+    elif isinstance(module, nn.LayerNorm):
+        if module.weight is not None:
+            nn.init.ones_(module.weight)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

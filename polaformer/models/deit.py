@@ -24,17 +24,16 @@ from functools import partial
 
 import torch
 from torch import nn
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
+from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    build_model_with_cfg, check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs,
-    pos_table_for_grid,
+    ClassifierMixin, build_image_model, check_architecture, check_global_pool, check_grid, check_image, empty_batch,
+    factory_kwargs, image_cfg, pos_table_for_grid, register_variants, trunc_normal_init,
 )
 
 __all__ = ["PolaDeiT"]
@@ -58,7 +57,7 @@ class PolaDeiTBlock(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
-class PolaDeiT(nn.Module):
+class PolaDeiT(ClassifierMixin, nn.Module):
     """Vision Transformer (DeiT recipe) whose attention is PolaFormer's.
 
     Args:
@@ -76,6 +75,8 @@ class PolaDeiT(nn.Module):
         device, dtype: where and in which dtype to build the parameters (timm's factory arguments).
     """
 
+    global_pools = ("token", "avg", "")
+
     @factory_kwargs
     def __init__(self, img_size=224, patch_size=16, in_chans=3, num_classes=1000, global_pool="token",
                  embed_dim=192, depth=12, num_heads=3, mlp_ratio=4.0, qkv_bias=True, drop_rate=0.0,
@@ -86,7 +87,7 @@ class PolaDeiT(nn.Module):
                            patch_size=patch_size, num_classes=num_classes)
         check_architecture(drop_rate, rate_name="drop_rate")
         check_grid(img_size, patch_size)
-        _check_global_pool(global_pool)
+        check_global_pool(global_pool, self.global_pools)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
@@ -115,10 +116,7 @@ class PolaDeiT(nn.Module):
         trunc_normal_(self.pos_embed, std=0.02)
         nn.init.normal_(self.cls_token, std=1e-6)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+            trunc_normal_init(m)
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -129,23 +127,6 @@ class PolaDeiT(nn.Module):
     @torch.jit.ignore
     def group_matcher(self, coarse=False):
         return dict(stem=r"^cls_token|pos_embed|patch_embed", blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self):
-        return self.head
-
-    def reset_classifier(self, num_classes, global_pool=None):
-        if global_pool is not None:
-            _check_global_pool(global_pool)
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        dd = get_device_dtype(self)
-        self.head = nn.Linear(self.embed_dim, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
 
     def _embed(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         ph, pw = self.patch_embed.patch_size
@@ -210,59 +191,29 @@ class PolaDeiT(nn.Module):
         return self.forward_head(self.forward_features(x))
 
 
-def _check_global_pool(global_pool):
-    if global_pool not in ("token", "avg", ""):
-        raise ValueError(f"global_pool must be 'token', 'avg' or '', got {global_pool!r}")
+_SIZES = {
+    "pola_deit_tiny_patch16_224": dict(embed_dim=192, depth=12, num_heads=3),  # paper Table 1: 6.1M, 74.6% top-1
+    "pola_deit_small_patch16_224": dict(embed_dim=384, depth=12, num_heads=6),
+    "pola_deit_base_patch16_224": dict(embed_dim=768, depth=12, num_heads=12),
+    # A small Pola-DeiT for 8×8 single-channel digits: 2×2 patches (16 tokens + class token).
+    "pola_deit_digits": dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4,
+                             num_heads=2, mlp_ratio=2.0, kernel_size=3),
+}
 
-
-def _cfg(**kwargs):
-    # The evaluation of `polaformer eval` (the official one): a square resize to size / crop_pct, bicubic,
-    # then a centre crop ('squash' in timm).
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": None, "crop_pct": 0.875,
-        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj", "classifier": "head", "license": "apache-2.0",
-        **kwargs,
-    }
-
-
+_cfg = partial(image_cfg, pool_size=None, first_conv="patch_embed.proj", license="apache-2.0")
 default_cfgs = generate_default_cfgs({
-    "pola_deit_tiny_patch16_224": _cfg(),
-    "pola_deit_small_patch16_224": _cfg(),
-    "pola_deit_base_patch16_224": _cfg(),
+    **{name: _cfg() for name in _SIZES},
     # 8×8 grey digits (scikit-learn), the embedded default data of `polaformer train`.
     "pola_deit_digits": _cfg(num_classes=10, input_size=(1, 8, 8), crop_pct=1.0, mean=(0.0,), std=(1.0,)),
 })
 
 
-def _create(variant, pretrained, sizes, kwargs):
+def _create(variant, pretrained=False, **kwargs) -> PolaDeiT:
     """Build a variant; the caller's keyword arguments override the variant's sizes.
 
     ``features_only`` returns the last three blocks by default, as timm's ViT.
     """
-    return build_model_with_cfg(PolaDeiT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=dict(out_indices=3, feature_cls="getter"), **{**sizes, **kwargs})
+    return build_image_model(PolaDeiT, variant, pretrained, default_out_indices=3, **{**_SIZES[variant], **kwargs})
 
 
-@register_model
-def pola_deit_tiny_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
-    """DeiT-T-PolaFormer (paper Table 1: 6.1M params, 74.6% top-1)."""
-    return _create("pola_deit_tiny_patch16_224", pretrained, dict(embed_dim=192, depth=12, num_heads=3), kwargs)
-
-
-@register_model
-def pola_deit_small_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
-    return _create("pola_deit_small_patch16_224", pretrained, dict(embed_dim=384, depth=12, num_heads=6), kwargs)
-
-
-@register_model
-def pola_deit_base_patch16_224(pretrained=False, **kwargs) -> PolaDeiT:
-    return _create("pola_deit_base_patch16_224", pretrained, dict(embed_dim=768, depth=12, num_heads=12), kwargs)
-
-
-@register_model
-def pola_deit_digits(pretrained=False, **kwargs) -> PolaDeiT:
-    """A small Pola-DeiT for 8×8 single-channel digits: 2×2 patches (16 tokens + class token)."""
-    sizes = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=64, depth=4, num_heads=2,
-                 mlp_ratio=2.0, kernel_size=3)
-    return _create("pola_deit_digits", pretrained, sizes, kwargs)
+register_variants(__name__, _SIZES, _create)

@@ -14,17 +14,18 @@ from __future__ import annotations
 import math
 
 import torch
-from timm.layers import Attention, Mlp, PatchEmbed
-from timm.models import generate_default_cfgs, register_model
+from timm.layers import Mlp, PatchEmbed
+from timm.models import generate_default_cfgs
 from torch import nn
 
-from ..layers.dit_attention import PacsGridAttention
+from ..layers.registry import sequence_attentions
 from ..ops.dispatch import capturing
-from ._helpers import check_architecture, refuse_unknown_kwargs
+from ._helpers import check_architecture, refuse_unknown_kwargs, register_variants
 
 __all__ = ["ATTENTIONS", "PolaDiT", "sincos_pos_table", "timestep_frequencies"]
 
-ATTENTIONS = ("pacs", "softmax")
+# the grid token mixers of polaformer.layers.registry.SEQUENCE_ATTENTIONS, by name ("pacs", "softmax")
+ATTENTIONS = sequence_attentions("grid")
 
 
 def sincos_pos_table(dim: int, grid: int) -> torch.Tensor:
@@ -92,10 +93,7 @@ class DiTBlock(nn.Module):
     def __init__(self, dim: int, num_heads: int, mlp_ratio: float, attention: str):
         super().__init__()
         self.norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
-        if attention == "pacs":
-            self.attn = PacsGridAttention(dim, num_heads)
-        else:
-            self.attn = Attention(dim, num_heads, qkv_bias=True)
+        self.attn = ATTENTIONS[attention](dim, num_heads)
         self.norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=1e-6)
         self.mlp = Mlp(dim, int(dim * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim))
@@ -219,71 +217,15 @@ SIZES = {"s": dict(hidden_size=384, depth=12, num_heads=6), "b": dict(hidden_siz
          "l": dict(hidden_size=1024, depth=24, num_heads=16), "xl": dict(hidden_size=1152, depth=28, num_heads=16)}
 PATCHES = (2, 4, 8)
 
-default_cfgs = generate_default_cfgs({f"pola_dit_{size}_{p}": _cfg() for size in SIZES for p in PATCHES})
+VARIANTS = {f"pola_dit_{size}_{p}": {**sizes, "patch_size": p} for size, sizes in SIZES.items() for p in PATCHES}
+
+default_cfgs = generate_default_cfgs({name: _cfg() for name in VARIANTS})
 
 
-def _create(size: str, patch: int, pretrained: bool, **kwargs) -> PolaDiT:
+def _create(variant: str, pretrained: bool = False, **kwargs) -> PolaDiT:
     if pretrained:
-        raise ValueError(f"pola_dit_{size}_{patch} has no downloadable weights; load the authors' checkpoint "
-                         "with load_state_dict")
-    return PolaDiT(**{**SIZES[size], "patch_size": patch, **kwargs})
+        raise ValueError(f"{variant} has no downloadable weights; load the authors' checkpoint with load_state_dict")
+    return PolaDiT(**{**VARIANTS[variant], **kwargs})
 
 
-@register_model
-def pola_dit_s_2(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("s", 2, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_s_4(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("s", 4, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_s_8(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("s", 8, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_b_2(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("b", 2, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_b_4(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("b", 4, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_b_8(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("b", 8, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_l_2(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("l", 2, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_l_4(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("l", 4, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_l_8(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("l", 8, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_xl_2(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("xl", 2, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_xl_4(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("xl", 4, pretrained, **kwargs)
-
-
-@register_model
-def pola_dit_xl_8(pretrained: bool = False, **kwargs) -> PolaDiT:
-    return _create("xl", 8, pretrained, **kwargs)
+register_variants(__name__, VARIANTS, _create)

@@ -14,26 +14,17 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 from timm.layers import Mlp
-from timm.models import generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 from torch import nn
 
-from ..layers import (
-    EluCausalSelfAttention,
-    PacsCausalSelfAttention,
-    PolaCausalSelfAttention,
-    SoftmaxCausalSelfAttention,
-)
+from ..layers.registry import sequence_attentions
 from ..ops.dispatch import capturing
-from ._helpers import check_architecture, refuse_unknown_kwargs
+from ._helpers import check_architecture, refuse_unknown_kwargs, register_variants
 
 __all__ = ["ATTENTIONS", "PolaLM"]
 
-ATTENTIONS = {
-    "pola": PolaCausalSelfAttention,
-    "pacs": PacsCausalSelfAttention,
-    "elu": EluCausalSelfAttention,
-    "softmax": SoftmaxCausalSelfAttention,
-}
+# the causal token mixers of polaformer.layers.registry.SEQUENCE_ATTENTIONS, by name
+ATTENTIONS = sequence_attentions("causal")
 
 
 class Block(nn.Module):
@@ -189,22 +180,10 @@ SIZES = {"tiny": dict(dim=64, depth=2, num_heads=2), "small": dict(dim=128, dept
 default_cfgs = generate_default_cfgs({f"pola_lm_{size}": _cfg() for size in SIZES})
 
 
-def _create(size, pretrained, **kwargs):
+def _create(variant, pretrained=False, **kwargs) -> PolaLM:
     if pretrained:
-        raise ValueError(f"pola_lm_{size} has no pretrained weights; train one with 'polaformer lm train'")
-    return PolaLM(**{**SIZES[size], **kwargs})
+        raise ValueError(f"{variant} has no pretrained weights; train one with 'polaformer lm train'")
+    return PolaLM(**{**SIZES[variant.removeprefix("pola_lm_")], **kwargs})
 
 
-@register_model
-def pola_lm_tiny(pretrained: bool = False, **kwargs) -> PolaLM:
-    return _create("tiny", pretrained, **kwargs)
-
-
-@register_model
-def pola_lm_small(pretrained: bool = False, **kwargs) -> PolaLM:
-    return _create("small", pretrained, **kwargs)
-
-
-@register_model
-def pola_lm_base(pretrained: bool = False, **kwargs) -> PolaLM:
-    return _create("base", pretrained, **kwargs)
+register_variants(__name__, [f"pola_lm_{size}" for size in SIZES], _create)

@@ -19,14 +19,14 @@ import math
 
 import torch
 import torch.nn.functional as F
-from timm.models import generate_default_cfgs, register_model
+from timm.models import generate_default_cfgs
 from torch import nn
 
 from ..layers import PacsLinearAttention, RoPE2d
 from ..layers.qkv_window_attention import QKVWindowAttention
 from ..layers.window_attention import relative_position_index
 from ..ops import tokens_to_map
-from ._helpers import check_architecture, without_timm_extras
+from ._helpers import check_architecture, register_variants, without_timm_extras
 from .swin import hard_window_mask, shifted_window_mask, window_partition, window_reverse
 
 __all__ = ["PolaSR", "chop_upscale", "tiled_upscale"]
@@ -319,26 +319,16 @@ def _cfg(**kwargs):
             "mean": DIV2K_RGB_MEAN, "std": (1.0, 1.0, 1.0), **kwargs}
 
 
-default_cfgs = generate_default_cfgs({f"pola_sr_light_x{s}": _cfg() for s in (2, 3, 4)})
+_SCALES = {f"pola_sr_light_x{scale}": scale for scale in (2, 3, 4)}
+
+default_cfgs = generate_default_cfgs({name: _cfg() for name in _SCALES})
 
 
-def _create(scale: int, pretrained: bool, **kwargs) -> PolaSR:
+def _create(variant: str, pretrained: bool = False, **kwargs) -> PolaSR:
     if pretrained:
-        raise ValueError(f"pola_sr_light_x{scale} has no downloadable weights; load the authors' file with "
+        raise ValueError(f"{variant} has no downloadable weights; load the authors' file with "
                          "'polaformer sr eval --checkpoint PATH'")
-    return PolaSR(upscale=scale, **without_timm_extras(kwargs))
+    return PolaSR(upscale=_SCALES[variant], **without_timm_extras(kwargs))
 
 
-@register_model
-def pola_sr_light_x2(pretrained: bool = False, **kwargs) -> PolaSR:
-    return _create(2, pretrained, **kwargs)
-
-
-@register_model
-def pola_sr_light_x3(pretrained: bool = False, **kwargs) -> PolaSR:
-    return _create(3, pretrained, **kwargs)
-
-
-@register_model
-def pola_sr_light_x4(pretrained: bool = False, **kwargs) -> PolaSR:
-    return _create(4, pretrained, **kwargs)
+register_variants(__name__, _SCALES, _create)

@@ -17,12 +17,12 @@ accepted for timm's API and changes nothing). ``pola_b0``..``pola_b5`` are timm 
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import Sequence
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, SelectAdaptivePool2d, get_device_dtype, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.layers import DropPath, SelectAdaptivePool2d, get_device_dtype
+from timm.models import generate_default_cfgs
 from timm.models._registry import register_model_deprecations
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -32,7 +32,8 @@ from .official import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    build_model_with_cfg, check_architecture, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs,
+    build_image_model, check_architecture, check_image, empty_batch, factory_kwargs, image_cfg, register_variants,
+    trunc_normal_init,
 )
 
 __all__ = ["PolaFormerPP"]
@@ -228,18 +229,8 @@ class PolaFormerPP(nn.Module):
         self.global_pool = SelectAdaptivePool2d(pool_type=global_pool)
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Conv2d(projection, num_classes, 1) if num_classes > 0 else nn.Identity()
-        self.apply(self._init_weights)
-
-    @staticmethod
-    def _init_weights(m: nn.Module) -> None:
         # As the official code: only convs (truncated normal) and LayerNorms are re-initialised.
-        if isinstance(m, nn.Conv2d):
-            trunc_normal_(m.weight, std=0.02)
-            if m.bias is not None:
-                nn.init.zeros_(m.bias)
-        elif isinstance(m, nn.LayerNorm):
-            nn.init.ones_(m.weight)
-            nn.init.zeros_(m.bias)
+        self.apply(partial(trunc_normal_init, layer=nn.Conv2d))
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -348,74 +339,34 @@ def _from_official(constructor: dict) -> PolaFormerPP:
     return PolaFormerPP(**kwargs)
 
 
-def _cfg(**kwargs):
-    # The official evaluation resizes both sides to 256 (bicubic) and center-crops 224 (timm's 'squash').
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
-        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj.0", "classifier": "head", **kwargs,
-    }
-
-
-_VARIANTS = [f"POLA_b{i}" for i in range(6)]
-default_cfgs = generate_default_cfgs({name: _cfg() for name in _VARIANTS})
-
-
-def _create(variant, pretrained, kwargs):
-    """Build a variant; the caller's keyword arguments override the variant's sizes."""
-    return build_model_with_cfg(
-        PolaFormerPP, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-        feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **{**_SIZES[variant], **kwargs},
-    )
-
-
 # Official factory arguments (polaformer++/models/pola.py); every stage uses mlp ratio 3.5 and layerscale.
+# README, per variant: params, FLOPs, ImageNet top-1.
 _B = dict(mlp_ratios=(3.5,) * 4, layerscales=(True,) * 4)
 _SIZES = {
-    "POLA_b0": dict(embed_dims=(32, 64, 128, 384), depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 12),
+    "POLA_b0": dict(embed_dims=(32, 64, 128, 384), depths=(2, 2, 2, 2), num_heads=(1, 2, 4, 12),  # 7M, 0.7G, 76.9%
                     drop_path_rate=0.1, projection=2048, layer_init_values=(1, 1, 1, 1), **_B),
-    "POLA_b1": dict(embed_dims=(32, 64, 192, 384), depths=(2, 2, 4, 2), num_heads=(1, 2, 6, 12),
+    "POLA_b1": dict(embed_dims=(32, 64, 192, 384), depths=(2, 2, 4, 2), num_heads=(1, 2, 6, 12),  # 9M, 1.0G, 79.1%
                     drop_path_rate=0.1, projection=2048, layer_init_values=(1, 1, 1, 1), **_B),
-    "POLA_b2": dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 6, 2), num_heads=(1, 2, 4, 8),
+    "POLA_b2": dict(embed_dims=(64, 128, 256, 512), depths=(2, 2, 6, 2), num_heads=(1, 2, 4, 8),  # 16M, 2.7G, 82.8%
                     drop_path_rate=0.1, projection=2048, layer_init_values=(1, 1, 1, 1), **_B),
-    "POLA_b3": dict(embed_dims=(64, 128, 320, 512), depths=(3, 5, 9, 3), num_heads=(1, 2, 5, 8),
+    "POLA_b3": dict(embed_dims=(64, 128, 320, 512), depths=(3, 5, 9, 3), num_heads=(1, 2, 5, 8),  # 27M, 5.1G, 84.3%
                     drop_path_rate=0.15, projection=2048, layer_init_values=(1, 1, 1, 1), **_B),
-    "POLA_b4": dict(embed_dims=(96, 192, 384, 512), depths=(4, 6, 12, 6), num_heads=(1, 2, 6, 8),
+    "POLA_b4": dict(embed_dims=(96, 192, 384, 512), depths=(4, 6, 12, 6), num_heads=(1, 2, 6, 8),  # 50M, 11G, 85.4%
                     drop_path_rate=0.4, projection=2048, layer_init_values=(1, 1, 1e-6, 1e-6), **_B),
-    "POLA_b5": dict(embed_dims=(96, 192, 448, 640), depths=(4, 7, 19, 8), num_heads=(1, 2, 7, 10),
+    "POLA_b5": dict(embed_dims=(96, 192, 448, 640), depths=(4, 7, 19, 8), num_heads=(1, 2, 7, 10),  # 97M, 18G, 85.6%
                     drop_path_rate=0.55, projection=2560, layer_init_values=(1e-6,) * 4, **_B),
 }
 
-
-@register_model
-def POLA_b0(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 7M params, 0.7G FLOPs, 76.9% top-1
-    return _create("POLA_b0", pretrained, kwargs)
+# The official evaluation resizes both sides to 256 (bicubic) and center-crops 224 (timm's 'squash').
+default_cfgs = generate_default_cfgs({name: image_cfg(first_conv="patch_embed.proj.0") for name in _SIZES})
 
 
-@register_model
-def POLA_b1(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 9M params, 1.0G FLOPs, 79.1% top-1
-    return _create("POLA_b1", pretrained, kwargs)
+def _create(variant, pretrained=False, **kwargs) -> PolaFormerPP:
+    """Build a variant; the caller's keyword arguments override the variant's sizes."""
+    return build_image_model(PolaFormerPP, variant, pretrained, **{**_SIZES[variant], **kwargs})
 
 
-@register_model
-def POLA_b2(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 16M params, 2.7G FLOPs, 82.8% top-1
-    return _create("POLA_b2", pretrained, kwargs)
-
-
-@register_model
-def POLA_b3(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 27M params, 5.1G FLOPs, 84.3% top-1
-    return _create("POLA_b3", pretrained, kwargs)
-
-
-@register_model
-def POLA_b4(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 50M params, 11G FLOPs, 85.4% top-1
-    return _create("POLA_b4", pretrained, kwargs)
-
-
-@register_model
-def POLA_b5(pretrained=False, **kwargs) -> PolaFormerPP:  # README: 97M params, 18G FLOPs, 85.6% top-1
-    return _create("POLA_b5", pretrained, kwargs)
-
+register_variants(__name__, _SIZES, _create)
 
 # The lower-case names some configs use: timm aliases that warn and build the official model.
-register_model_deprecations(__name__, {name.lower(): name for name in _VARIANTS})
+register_model_deprecations(__name__, {name.lower(): name for name in _SIZES})

@@ -30,9 +30,8 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
+from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -41,16 +40,17 @@ from .official import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    build_model_with_cfg, check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs,
-    pos_table_for_grid,
+    ClassifierMixin, build_image_model, check_architecture, check_global_pool, check_grid, check_image, empty_batch,
+    factory_kwargs, image_cfg, pos_table_for_grid, register_variants, trunc_normal_init,
 )
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
 
 
-class PyramidBase(nn.Module):
+class PyramidBase(ClassifierMixin, nn.Module):
     """What the PVT-style families share: flat ``patch_embed{i}``/``block{i}`` stages (the official
-    module names), the timm API, size checks and stage-wise intermediates.
+    module names), the timm API (the classifier's from :class:`ClassifierMixin`), size checks and
+    stage-wise intermediates.
 
     Subclasses set ``in_chans``, ``num_stages``, ``total_stride``, ``num_features``, ``feature_info``,
     ``global_pool``, ``head_drop``, ``head`` and ``grad_checkpointing``, and implement ``_stage(i, x)`` mapping an
@@ -70,24 +70,6 @@ class PyramidBase(nn.Module):
                 (r"^block(\d+)\.(\d+)", None), (r"^(?:patch_embed|pos_embed|norm)(\d+)", (0,)), (r"^norm$", (99999,))
             ],
         )
-
-    @torch.jit.ignore
-    def set_grad_checkpointing(self, enable=True):
-        self.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self):
-        return self.head
-
-    def reset_classifier(self, num_classes, global_pool=None):
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        dd = get_device_dtype(self)
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
         stride = self.total_stride
@@ -208,8 +190,7 @@ class PolaPVT(PyramidBase):
             # The official head and final norm take embed_dims[3] channels, whatever num_stages is.
             raise ValueError(f"embed_dims[{num_stages - 1}] must equal embed_dims[3] (the head's input), "
                              f"got {tuple(embed_dims)} with num_stages={num_stages}")
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+        check_global_pool(global_pool)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
@@ -272,10 +253,8 @@ class PolaPVT(PyramidBase):
         for i in range(self.num_stages):
             trunc_normal_(getattr(self, f"pos_embed{i + 1}"), std=0.02)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+            trunc_normal_init(m)
+
 
 @register_official("pvt", "PyramidVisionTransformer")
 def _from_official(c: dict) -> PolaPVT:
@@ -291,48 +270,22 @@ def _from_official(c: dict) -> PolaPVT:
     )
 
 
-def _cfg(**kwargs):
-    # The official evaluation (TEST.CROP): a square bicubic resize to size / 0.875, then a centre crop.
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
-        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed1.proj", "classifier": "head", "license": "apache-2.0",
-        **kwargs,
-    }
+# Official sizes and build settings (la_sr_ratios '1111' as the official build passes).
+_OFFICIAL = dict(patch_size=4, embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4),
+                 qkv_bias=True, sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111")
+_SIZES = {
+    "pola_pvt_tiny": dict(depths=(2, 2, 2, 2)),
+    "pola_pvt_small": dict(depths=(3, 4, 6, 3)),
+    "pola_pvt_medium": dict(depths=(3, 4, 18, 3)),
+    "pola_pvt_large": dict(depths=(3, 8, 27, 3)),
+}
+
+default_cfgs = generate_default_cfgs({name: image_cfg(first_conv="patch_embed1.proj", license="apache-2.0")
+                                      for name in _SIZES})
 
 
-default_cfgs = generate_default_cfgs({
-    "pola_pvt_tiny": _cfg(),
-    "pola_pvt_small": _cfg(),
-    "pola_pvt_medium": _cfg(),
-    "pola_pvt_large": _cfg(),
-})
+def _create(variant, pretrained=False, **kwargs) -> PolaPVT:
+    return build_image_model(PolaPVT, variant, pretrained, **{**_OFFICIAL, **_SIZES[variant], **kwargs})
 
 
-def _create(variant, pretrained, sizes, kwargs):
-    """Official sizes and build settings (la_sr_ratios '1111' as the official build passes)."""
-    args = dict(patch_size=4, embed_dims=(64, 128, 320, 512), num_heads=(1, 2, 5, 8), mlp_ratios=(8, 8, 4, 4),
-                qkv_bias=True, sr_ratios=(8, 4, 2, 1), la_sr_ratios="1111", **sizes)
-    args.update(kwargs)
-    return build_model_with_cfg(PolaPVT, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **args)
-
-
-@register_model
-def pola_pvt_tiny(pretrained=False, **kwargs) -> PolaPVT:
-    return _create("pola_pvt_tiny", pretrained, dict(depths=(2, 2, 2, 2)), kwargs)
-
-
-@register_model
-def pola_pvt_small(pretrained=False, **kwargs) -> PolaPVT:
-    return _create("pola_pvt_small", pretrained, dict(depths=(3, 4, 6, 3)), kwargs)
-
-
-@register_model
-def pola_pvt_medium(pretrained=False, **kwargs) -> PolaPVT:
-    return _create("pola_pvt_medium", pretrained, dict(depths=(3, 4, 18, 3)), kwargs)
-
-
-@register_model
-def pola_pvt_large(pretrained=False, **kwargs) -> PolaPVT:
-    return _create("pola_pvt_large", pretrained, dict(depths=(3, 8, 27, 3)), kwargs)
+register_variants(__name__, _SIZES, _create)

@@ -14,16 +14,18 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, trunc_normal_
-from timm.models import generate_default_cfgs, register_model
+from timm.layers import DropPath
+from timm.models import generate_default_cfgs
 from timm.models.pvt_v2 import OverlapPatchEmbed
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
-from ._helpers import build_model_with_cfg, check_architecture, checkpoint_filter_fn, factory_kwargs
+from ._helpers import (
+    build_image_model, check_architecture, check_global_pool, factory_kwargs, image_cfg, register_variants,
+    trunc_normal_init,
+)
 from .pvt import PyramidBase
 
 __all__ = ["PolaPVTv2"]
@@ -78,8 +80,7 @@ class PolaPVTv2(PyramidBase):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims),
                            in_chans=in_chans, img_size=img_size, num_classes=num_classes)
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+        check_global_pool(global_pool)
         self.num_classes = num_classes
         self.in_chans = in_chans
         self.global_pool = global_pool
@@ -107,10 +108,7 @@ class PolaPVTv2(PyramidBase):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dims[-1], num_classes) if num_classes > 0 else nn.Identity()
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
+            trunc_normal_init(m)
 
     def _stage_modules(self, i: int) -> tuple[str, ...]:
         return (f"patch_embed{i + 1}", f"block{i + 1}", f"norm{i + 1}")
@@ -128,18 +126,6 @@ class PolaPVTv2(PyramidBase):
         return tokens_to_map(x, height, width)
 
 
-def _cfg(**kwargs):
-    # The official evaluation (TEST.CROP): a square bicubic resize to size / 0.875, then a centre crop.
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
-        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed1.proj", "classifier": "head", "license": "apache-2.0",
-        **kwargs,
-    }
-
-
-default_cfgs = generate_default_cfgs({f"pola_pvt_v2_b{i}": _cfg() for i in range(6)})
-
 _WIDE = (64, 128, 320, 512)
 _SIZES = {
     "pola_pvt_v2_b0": dict(embed_dims=(32, 64, 160, 256), depths=(2, 2, 2, 2)),
@@ -150,38 +136,12 @@ _SIZES = {
     "pola_pvt_v2_b5": dict(embed_dims=_WIDE, depths=(3, 6, 40, 3), mlp_ratios=(4, 4, 4, 4)),
 }
 
-
-def _create(variant, pretrained, kwargs):
-    return build_model_with_cfg(PolaPVTv2, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"),
-                                **{**_SIZES[variant], **kwargs})
+default_cfgs = generate_default_cfgs({name: image_cfg(first_conv="patch_embed1.proj", license="apache-2.0")
+                                      for name in _SIZES})
 
 
-@register_model
-def pola_pvt_v2_b0(pretrained=False, **kwargs) -> PolaPVTv2:
-    return _create("pola_pvt_v2_b0", pretrained, kwargs)
+def _create(variant, pretrained=False, **kwargs) -> PolaPVTv2:
+    return build_image_model(PolaPVTv2, variant, pretrained, **{**_SIZES[variant], **kwargs})
 
 
-@register_model
-def pola_pvt_v2_b1(pretrained=False, **kwargs) -> PolaPVTv2:
-    return _create("pola_pvt_v2_b1", pretrained, kwargs)
-
-
-@register_model
-def pola_pvt_v2_b2(pretrained=False, **kwargs) -> PolaPVTv2:
-    return _create("pola_pvt_v2_b2", pretrained, kwargs)
-
-
-@register_model
-def pola_pvt_v2_b3(pretrained=False, **kwargs) -> PolaPVTv2:
-    return _create("pola_pvt_v2_b3", pretrained, kwargs)
-
-
-@register_model
-def pola_pvt_v2_b4(pretrained=False, **kwargs) -> PolaPVTv2:
-    return _create("pola_pvt_v2_b4", pretrained, kwargs)
-
-
-@register_model
-def pola_pvt_v2_b5(pretrained=False, **kwargs) -> PolaPVTv2:
-    return _create("pola_pvt_v2_b5", pretrained, kwargs)
+register_variants(__name__, _SIZES, _create)

@@ -48,9 +48,8 @@ from functools import partial
 
 import torch
 import torch.nn.functional as F
-from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, get_device_dtype, to_2tuple, trunc_normal_
-from timm.models import generate_default_cfgs, register_model, register_notrace_module
+from timm.layers import DropPath, Mlp, PatchEmbed, to_2tuple, trunc_normal_
+from timm.models import generate_default_cfgs, register_notrace_module
 from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -58,8 +57,8 @@ from torch.utils.checkpoint import checkpoint
 from .official import register_official
 from ..layers import PolaLinearAttention, WindowAttention
 from ._helpers import (
-    build_model_with_cfg, check_architecture, check_grid, check_image, checkpoint_filter_fn, empty_batch, factory_kwargs,
-    pos_table_for_grid,
+    ClassifierMixin, build_image_model, check_architecture, check_global_pool, check_grid, check_image, empty_batch,
+    factory_kwargs, image_cfg, pos_table_for_grid, register_variants, trunc_normal_init,
 )
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
@@ -261,7 +260,7 @@ def block_attn_types(attn_type: str, depths) -> list[list[str]]:
     ]
 
 
-class PolaSwinTransformer(nn.Module):
+class PolaSwinTransformer(ClassifierMixin, nn.Module):
     """Swin Transformer whose stages use PolaFormer linear or softmax window attention.
 
     Args (official names and meaning):
@@ -293,8 +292,7 @@ class PolaSwinTransformer(nn.Module):
                            in_chans=in_chans, patch_size=patch_size, window_size=window_size,
                            num_classes=num_classes)
         check_grid(img_size, patch_size)
-        if global_pool not in ("avg", ""):
-            raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
+        check_global_pool(global_pool)
         if len(num_heads) != len(depths):
             raise ValueError(f"num_heads {tuple(num_heads)} and depths {tuple(depths)} differ in length")
         num_stages = len(depths)
@@ -337,13 +335,7 @@ class PolaSwinTransformer(nn.Module):
         if self.absolute_pos_embed is not None:
             trunc_normal_(self.absolute_pos_embed, std=0.02)
         for m in self.modules():
-            if isinstance(m, nn.Linear):
-                trunc_normal_(m.weight, std=0.02)
-                if m.bias is not None:
-                    nn.init.zeros_(m.bias)
-            elif isinstance(m, nn.LayerNorm):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+            trunc_normal_init(m)
 
     @torch.jit.ignore
     def no_weight_decay(self):
@@ -366,20 +358,6 @@ class PolaSwinTransformer(nn.Module):
     def set_grad_checkpointing(self, enable=True):
         for stage in self.layers:
             stage.grad_checkpointing = enable
-
-    @torch.jit.ignore
-    def get_classifier(self):
-        return self.head
-
-    def reset_classifier(self, num_classes, global_pool=None):
-        if global_pool is not None:
-            if global_pool not in ("avg", ""):
-                raise ValueError(f"global_pool must be 'avg' or '', got {global_pool!r}")
-            self.global_pool = global_pool
-        self.num_classes = num_classes
-        dd = get_device_dtype(self)
-        self.head = nn.Linear(self.num_features, num_classes, **dd) if num_classes > 0 else nn.Identity()
-        self.head.train(self.training)
 
     def _embed(self, x: torch.Tensor) -> torch.Tensor:
         sh, sw = self.total_stride
@@ -469,16 +447,17 @@ def _from_official(c: dict) -> PolaSwinTransformer:
     return model
 
 
-def _cfg(**kwargs):
-    # The official evaluation (TEST.CROP): a square bicubic resize to size / 0.875, then a centre crop.
-    return {
-        "url": "", "num_classes": 1000, "input_size": (3, 224, 224), "pool_size": (7, 7), "crop_pct": 0.875,
-        "crop_mode": "squash", "interpolation": "bicubic", "fixed_input_size": False, "mean": IMAGENET_DEFAULT_MEAN,
-        "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj", "classifier": "head", "license": "mit",
-        **kwargs,
-    }
+# The official cfgs/pola_swin_*.yaml sizes (LLSS, global linear windows); caller kwargs override.
+_OFFICIAL = dict(patch_size=4, window_size=56, attn_type="LLSS")
+_SIZES = {
+    "pola_swin_t": dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.2),
+    "pola_swin_s": dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.3),
+    "pola_swin_b": dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5),
+    "pola_swin_b_384": dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32),
+                            window_size=96, drop_path_rate=0.5),
+}
 
-
+_cfg = partial(image_cfg, first_conv="patch_embed.proj", license="mit")
 default_cfgs = generate_default_cfgs({
     "pola_swin_t": _cfg(),
     "pola_swin_s": _cfg(),
@@ -488,33 +467,8 @@ default_cfgs = generate_default_cfgs({
 })
 
 
-def _create(variant, pretrained, sizes, kwargs):
-    """The official cfgs/pola_swin_*.yaml sizes (LLSS, global linear windows); caller kwargs override."""
-    args = {**dict(patch_size=4, window_size=56, attn_type="LLSS"), **sizes, **kwargs}
-    return build_model_with_cfg(PolaSwinTransformer, variant, pretrained, pretrained_filter_fn=checkpoint_filter_fn,
-                                feature_cfg=dict(out_indices=(0, 1, 2, 3), feature_cls="getter"), **args)
+def _create(variant, pretrained=False, **kwargs) -> PolaSwinTransformer:
+    return build_image_model(PolaSwinTransformer, variant, pretrained, **{**_OFFICIAL, **_SIZES[variant], **kwargs})
 
 
-@register_model
-def pola_swin_t(pretrained=False, **kwargs) -> PolaSwinTransformer:
-    sizes = dict(embed_dim=96, depths=(2, 2, 6, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.2)
-    return _create("pola_swin_t", pretrained, sizes, kwargs)
-
-
-@register_model
-def pola_swin_s(pretrained=False, **kwargs) -> PolaSwinTransformer:
-    sizes = dict(embed_dim=96, depths=(2, 2, 18, 2), num_heads=(3, 6, 12, 24), drop_path_rate=0.3)
-    return _create("pola_swin_s", pretrained, sizes, kwargs)
-
-
-@register_model
-def pola_swin_b(pretrained=False, **kwargs) -> PolaSwinTransformer:
-    sizes = dict(embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), drop_path_rate=0.5)
-    return _create("pola_swin_b", pretrained, sizes, kwargs)
-
-
-@register_model
-def pola_swin_b_384(pretrained=False, **kwargs) -> PolaSwinTransformer:
-    sizes = dict(img_size=384, embed_dim=128, depths=(2, 2, 18, 2), num_heads=(4, 8, 16, 32), window_size=96,
-                 drop_path_rate=0.5)
-    return _create("pola_swin_b_384", pretrained, sizes, kwargs)
+register_variants(__name__, _SIZES, _create)

@@ -62,13 +62,27 @@ def _check_map(x: torch.Tensor, dim: int, sin: torch.Tensor) -> None:
         raise ValueError(f"RoPE tables cover {sin.shape[0]} positions, the map has {x.shape[2]}x{x.shape[3]}")
 
 
-class _LocalBranchAndGate(nn.Module):
-    """The output of PolaFormer++'s attention blocks: ``(out + lepe(v)) · gate`` on (B, H·W, C) tokens."""
+class _GatedMapAttention(nn.Module):
+    """What PolaFormer++'s attention blocks share around their attention: one projection of a map's
+    (B, H·W, C) tokens into four streams (``q, k, v`` and the gate), and the output
+    ``proj((out + lepe(v)) · gate)``."""
+
+    def _streams(self, x: torch.Tensor, sin: torch.Tensor, projection: nn.Linear):
+        """The four (B, H·W, C) streams of ``projection`` on the tokens of the (B, C, H, W) map ``x``."""
+        _check_map(x, self.dim, sin)
+        b, c, h, w = x.shape
+        return projection(x.flatten(2).transpose(1, 2)).reshape(b, h * w, 4, c).unbind(2)
 
     def local_branch_and_gate(self, out: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, height: int,
                               width: int) -> torch.Tensor:
         local = self.lepe(tokens_to_map(v, height, width)).flatten(2).transpose(1, 2)
         return (out + local) * gate
+
+    def _output_map(self, out: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, height: int,
+                    width: int) -> torch.Tensor:
+        """(B, heads, H·W, d) attention output -> ``proj((out + lepe(v)) · gate)`` as a (B, C, H, W) map."""
+        out = out.transpose(1, 2).reshape(out.shape[0], height * width, self.dim)
+        return tokens_to_map(self.proj(self.local_branch_and_gate(out, v, gate, height, width)), height, width)
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -76,7 +90,7 @@ def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
     return t.reshape(b, n, heads, c // heads).transpose(1, 2)
 
 
-class PacsLinearAttention(_LocalBranchAndGate):
+class PacsLinearAttention(_GatedMapAttention):
     """Polarity-aware linear attention with channel-wise spikiness (PaCS).
 
     ``q, k, v, g`` come from one projection; queries use ``exp(s·x) − 1`` with a
@@ -101,25 +115,14 @@ class PacsLinearAttention(_LocalBranchAndGate):
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         """``x``: (B, C, H, W); ``sin``/``cos``: (H·W, 2·head_dim) from ``RoPE2d(2·dim, heads)``."""
-        _check_map(x, self.dim, sin)
-        b, c, h, w = x.shape
-        tokens = x.flatten(2).transpose(1, 2)
-        q, k, v, g = self.qkvg(tokens).reshape(b, h * w, 4, c).unbind(2)
+        q, k, v, g = self._streams(x, sin, self.qkvg)
         heads = self.num_heads
-        out = pacs_linear_attention(
-            _split_heads(q, heads),
-            _split_heads(k, heads),
-            _split_heads(v, heads),
-            pacs_temperature(self.s1),
-            pacs_temperature(self.s2),
-            sin,
-            cos,
-        )
-        out = out.transpose(1, 2).reshape(b, h * w, c)
-        return tokens_to_map(self.proj(self.local_branch_and_gate(out, v, g, h, w)), h, w)
+        out = pacs_linear_attention(_split_heads(q, heads), _split_heads(k, heads), _split_heads(v, heads),
+                                    pacs_temperature(self.s1), pacs_temperature(self.s2), sin, cos)
+        return self._output_map(out, v, g, x.shape[2], x.shape[3])
 
 
-class RopeSoftmaxAttention(_LocalBranchAndGate):
+class RopeSoftmaxAttention(_GatedMapAttention):
     """Softmax attention with 2-D RoPE on q and k, LePE and an output gate (PolaFormer++'s 'v' blocks)."""
 
     def __init__(self, dim: int, num_heads: int):
@@ -134,13 +137,9 @@ class RopeSoftmaxAttention(_LocalBranchAndGate):
 
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         """``x``: (B, C, H, W); ``sin``/``cos``: (H·W, head_dim) from ``RoPE2d(dim, heads)``."""
-        _check_map(x, self.dim, sin)
-        b, c, h, w = x.shape
-        tokens = x.flatten(2).transpose(1, 2)
-        q, k, v, o = self.qkvo(tokens).reshape(b, h * w, 4, c).unbind(2)
+        q, k, v, o = self._streams(x, sin, self.qkvo)
         heads = self.num_heads
         q = rotate_pairs(_split_heads(q, heads), sin, cos)
         k = rotate_pairs(_split_heads(k, heads), sin, cos)
         out = window_softmax_attention(q, k, _split_heads(v, heads))
-        out = out.transpose(1, 2).reshape(b, h * w, c)
-        return tokens_to_map(self.proj(self.local_branch_and_gate(out, v, o, h, w)), h, w)
+        return self._output_map(out, v, o, x.shape[2], x.shape[3])

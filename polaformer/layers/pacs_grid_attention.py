@@ -10,7 +10,7 @@ import math
 import torch
 
 from ..ops import pacs_linear_attention, pacs_temperature
-from .polapp_attention import PacsLinearAttention, _split_heads
+from .pacs_attention import PacsLinearAttention, _split_heads
 
 __all__ = ["PacsGridAttention"]
 
