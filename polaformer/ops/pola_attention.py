@@ -73,6 +73,11 @@ def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: to
     return cpu_kernels(q)
 
 
+def _pola_attention_native(q, k, v, power, eps):
+    """The whole forward without gradients or key padding in one native call (see :func:`_native_forward`)."""
+    return cpu_kernels(q).pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
+
+
 def _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k):
     """Shape checks of a packed call that need no device sync; returns the offsets on ``q``'s device
     ``(cu_seqlens, cu_seqlens_k)``, the second defaulting to the first."""
@@ -309,6 +314,18 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     return out
 
 
+def _formulation(q, k, v, power, key_padding_mask, graph: bool, dtype: torch.dtype):
+    """The formulation of an unpacked call that the Triton kernels do not take: the first that applies."""
+    # Off the CPU the overflow bound would wait for the device: there the log domain always runs.
+    if graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype):
+        return _pola_attention_graph  # the log domain; autograd derives the backward
+    if needs_grad(q, k, v, power):
+        return _PolaPowerAttention.apply  # the hand-written backward
+    if key_padding_mask is None and _native_forward(q, k, v, power) is not None:
+        return _pola_attention_native  # one native call, the whole forward
+    return _pola_attention_no_grad  # token blocks, each in cache
+
+
 class _PolaPowerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, power, eps, keep, m):
@@ -426,7 +443,7 @@ def pola_linear_attention(
     ``create_graph=True``) raises one error line instead of returning
     gradients that ignore the inputs.
     """
-    if causal:
+    if causal:  # an op of its own (:mod:`.causal`)
         return causal_pola_linear_attention(q, k, v, power, eps, key_padding_mask=key_padding_mask,
                                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
     check_qkv(q, k, v)
@@ -439,30 +456,20 @@ def pola_linear_attention(
     elif key_padding_mask is not None:
         check_key_padding_mask(key_padding_mask, k)
     kernels = triton_kernels(q)
-    if kernels is not None:
+    if kernels is not None:  # CUDA tensors, eager or compiled, and the interpreter: the fused Triton kernels
         check_power_values(power, graph)
         if packed and q.device.type == "cpu" and not graph:  # the interpreter: the check costs no device sync
             _read_offsets(q, k, cu_seqlens, cu_seqlens_k)
         mask = None if key_padding_mask is None else key_padding_mask.to(q.device)
         return kernels.pola_attention(q, k, v, power, eps, mask, cu_seqlens, cu_seqlens_k)
-    if packed:
+    if packed:  # padded into a batch, then one of the formulations below
         return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
     check_power_values(power, graph)
     dtype = compute_dtype(q, k, v, power)
-    # Off the CPU the bound would wait for the device: there the log domain always runs.
-    log_domain = graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype)
-    grad = needs_grad(q, k, v, power)
-    if not (log_domain or grad or key_padding_mask is not None):
-        native = _native_forward(q, k, v, power)
-        if native is not None:
-            return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
+    attention = _formulation(q, k, v, power, key_padding_mask, graph, dtype)
+    if attention is _pola_attention_native:  # its inputs share one float dtype and autocast is off already
+        return attention(q, k, v, power, eps)
     keep, count = key_keep(key_padding_mask, k, dtype)
-    if log_domain:
-        attention = _pola_attention_graph
-    elif grad:
-        attention = _PolaPowerAttention.apply
-    else:
-        attention = _pola_attention_no_grad
     with full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
     return out.to(v.dtype)
