@@ -1,5 +1,6 @@
 """What the attention ops share: their input checks, key padding as a factor and a count, the compute dtype,
-autocast turned off, the swap of a feature vector's halves, and the reduction of a broadcast gradient."""
+autocast turned off, whether autograd records a call, the swap of a feature vector's halves, and the reduction of a
+broadcast gradient."""
 from __future__ import annotations
 
 import contextlib
@@ -11,11 +12,14 @@ __all__ = [
     "check_eps",
     "check_float",
     "check_key_padding_mask",
+    "check_packed_batch",
     "check_qkv",
+    "check_temperatures",
     "compute_dtype",
     "full_precision",
     "half_precision",
     "key_keep",
+    "needs_grad",
     "sum_to",
     "swap_halves",
 ]
@@ -70,6 +74,21 @@ def check_key_padding_mask(key_padding_mask: torch.Tensor, k: torch.Tensor) -> N
                          f"got {tuple(key_padding_mask.shape)}")
 
 
+def check_packed_batch(q: torch.Tensor, key_padding_mask: torch.Tensor | None) -> None:
+    """A packed batch is one row of sequences laid end to end, whose offsets say where each ends."""
+    if key_padding_mask is not None:
+        raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences have no padding")
+    if q.shape[0] != 1:
+        raise ValueError(f"packed q, k and v must have batch size 1 (1, heads, tokens, dim), got q{tuple(q.shape)}")
+
+
+def check_temperatures(temp_same: torch.Tensor, temp_opposite: torch.Tensor, head_dim: int) -> None:
+    """PaCS's temperatures weigh the 2d channels ``[x⁺ ; x⁻]`` of the query features."""
+    for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
+        if t.shape[-1] != 2 * head_dim:
+            raise ValueError(f"{name} must have 2*head_dim = {2 * head_dim} channels, got {tuple(t.shape)}")
+
+
 def key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):
     """``(keep, count)``: a (B, 1, M, 1) 0/1 factor for the key rows and the (B, 1, 1, 1) number of valid keys (at
     least 1, so an all-padding sequence gives zeros); ``(None, M)`` without a mask."""
@@ -87,6 +106,11 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     for t in tensors:
         dtype = torch.promote_types(dtype, t.dtype)
     return dtype
+
+
+def needs_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records a call on these inputs."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def half_precision(*tensors: torch.Tensor) -> bool:

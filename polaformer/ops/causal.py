@@ -37,7 +37,16 @@ import torch
 import torch.nn.functional as F
 
 from . import varlen
-from ._common import check_key_padding_mask, check_qkv, compute_dtype, full_precision, key_keep, swap_halves
+from ._common import (
+    check_key_padding_mask,
+    check_packed_batch,
+    check_qkv,
+    check_temperatures,
+    compute_dtype,
+    full_precision,
+    key_keep,
+    swap_halves,
+)
 from .dispatch import capturing, triton_kernels
 from .feature_maps import check_power_values, pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
@@ -176,14 +185,18 @@ def _recurrent(streams, phi_k, k_num, keep, state):
     return [torch.stack(o, dim=2) for o in outputs], CausalState(tuple(kv), key_sum, count)
 
 
+def _torch_form(form, streams, phi_k, k_num, keep, chunk_size, state):
+    """:func:`_chunked` or :func:`_recurrent`, as ``form`` names it; returns (outputs, final state)."""
+    if form == "chunked":
+        return _chunked(streams, phi_k, k_num, keep, chunk_size, state)
+    return _recurrent(streams, phi_k, k_num, keep, state)
+
+
 def _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state) -> None:
     """A packed call's arguments; the offsets' values where :func:`_host_checks` allows."""
     if initial_state is not None or return_state:
         raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor return_state")
-    if key_padding_mask is not None:
-        raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences have no padding")
-    if q.shape[0] != 1:
-        raise ValueError(f"packed q, k and v must have batch size 1 (1, heads, tokens, dim), got q{tuple(q.shape)}")
+    check_packed_batch(q, key_padding_mask)
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
             cu_seqlens.dtype not in (torch.int32, torch.int64):
         raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of at least two sequence offsets")
@@ -241,10 +254,7 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)
         keep = key_keep(key_padding_mask, k, k.dtype)[0]
-        if form == "chunked":
-            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
-        else:
-            outs, state = _recurrent(streams, phi_k, k_num, keep, state)
+        outs, state = _torch_form(form, streams, phi_k, k_num, keep, chunk_size, state)
         out = torch.cat(outs, dim=-1)
         _refuse_overflow(out, "Pola attention (the power map's products)", q, k, v, power)
     return out, state
@@ -277,11 +287,8 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
     _check_inputs(q, k, v, chunk_size)
     if v.shape[-1] % 2:
         raise ValueError(f"value head_dim must be even for PaCS's two streams, got {v.shape[-1]}")
-    two_d = 2 * q.shape[-1]
-    for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
-        if t.shape[-1] != two_d:
-            raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
-    _check_tables(sin, cos, q.shape[-2], two_d)
+    check_temperatures(temp_same, temp_opposite, q.shape[-1])
+    _check_tables(sin, cos, q.shape[-2], 2 * q.shape[-1])
     dtype = compute_dtype(q, k, v, temp_same, temp_opposite)
     overflow = (f"PaCS attention (its exp features need |k| and |q|·temperature below about "
                 f"{int(math.log(torch.finfo(dtype).max))})")
@@ -299,10 +306,7 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
             sin, cos = sin.to(dtype), cos.to(dtype)
         streams, phi_k, k_num = _pacs_streams(q, k, v, temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps)
         keep = key_keep(key_padding_mask, k, k.dtype)[0]
-        if form == "chunked":
-            outs, state = _chunked(streams, phi_k, k_num, keep, chunk_size, state)
-        else:
-            outs, state = _recurrent(streams, phi_k, k_num, keep, state)
+        outs, state = _torch_form(form, streams, phi_k, k_num, keep, chunk_size, state)
         out = torch.cat(outs, dim=-1)
         _refuse_overflow(out, overflow, q, k, v, temp_same, temp_opposite)
     return out, state
@@ -423,10 +427,7 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
     dtype = compute_dtype(phi_q, phi_k, v)
     with full_precision(phi_q.device.type):
         phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
-        streams = [_Stream(phi_q, phi_q, v, eps)]
-        if recurrent:
-            outs, state = _recurrent(streams, phi_k, phi_k, None, initial_state)
-        else:
-            outs, state = _chunked(streams, phi_k, phi_k, None, chunk_size, initial_state)
+        streams, form = [_Stream(phi_q, phi_q, v, eps)], "recurrent" if recurrent else "chunked"
+        outs, state = _torch_form(form, streams, phi_k, phi_k, None, chunk_size, initial_state)
         _refuse_overflow(outs[0], "linear attention", phi_q, phi_k, v)
     return outs[0].to(v.dtype), state

@@ -49,17 +49,50 @@ def linear_attention_weights(
     (PolaFormer++ rotates them with RoPE but normalises with the plain ones).
     ``key_padding_mask``: (B, M) bool, True at padded keys.
     """
-    num_q = phi_q if phi_q_num is None else phi_q_num
-    num_k = phi_k if phi_k_num is None else phi_k_num
     if key_padding_mask is None:
         valid = torch.ones(phi_k.shape[0], phi_k.shape[-2], dtype=torch.bool, device=phi_k.device)
     else:
         valid = ~key_padding_mask
-    valid = valid[:, None, None, :]  # (B, 1, 1, M) over the weight matrix's key axis
-    m = valid.sum(dim=-1, keepdim=True).clamp_min(1)
-    scores = (num_q @ num_k.transpose(-2, -1)).masked_fill(~valid, 0.0) / m
-    key_sum = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~valid, 0.0).sum(dim=-1, keepdim=True)
+    # (B, 1, 1, M) over the weight matrix's key axis
+    return _seen_weights(phi_q, phi_k, eps, phi_q_num, phi_k_num, valid[:, None, None, :])
+
+
+def _seen_weights(phi_q, phi_k, eps, phi_q_num, phi_k_num, seen):
+    """The weights with each query seeing only the keys where the bool ``seen`` (broadcast to (B, H, N, M)) is
+    True: the others weigh 0, and ``M`` and the mean count the seen keys (at least 1)."""
+    num_q = phi_q if phi_q_num is None else phi_q_num
+    num_k = phi_k if phi_k_num is None else phi_k_num
+    m = seen.sum(dim=-1, keepdim=True).clamp_min(1)
+    scores = (num_q @ num_k.transpose(-2, -1)).masked_fill(~seen, 0.0) / m
+    key_sum = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~seen, 0.0).sum(dim=-1, keepdim=True)
     return scores / (key_sum / m + eps)
+
+
+def _two_streams(same: torch.Tensor, opposite: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[W_same @ v_same, W_opp @ v_opp]`` along channels, ``v`` split as ``torch.chunk`` splits it."""
+    v_same, v_opposite = v.chunk(2, dim=-1)
+    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+
+
+def _pola_weights(weights, q, k, power, eps, key_padding_mask):
+    """Both streams' weight matrices as ``weights`` forms them (:func:`linear_attention_weights` or its
+    causal form) from the power-map features; the opposite-sign query is the same-sign one with halves swapped."""
+    phi_q, phi_k = power_feature(q, power), power_feature(k, power)
+    same = weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
+    opposite = weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
+    return same, opposite
+
+
+def _pacs_weights(weights, q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask):
+    """Both streams' weight matrices as ``weights`` forms them from the PaCS features, RoPE (given the tables)
+    rotating the numerator's features only."""
+    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
+    phi_k = pacs_key_features(k)
+    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
+    k_num = rotate(phi_k)
+    same = weights(q_same, phi_k, eps, rotate(q_same), k_num, key_padding_mask)
+    opposite = weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num, key_padding_mask)
+    return same, opposite
 
 
 def pola_attention_weights(
@@ -73,11 +106,7 @@ def pola_attention_weights(
 
     ``q``: (B, H, N, d), ``k``: (B, H, M, d), ``power`` broadcastable to (B, H, 1, d).
     """
-    phi_q = power_feature(q, power)
-    phi_k = power_feature(k, power)
-    same = linear_attention_weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
-    opposite = linear_attention_weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
-    return same, opposite
+    return _pola_weights(linear_attention_weights, q, k, power, eps, key_padding_mask)
 
 
 def naive_pola_linear_attention(
@@ -89,9 +118,7 @@ def naive_pola_linear_attention(
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference output: ``[W_same @ v_same, W_opp @ v_opp]`` along channels."""
-    same, opposite = pola_attention_weights(q, k, power, eps, key_padding_mask)
-    v_same, v_opposite = v.chunk(2, dim=-1)
-    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+    return _two_streams(*pola_attention_weights(q, k, power, eps, key_padding_mask), v)
 
 
 def power_attention_weights(
@@ -145,13 +172,7 @@ def pacs_attention_weights(
     key_padding_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Weight matrices of PolaFormer++'s PaCS attention (RoPE on the numerator only)."""
-    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
-    phi_k = pacs_key_features(k)
-    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
-    k_num = rotate(phi_k)
-    same = linear_attention_weights(q_same, phi_k, eps, rotate(q_same), k_num, key_padding_mask)
-    opposite = linear_attention_weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num, key_padding_mask)
-    return same, opposite
+    return _pacs_weights(linear_attention_weights, q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask)
 
 
 def naive_pacs_linear_attention(
@@ -165,9 +186,7 @@ def naive_pacs_linear_attention(
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    same, opposite = pacs_attention_weights(q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask)
-    v_same, v_opposite = v.chunk(2, dim=-1)
-    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+    return _two_streams(*pacs_attention_weights(q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask), v)
 
 
 def softmax_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -186,35 +205,21 @@ def causal_linear_attention_weights(
 ) -> torch.Tensor:
     """:func:`linear_attention_weights` with query ``t`` seeing keys ``0..t`` only: the weights of later keys
     are 0, and ``M`` and the mean count the valid keys of the prefix (at least 1)."""
-    num_q = phi_q if phi_q_num is None else phi_q_num
-    num_k = phi_k if phi_k_num is None else phi_k_num
     n = phi_k.shape[-2]
     seen = torch.ones(n, n, dtype=torch.bool, device=phi_k.device).tril()
     if key_padding_mask is not None:
         seen = seen & ~key_padding_mask[:, None, None, :]
-    m = seen.sum(dim=-1, keepdim=True).clamp_min(1)
-    scores = (num_q @ num_k.transpose(-2, -1)).masked_fill(~seen, 0.0) / m
-    key_sum = (phi_q @ phi_k.transpose(-2, -1)).masked_fill(~seen, 0.0).sum(dim=-1, keepdim=True)
-    return scores / (key_sum / m + eps)
+    return _seen_weights(phi_q, phi_k, eps, phi_q_num, phi_k_num, seen)
 
 
 def naive_causal_pola_linear_attention(q, k, v, power, eps: float = 1e-6, key_padding_mask=None) -> torch.Tensor:
     """Reference of :func:`~polaformer.ops.causal_pola_linear_attention`: masked weights of both streams."""
-    phi_q, phi_k = power_feature(q, power), power_feature(k, power)
-    same = causal_linear_attention_weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
-    opposite = causal_linear_attention_weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
-    v_same, v_opposite = v.chunk(2, dim=-1)
-    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+    return _two_streams(*_pola_weights(causal_linear_attention_weights, q, k, power, eps, key_padding_mask), v)
 
 
 def naive_causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps: float = 1e-6,
                                        key_padding_mask=None) -> torch.Tensor:
     """Reference of :func:`~polaformer.ops.causal_pacs_linear_attention` (RoPE on the numerator only)."""
-    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
-    phi_k = pacs_key_features(k)
-    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
-    k_num = rotate(phi_k)
-    same = causal_linear_attention_weights(q_same, phi_k, eps, rotate(q_same), k_num, key_padding_mask)
-    opposite = causal_linear_attention_weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num, key_padding_mask)
-    v_same, v_opposite = v.chunk(2, dim=-1)
-    return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
+    weights = _pacs_weights(causal_linear_attention_weights, q, k, temp_same, temp_opposite, sin, cos, eps,
+                            key_padding_mask)
+    return _two_streams(*weights, v)

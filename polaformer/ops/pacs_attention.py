@@ -23,15 +23,17 @@ from ._common import (
     check_float,
     check_key_padding_mask,
     check_qkv,
+    check_temperatures,
     compute_dtype,
     full_precision,
     key_keep,
+    needs_grad,
     sum_to,
     swap_halves,
 )
 from .pola_attention import _block_tokens
 from .rope import apply_rope
-from .varlen import check_cu_seqlens, pack, unpack
+from .varlen import check_cu_seqlens, padded_call
 
 __all__ = ["pacs_linear_attention"]
 
@@ -462,12 +464,11 @@ def _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, c
                                        sin[a:b], cos[a:b], eps) for a, b in zip(offsets, offsets[1:]) if b > a]
         return torch.cat(parts, dim=2) if parts else v.new_empty(*q.shape[:-1], v.shape[-1])
     offsets_k = offsets if cu_seqlens_k is None else check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
-    q_padded, _ = unpack(q, offsets)
-    k_padded, padding = unpack(k, offsets_k)
-    v_padded, _ = unpack(v, offsets_k)
-    out = pacs_linear_attention(q_padded, k_padded, v_padded, temp_same, temp_opposite, eps=eps,
-                                key_padding_mask=padding)
-    return pack(out, offsets)
+
+    def attend(pq, pk, pv, padding):
+        return pacs_linear_attention(pq, pk, pv, temp_same, temp_opposite, eps=eps, key_padding_mask=padding)
+
+    return padded_call(attend, q, k, v, offsets, offsets_k)
 
 
 def pacs_linear_attention(
@@ -529,10 +530,8 @@ def pacs_linear_attention(
     check_qkv(q, k, v, even_head_dim=True)
     check_float(temp_same=temp_same, temp_opposite=temp_opposite)
     check_eps(eps)
+    check_temperatures(temp_same, temp_opposite, q.shape[-1])
     two_d = 2 * q.shape[-1]
-    for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
-        if t.shape[-1] != two_d:
-            raise ValueError(f"{name} must have 2*head_dim = {two_d} channels, got {tuple(t.shape)}")
     if (sin is None) != (cos is None):
         raise ValueError("pass both sin and cos, or neither")
     if sin is not None and (sin.shape[-2:] != (q.shape[-2], two_d) or q.shape[-2] != k.shape[-2]):
@@ -563,7 +562,7 @@ def pacs_linear_attention(
     # Off the CPU a finiteness test would wait for the device: there the log domain always runs.
     if capturing() or not pairs or q.device.type != "cpu":
         attention = _pacs_attention_graph
-    elif torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, temp_same, temp_opposite)):
+    elif needs_grad(q, k, v, temp_same, temp_opposite):
         attention = _PacsAttention.apply
     else:
         attention = _pacs_attention_no_grad

@@ -37,10 +37,12 @@ from ._common import (
     check_eps,
     check_float,
     check_key_padding_mask,
+    check_packed_batch,
     check_qkv,
     compute_dtype,
     full_precision,
     key_keep,
+    needs_grad,
     sum_to,
     swap_halves,
 )
@@ -71,37 +73,39 @@ def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: to
     return cpu_kernels(q)
 
 
+def _pola_attention_native(q, k, v, power, eps):
+    """The whole forward without gradients or key padding in one native call (see :func:`_native_forward`)."""
+    return cpu_kernels(q).pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
+
+
 def _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k):
     """Shape checks of a packed call that need no device sync; returns the offsets on ``q``'s device
     ``(cu_seqlens, cu_seqlens_k)``, the second defaulting to the first."""
     if cu_seqlens is None:
         raise ValueError("cu_seqlens_k needs cu_seqlens (the query offsets)")
-    if key_padding_mask is not None:
-        raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences have no padding")
-    if q.shape[0] != 1:
-        raise ValueError(f"packed q, k and v must have batch size 1 (1, heads, tokens, dim), got q{tuple(q.shape)}")
+    check_packed_batch(q, key_padding_mask)
     cu_seqlens_k = cu_seqlens if cu_seqlens_k is None else cu_seqlens_k
-    for name, offsets in (("cu_seqlens", cu_seqlens), ("cu_seqlens_k", cu_seqlens_k)):
-        if not isinstance(offsets, torch.Tensor) or offsets.dim() != 1 or offsets.dtype not in (torch.int32,
-                                                                                                torch.int64):
-            raise ValueError(f"{name} must be a 1-D int32/int64 tensor of sequence offsets")
-        if offsets.numel() < 2:
-            raise ValueError(f"{name} needs at least two offsets (one sequence), got {offsets.numel()}")
+    varlen.check_offsets(cu_seqlens)
+    varlen.check_offsets(cu_seqlens_k, "cu_seqlens_k")
     if cu_seqlens.numel() != cu_seqlens_k.numel():
         raise ValueError(f"cu_seqlens and cu_seqlens_k must describe as many sequences; got "
                          f"{cu_seqlens.numel() - 1} and {cu_seqlens_k.numel() - 1}")
     return cu_seqlens.to(q.device), cu_seqlens_k.to(q.device)
 
 
+def _read_offsets(q, k, cu_seqlens, cu_seqlens_k) -> tuple[list[int], list[int]]:
+    """The queries' and the keys' offsets, checked against the token counts (a host sync)."""
+    return (varlen.check_cu_seqlens(cu_seqlens, q.shape[-2]),
+            varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k"))
+
+
 def _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k):
-    """The torch formulation of a packed call: pad the sequences, run the padded op with its key mask, pack."""
-    query_offsets = varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
-    key_offsets = varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
-    padded_q, _ = varlen.unpack(q, query_offsets)
-    padded_k, padding = varlen.unpack(k, key_offsets)
-    padded_v, _ = varlen.unpack(v, key_offsets)
-    out = pola_linear_attention(padded_q, padded_k, padded_v, power, eps, key_padding_mask=padding)
-    return varlen.pack(out, query_offsets)
+    """The torch formulation of a packed call: the padded op with its key mask (:func:`.varlen.padded_call`)."""
+
+    def attend(pq, pk, pv, padding):
+        return pola_linear_attention(pq, pk, pv, power, eps, key_padding_mask=padding)
+
+    return varlen.padded_call(attend, q, k, v, *_read_offsets(q, k, cu_seqlens, cu_seqlens_k))
 
 
 def _same_sign_width(v: torch.Tensor) -> int:
@@ -310,6 +314,18 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     return out
 
 
+def _formulation(q, k, v, power, key_padding_mask, graph: bool, dtype: torch.dtype):
+    """The formulation of an unpacked call that the Triton kernels do not take: the first that applies."""
+    # Off the CPU the overflow bound would wait for the device: there the log domain always runs.
+    if graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype):
+        return _pola_attention_graph  # the log domain; autograd derives the backward
+    if needs_grad(q, k, v, power):
+        return _PolaPowerAttention.apply  # the hand-written backward
+    if key_padding_mask is None and _native_forward(q, k, v, power) is not None:
+        return _pola_attention_native  # one native call, the whole forward
+    return _pola_attention_no_grad  # token blocks, each in cache
+
+
 class _PolaPowerAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, power, eps, keep, m):
@@ -427,7 +443,7 @@ def pola_linear_attention(
     ``create_graph=True``) raises one error line instead of returning
     gradients that ignore the inputs.
     """
-    if causal:
+    if causal:  # an op of its own (:mod:`.causal`)
         return causal_pola_linear_attention(q, k, v, power, eps, key_padding_mask=key_padding_mask,
                                             cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k)
     check_qkv(q, k, v)
@@ -440,31 +456,20 @@ def pola_linear_attention(
     elif key_padding_mask is not None:
         check_key_padding_mask(key_padding_mask, k)
     kernels = triton_kernels(q)
-    if kernels is not None:
+    if kernels is not None:  # CUDA tensors, eager or compiled, and the interpreter: the fused Triton kernels
         check_power_values(power, graph)
         if packed and q.device.type == "cpu" and not graph:  # the interpreter: the check costs no device sync
-            varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
-            varlen.check_cu_seqlens(cu_seqlens_k, k.shape[-2], "cu_seqlens_k")
+            _read_offsets(q, k, cu_seqlens, cu_seqlens_k)
         mask = None if key_padding_mask is None else key_padding_mask.to(q.device)
         return kernels.pola_attention(q, k, v, power, eps, mask, cu_seqlens, cu_seqlens_k)
-    if packed:
+    if packed:  # padded into a batch, then one of the formulations below
         return _packed_attention(q, k, v, power, eps, cu_seqlens, cu_seqlens_k)
     check_power_values(power, graph)
     dtype = compute_dtype(q, k, v, power)
-    # Off the CPU the bound would wait for the device: there the log domain always runs.
-    log_domain = graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, power))
-    if not (log_domain or needs_grad or key_padding_mask is not None):
-        native = _native_forward(q, k, v, power)
-        if native is not None:
-            return native.pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
+    attention = _formulation(q, k, v, power, key_padding_mask, graph, dtype)
+    if attention is _pola_attention_native:  # its inputs share one float dtype and autocast is off already
+        return attention(q, k, v, power, eps)
     keep, count = key_keep(key_padding_mask, k, dtype)
-    if log_domain:
-        attention = _pola_attention_graph
-    elif needs_grad:
-        attention = _PolaPowerAttention.apply
-    else:
-        attention = _pola_attention_no_grad
     with full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
     return out.to(v.dtype)

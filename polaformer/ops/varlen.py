@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["check_cu_seqlens", "pack", "unpack"]
+__all__ = ["check_cu_seqlens", "check_offsets", "pack", "padded_call", "unpack"]
 
 
-def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
-    """Validate offsets for ``total`` packed tokens and return them as Python ints (one host sync)."""
+def check_offsets(cu_seqlens, name: str = "cu_seqlens") -> None:
+    """What can be checked of offsets without reading their values (no host sync): type, shape, dtype."""
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.dtype not in (
         torch.int32, torch.int64
     ):
         raise ValueError(f"{name} must be a 1-D int32/int64 tensor of sequence offsets")
     if cu_seqlens.numel() < 2:
         raise ValueError(f"{name} needs at least two offsets (one sequence), got {cu_seqlens.numel()}")
+
+
+def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqlens") -> list[int]:
+    """Validate offsets for ``total`` packed tokens and return them as Python ints (one host sync)."""
+    check_offsets(cu_seqlens, name)
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != total:
         raise ValueError(f"{name} must start at 0 and end at the packed token count {total}; got {offsets[0]}…{offsets[-1]}")
@@ -48,3 +53,13 @@ def pack(padded: torch.Tensor, offsets: list[int]) -> torch.Tensor:
     """Inverse of :func:`unpack`: (S, H, L, c) → (1, H, T, c), dropping the padding rows."""
     lengths = [b - a for a, b in zip(offsets, offsets[1:])]
     return torch.cat([padded[s, :, :n] for s, n in enumerate(lengths)], dim=1).unsqueeze(0)
+
+
+def padded_call(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: list[int],
+                key_offsets: list[int]) -> torch.Tensor:
+    """The torch formulation of a packed call: ``attend(q, k, v, key_padding_mask)`` on the sequences padded
+    into a batch, its output packed again."""
+    padded_q, _ = unpack(q, offsets)
+    padded_k, padding = unpack(k, key_offsets)
+    padded_v, _ = unpack(v, key_offsets)
+    return pack(attend(padded_q, padded_k, padded_v, padding), offsets)
