@@ -9,6 +9,9 @@ import math
 import torch
 
 __all__ = [
+    "BLOCK_ELEMENTS",
+    "MIN_BLOCK_TOKENS",
+    "block_tokens",
     "check_eps",
     "check_float",
     "check_key_padding_mask",
@@ -140,3 +143,19 @@ def sum_to(x: torch.Tensor, shape: torch.Size) -> torch.Tensor:
         if i < lead or (shape[i - lead] == 1 and x.shape[i] != 1):
             x = x.sum(dim=i, keepdim=True)
     return x.reshape(shape)
+
+
+# The forwards without gradients go through the tokens a block at a time, about this many elements of q (or k)
+# per block, so that each block's features, products and division stay in the core's cache. Inputs of up to four
+# blocks run as one: there the extra calls cost more than the cache saves.
+BLOCK_ELEMENTS = 1 << 17
+MIN_BLOCK_TOKENS = 64
+
+
+def block_tokens(x: torch.Tensor, width: int) -> int:
+    """Tokens per block for ``x`` (B, H, N, d) whose per-token work is ``width`` channels wide."""
+    b, h, n, _ = x.shape
+    per_token = max(1, b * h * width)
+    if n * per_token <= 4 * BLOCK_ELEMENTS:
+        return max(n, 1)
+    return max(MIN_BLOCK_TOKENS, BLOCK_ELEMENTS // per_token)

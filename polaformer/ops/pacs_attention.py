@@ -19,6 +19,7 @@ from .causal import causal_pacs_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
 from .feature_maps import _expm1
 from ._common import (
+    block_tokens,
     check_eps,
     check_float,
     check_key_padding_mask,
@@ -31,7 +32,6 @@ from ._common import (
     sum_to,
     swap_halves,
 )
-from .pola_attention import _block_tokens
 from .rope import apply_rope
 from .varlen import check_cu_seqlens, padded_call
 
@@ -259,9 +259,9 @@ def _pacs_attention_no_grad(q, k, v, temp_same, temp_opposite, sin, cos, eps, ke
     _, _, kvs, k_means = _pacs_key_side(k, v, keep, m, tables)
     out_tok, out = _pacs_output(q, v)
     n, d = q.shape[-2:]
-    # Blocks of about pola_attention._BLOCK_ELEMENTS query elements (4x that many features, both streams 2d wide): the
+    # Blocks of about _common.BLOCK_ELEMENTS query elements (4x that many features, both streams 2d wide): the
     # PaCS steps per block are more than the Pola ones, and blocks sized by the features ran slower.
-    step = _block_tokens(q, d)
+    step = block_tokens(q, d)
     for i in range(0, n, step):
         rows = slice(i, i + step)
         _pacs_query_side(_relu_halves(q[:, :, rows], rope), temps,

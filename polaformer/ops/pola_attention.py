@@ -32,8 +32,9 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from . import varlen
+from . import _common, varlen
 from ._common import (
+    block_tokens,
     check_eps,
     check_float,
     check_key_padding_mask,
@@ -75,7 +76,7 @@ def _native_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: to
 
 def _pola_attention_native(q, k, v, power, eps):
     """The whole forward without gradients or key padding in one native call (see :func:`_native_forward`)."""
-    return cpu_kernels(q).pola_forward_no_grad(q, k, v, power, eps, _BLOCK_ELEMENTS, _MIN_BLOCK_TOKENS)
+    return cpu_kernels(q).pola_forward_no_grad(q, k, v, power, eps, _common.BLOCK_ELEMENTS, _common.MIN_BLOCK_TOKENS)
 
 
 def _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k):
@@ -268,22 +269,6 @@ def _output_grad(grad_out: torch.Tensor, denom: torch.Tensor, out: torch.Tensor,
     return g
 
 
-# The forward without gradients goes through the tokens a block at a time, about this many elements of
-# q (or k) per block, so that each block's features, products and division stay in the core's cache.
-# Inputs of up to four blocks run as one: there the extra calls cost more than the cache saves.
-_BLOCK_ELEMENTS = 1 << 17
-_MIN_BLOCK_TOKENS = 64
-
-
-def _block_tokens(x: torch.Tensor, width: int) -> int:
-    """Tokens per block for ``x`` (B, H, N, d) whose per-token work is ``width`` channels wide."""
-    b, h, n, _ = x.shape
-    per_token = max(1, b * h * width)
-    if n * per_token <= 4 * _BLOCK_ELEMENTS:
-        return max(n, 1)
-    return max(_MIN_BLOCK_TOKENS, _BLOCK_ELEMENTS // per_token)
-
-
 def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     """:class:`_PolaPowerAttention`'s forward for a call that needs no gradient, by blocks of tokens.
 
@@ -293,7 +278,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
     """
     n, d = q.shape[-2:]
     half = _same_sign_width(v)
-    step = _block_tokens(k, d)
+    step = block_tokens(k, d)
     kv = k_sum = None
     for i in range(0, k.shape[-2], step):
         phi_k, _ = _power_features(k[:, :, i:i + step], power, keep_log=False)
@@ -307,7 +292,7 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
             k_sum.add_(part_sum)
     rhs = _stream_rhs(kv, k_sum, m, half)
     out = _token_major_output(q, v)
-    step = _block_tokens(q, d)
+    step = block_tokens(q, d)
     for i in range(0, n, step):
         phi_q, _ = _power_features(q[:, :, i:i + step], power, keep_log=False)
         _normalise(torch.matmul(phi_q, rhs), eps, half, out[:, :, i:i + step])

@@ -10,6 +10,7 @@ import polaformer.backends.cpu.native as native_mod
 import polaformer.ops.dispatch as dispatch
 import polaformer.ops.pacs_attention as pacs
 import polaformer.ops.pola_attention as pa
+from polaformer.ops import _common
 from polaformer.ops._common import sum_to
 from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
@@ -185,14 +186,14 @@ def test_stream_rhs_and_its_backward_match_torch_ops(native, d, dv, half, dtype)
 @pytest.mark.parametrize("dtype", [F64, torch.float32])
 def test_native_forward_without_gradients_matches_torch_ops_and_reference(native, monkeypatch, blocks, dtype):
     if blocks:  # blocks of 7 tokens, the last one short, for the keys and for the queries
-        monkeypatch.setattr(pa, "_BLOCK_ELEMENTS", 1)
-        monkeypatch.setattr(pa, "_MIN_BLOCK_TOKENS", 7)
+        monkeypatch.setattr(_common, "BLOCK_ELEMENTS", 1)
+        monkeypatch.setattr(_common, "MIN_BLOCK_TOKENS", 7)
     q = _x((2, 3, 40, 8), dtype, token_major=True)
     k = _x((2, 3, 29, 8), dtype, seed=1, token_major=True)
     v = _x((2, 3, 29, 5), dtype, seed=2)
     power = learnable_power(_x((1, 3, 1, 8), dtype, seed=3), 4.0)
     with torch.no_grad():
-        fused = native.pola_forward_no_grad(q, k, v, power, 1e-6, pa._BLOCK_ELEMENTS, pa._MIN_BLOCK_TOKENS)
+        fused = native.pola_forward_no_grad(q, k, v, power, 1e-6, _common.BLOCK_ELEMENTS, _common.MIN_BLOCK_TOKENS)
         through_op = pola_linear_attention(q, k, v, power)
         plain = _torch_op(pola_linear_attention, q, k, v, power)
     assert fused.shape == (2, 3, 40, 5) and fused.transpose(1, 2).is_contiguous()  # token-major, as the layers use

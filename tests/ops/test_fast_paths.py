@@ -98,11 +98,11 @@ def test_rope_module_tables_follow_the_angle_buffer_and_the_grid():
 @pytest.mark.parametrize("masked", [False, True])
 @pytest.mark.parametrize("keys", [23, 9])
 def test_blocked_forward_without_gradients_equals_the_reference(monkeypatch, masked, keys):
-    import polaformer.ops.pola_attention as op
+    import polaformer.ops._common as op
     from polaformer.ops import learnable_power, naive_pola_linear_attention
 
-    monkeypatch.setattr(op, "_BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(op, "_MIN_BLOCK_TOKENS", 5)  # blocks of 5 tokens, the last one short
+    monkeypatch.setattr(op, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(op, "MIN_BLOCK_TOKENS", 5)  # blocks of 5 tokens, the last one short
     gen = torch.Generator().manual_seed(2)
     q = torch.randn(2, 3, 17, 4, generator=gen, dtype=F64)
     k, v = torch.randn(2, 3, keys, 4, generator=gen, dtype=F64), torch.randn(2, 3, keys, 6, generator=gen, dtype=F64)
@@ -123,10 +123,10 @@ def test_blocked_forward_without_gradients_equals_the_reference(monkeypatch, mas
 
 @pytest.mark.parametrize("masked", [False, True])
 def test_blocked_pacs_forward_without_gradients_redoes_an_overflow_in_the_log_domain(monkeypatch, masked):
-    import polaformer.ops.pola_attention as op
+    import polaformer.ops._common as op
 
-    monkeypatch.setattr(op, "_BLOCK_ELEMENTS", 1)
-    monkeypatch.setattr(op, "_MIN_BLOCK_TOKENS", 5)  # 20 tokens: blocks of 5
+    monkeypatch.setattr(op, "BLOCK_ELEMENTS", 1)
+    monkeypatch.setattr(op, "MIN_BLOCK_TOKENS", 5)  # 20 tokens: blocks of 5
     gen = torch.Generator().manual_seed(6)
     q = torch.randn(2, 2, 20, 8, generator=gen)
     # features up to e^87 in one token of one block: float32 sums of products overflow outside the log domain

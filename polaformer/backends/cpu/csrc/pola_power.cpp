@@ -261,8 +261,8 @@ at::Tensor expanded_power(const at::Tensor& power, const at::Tensor& x) {
   return power.expand({x.size(0), x.size(1), 1, x.size(3)}).contiguous();
 }
 
-// Tokens per block for x (B, H, N, ·) whose per-token work is `width` channels wide (as _block_tokens in
-// pola_attention.py: inputs of up to four blocks run as one).
+// Tokens per block for x (B, H, N, ·) whose per-token work is `width` channels wide (as block_tokens in
+// ops/_common.py: inputs of up to four blocks run as one).
 int64_t block_tokens(const at::Tensor& x, int64_t width, int64_t block_elements, int64_t min_block_tokens) {
   const int64_t n = x.size(2), per_token = std::max<int64_t>(1, x.size(0) * x.size(1) * width);
   if (n * per_token <= 4 * block_elements) return std::max<int64_t>(n, 1);
