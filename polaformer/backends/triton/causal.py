@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, expm1, padded_width
+from .common import accumulator_dtype, dot_precision, expm1, padded_width, unpadded_keys
 
 __all__ = ["FEATURES", "causal_attention", "kernel_chunk"]
 
@@ -134,6 +134,39 @@ def _param_row(ptr, batch, head, channel, D, F, stride_b, stride_h, stride_c, FE
 
 
 @triton.jit
+def _temperature(p0_ptr, p1_ptr, S: tl.constexpr, batch, head, channel, D, F, stride_pb, stride_ph, stride_pc,
+                 stride_sb, stride_sh, stride_sc):
+    """PaCS: stream ``S``'s temperature of each feature channel, as a row."""
+    if S == 0:
+        row = _param_row(p0_ptr, batch, head, channel, D, F, stride_pb, stride_ph, stride_pc, 2)
+    else:
+        row = _param_row(p1_ptr, batch, head, channel, D, F, stride_sb, stride_sh, stride_sc, 2)
+    return row[None, :]
+
+
+@triton.jit
+def _chunk_keys(k_ptr, sin_ptr, cos_ptr, mask_ptr, key_param, batch, head, t, valid, rows, channel, D, F,
+                stride_kb, stride_kh, stride_kt, stride_kc, stride_rt, stride_rc, stride_mb, stride_mt,
+                dtype: tl.constexpr, FP: tl.constexpr, FEATURE: tl.constexpr, ROPE: tl.constexpr,
+                HAS_MASK: tl.constexpr):
+    """A chunk's keys as the output and backward kernels read them: ``(keep, x_k, φk, k_num, sin, cos)``, the
+    unpadded valid rows, the inputs, their features (zero on padded rows), the numerator's (RoPE-rotated) and the
+    RoPE tables' rows (without RoPE ``φk`` stands in for them, unread)."""
+    keep = _keep(mask_ptr, batch, t, valid, stride_mb, stride_mt, HAS_MASK)
+    x_k = _tile(k_ptr + batch.to(tl.int64) * stride_kb + head.to(tl.int64) * stride_kh, rows, channel % D, stride_kt,
+                stride_kc, valid, channel < F, dtype)
+    phi_k = tl.where(keep[:, None], _features(x_k, channel, D, key_param, 0, FEATURE), 0.0)
+    k_num = phi_k
+    sin = phi_k
+    cos = phi_k
+    if ROPE:
+        sin = _tile(sin_ptr, rows, channel, stride_rt, stride_rc, valid, channel < F, dtype)
+        cos = _tile(cos_ptr, rows, channel, stride_rt, stride_rc, valid, channel < F, dtype)
+        k_num = _rotate(phi_k, sin, cos, FP)
+    return keep, x_k, phi_k, k_num, sin, cos
+
+
+@triton.jit
 def _sequence(seq, cu_ptr, LENGTH, CHUNKS, CHUNK: tl.constexpr, PACKED: tl.constexpr):
     """(batch, first row, length, first work item, chunks) of sequence ``seq``."""
     if PACKED:
@@ -186,11 +219,7 @@ def _tile(ptr, rows, cols, stride_row, stride_col, row_ok, col_ok, dtype: tl.con
 @triton.jit
 def _keep(mask_ptr, batch, t, valid, stride_mb, stride_mt, HAS_MASK: tl.constexpr):
     """The valid, unpadded keys among tokens ``t`` of the sequence."""
-    if HAS_MASK:
-        padded = tl.load(mask_ptr + batch.to(tl.int64) * stride_mb + t.to(tl.int64) * stride_mt, mask=valid,
-                         other=1)
-        return valid & (padded == 0)
-    return valid
+    return unpadded_keys(mask_ptr + batch.to(tl.int64) * stride_mb, t.to(tl.int64), valid, stride_mt, HAS_MASK)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -300,20 +329,14 @@ def _output_kernel(
         t = t0 + tl.arange(0, CHUNK)
         valid = t < length
         rows = start + t
-        keep = _keep(mask_ptr, batch, t, valid, stride_mb, stride_mt, HAS_MASK)
         c = tl.arange(0, FP)
         j = tl.arange(0, WP)
         key_param = 1.0
         if FEATURE == 1:
             key_param = _param_row(p0_ptr, batch, head, c, D, F, stride_pb, stride_ph, stride_pc, FEATURE)[None, :]
-        x_k = _tile(k_ptr + b64 * stride_kb + h64 * stride_kh, rows, c % D, stride_kt, stride_kc, valid, c < F,
-                    acc_t)
-        phi_k = tl.where(keep[:, None], _features(x_k, c, D, key_param, 0, FEATURE), 0.0)
-        k_num = phi_k
-        if ROPE:
-            sin = _tile(sin_ptr, rows, c, stride_rt, stride_rc, valid, c < F, acc_t)
-            cos = _tile(cos_ptr, rows, c, stride_rt, stride_rc, valid, c < F, acc_t)
-            k_num = _rotate(phi_k, sin, cos, FP)
+        keep, x_k, phi_k, k_num, sin, cos = _chunk_keys(
+            k_ptr, sin_ptr, cos_ptr, mask_ptr, key_param, batch, head, t, valid, rows, c, D, F, stride_kb, stride_kh,
+            stride_kt, stride_kc, stride_rt, stride_rc, stride_mb, stride_mt, acc_t, FP, FEATURE, ROPE, HAS_MASK)
         count = tl.maximum(tl.load(counts_ptr + item) + tl.cumsum(keep.to(acc_t), 0), 1.0)
         slot = item.to(tl.int64) * HEADS + head
         key_sum = tl.load(keys_ptr + slot * FP + c)
@@ -322,18 +345,10 @@ def _output_kernel(
         seen = t[:, None] >= t[None, :]
         stats = stats_ptr + ((b64 * HEADS + head) * LENGTH + rows) * 4
         for s in tl.static_range(STREAMS):
-            if s == 0:
-                width = W0
-                param = key_param
-                if FEATURE == 2:
-                    param = _param_row(p0_ptr, batch, head, c, D, F, stride_pb, stride_ph, stride_pc,
-                                       FEATURE)[None, :]
-            else:
-                width = W1
-                param = key_param
-                if FEATURE == 2:
-                    param = _param_row(p1_ptr, batch, head, c, D, F, stride_sb, stride_sh, stride_sc,
-                                       FEATURE)[None, :]
+            param = key_param
+            if FEATURE == 2:
+                param = _temperature(p0_ptr, p1_ptr, s, batch, head, c, D, F, stride_pb, stride_ph, stride_pc,
+                                     stride_sb, stride_sh, stride_sc)
             phi_q = _features(x_q, c, D, param, s, FEATURE)
             inv_scale = 1.0 / _row_scale(tl.max(phi_q, 1))
             phi_q = phi_q * inv_scale[:, None]
@@ -341,8 +356,9 @@ def _output_kernel(
             if ROPE:
                 q_num = _rotate(phi_q, sin, cos, FP)
             state = tl.load(states_ptr + (slot * STREAMS + s) * (FP * WP) + c[:, None] * WP + j[None, :])
+            col_ok = j < (W0 if s == 0 else W1)
             values = _tile(v_ptr + b64 * stride_vb + h64 * stride_vh, rows, s * W0 + j, stride_vt, stride_vc, valid,
-                           j < width, acc_t)
+                           col_ok, acc_t)
             scores = tl.where(seen, tl.dot(q_num, tl.trans(k_num), input_precision=PRECISION, out_dtype=acc_t), 0.0)
             num = tl.dot(q_num, state, input_precision=PRECISION, out_dtype=acc_t)
             num += tl.dot(scores, values, input_precision=PRECISION, out_dtype=acc_t)
@@ -354,7 +370,7 @@ def _output_kernel(
             out = num * inv_den[:, None]
             tl.store(out_ptr + b64 * stride_ob + h64 * stride_oh + rows[:, None] * stride_ot
                      + (s * W0 + j)[None, :] * stride_oc, out.to(out_ptr.dtype.element_ty),
-                     mask=valid[:, None] & (j < width)[None, :])
+                     mask=valid[:, None] & col_ok[None, :])
             tl.store(stats + s, inv_den, mask=valid)
             tl.store(stats + 2 + s, inv_scale, mask=valid)
 
@@ -487,19 +503,13 @@ def _grads_kernel(
         t = t0 + tl.arange(0, CHUNK)
         valid = t < length
         rows = start + t
-        keep = _keep(mask_ptr, batch, t, valid, stride_mb, stride_mt, HAS_MASK)
         j = tl.arange(0, WP)
         key_param = 1.0
         if FEATURE == 1:
             key_param = _param_row(p0_ptr, batch, head, c, D, F, stride_pb, stride_ph, stride_pc, FEATURE)[None, :]
-        x_k = _tile(k_ptr + b64 * stride_kb + h64 * stride_kh, rows, c % D, stride_kt, stride_kc, valid, c < F,
-                    acc_t)
-        phi_k = tl.where(keep[:, None], _features(x_k, c, D, key_param, 0, FEATURE), 0.0)
-        k_num = phi_k
-        if ROPE:
-            sin = _tile(sin_ptr, rows, c, stride_rt, stride_rc, valid, c < F, acc_t)
-            cos = _tile(cos_ptr, rows, c, stride_rt, stride_rc, valid, c < F, acc_t)
-            k_num = _rotate(phi_k, sin, cos, FP)
+        keep, x_k, phi_k, k_num, sin, cos = _chunk_keys(
+            k_ptr, sin_ptr, cos_ptr, mask_ptr, key_param, batch, head, t, valid, rows, c, D, F, stride_kb, stride_kh,
+            stride_kt, stride_kc, stride_rt, stride_rc, stride_mb, stride_mt, acc_t, FP, FEATURE, ROPE, HAS_MASK)
         key_prefix = tl.load(keys_ptr + slot * FP + c)[None, :] + tl.cumsum(phi_k, 0)
         x_q = _tile(q_ptr + b64 * stride_qb + h64 * stride_qh, rows, c % D, stride_qt, stride_qc, valid, c < F,
                     acc_t)
@@ -509,18 +519,10 @@ def _grads_kernel(
         grad_phi_k = tl.zeros([CHUNK, FP], dtype=acc_t)
         grad_x_q = tl.zeros([CHUNK, FP], dtype=acc_t)
         for s in tl.static_range(STREAMS):
-            if s == 0:
-                width = W0
-                param = key_param
-                if FEATURE == 2:
-                    param = _param_row(p0_ptr, batch, head, c, D, F, stride_pb, stride_ph, stride_pc,
-                                       FEATURE)[None, :]
-            else:
-                width = W1
-                param = key_param
-                if FEATURE == 2:
-                    param = _param_row(p1_ptr, batch, head, c, D, F, stride_sb, stride_sh, stride_sc,
-                                       FEATURE)[None, :]
+            param = key_param
+            if FEATURE == 2:
+                param = _temperature(p0_ptr, p1_ptr, s, batch, head, c, D, F, stride_pb, stride_ph, stride_pc,
+                                     stride_sb, stride_sh, stride_sc)
             inv_den = tl.load(stats + s, mask=valid, other=0.0)
             inv_scale = tl.load(stats + 2 + s, mask=valid, other=0.0)
             raw_q = _features(x_q, c, D, param, s, FEATURE)
@@ -529,7 +531,7 @@ def _grads_kernel(
             if ROPE:
                 q_num = _rotate(phi_q, sin, cos, FP)
             cols = s * W0 + j
-            col_ok = j < width
+            col_ok = j < (W0 if s == 0 else W1)
             values = _tile(v_ptr + b64 * stride_vb + h64 * stride_vh, rows, cols, stride_vt, stride_vc, valid, col_ok,
                            acc_t)
             grad_out = _tile(grad_out_ptr + b64 * stride_gb + h64 * stride_gh, rows, cols, stride_gt, stride_gc,

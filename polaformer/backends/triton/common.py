@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "program",
-           "sequence_tokens", "share", "warps"]
+           "sequence_tokens", "share", "unpadded_keys", "warps"]
 
 
 def padded_width(n: int) -> int:
@@ -117,6 +117,16 @@ def sequence_tokens(seq, cu_ptr, length, PACKED: tl.constexpr):
         return seq * 0, tl.load(cu_ptr + seq).to(tl.int64), tl.load(cu_ptr + seq + 1).to(tl.int64)
     else:
         return seq, tl.zeros((), tl.int64), tl.zeros((), tl.int64) + length
+
+
+@triton.jit
+def unpadded_keys(mask_base, t, valid, stride_mt, HAS_MASK: tl.constexpr):
+    """Which of tokens ``t`` (``valid``: inside the sequence) are keys: those the padding mask row at
+    ``mask_base`` does not mark, where there is one."""
+    keep = valid
+    if HAS_MASK:
+        keep = keep & (tl.load(mask_base + t * stride_mt, mask=valid, other=1) == 0)
+    return keep
 
 
 @triton.jit

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .common import (accumulator_dtype, dot_precision, expm1, padded_width, plan, program, sequence_tokens, share,
-                     warps)
+                     unpadded_keys, warps)
 
 __all__ = ["pacs_attention", "pacs_backward", "pacs_forward"]
 
@@ -109,9 +109,7 @@ def _key_state(k_base, v_base, mask_base, cos_ptr, sin_ptr, lo, hi,
     count = tl.zeros([BLOCK], dtype=ACC)
     for t0 in range(lo, hi, BLOCK):
         rows = t0 + tl.arange(0, BLOCK)
-        ok = rows < hi
-        if HAS_MASK:
-            ok = ok & (tl.load(mask_base + rows * stride_mt, mask=ok, other=1) == 0)
+        ok = unpadded_keys(mask_base, rows, rows < hi, stride_mt, HAS_MASK)
         k_even, k_odd = _load_blocks(k_base, rows, ok, stride_kt, stride_kc, channel, even_ok, odd_ok, ACC)
         y_even, y_odd = _halves(k_even, positive), _halves(k_odd, positive)
         grown_even = tl.maximum(shift_even, tl.max(y_even, 0))
@@ -459,9 +457,7 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, cos_ptr, sin_ptr, lo
     for t0 in range(lo, hi, BLOCK):
         rows = t0 + tl.arange(0, BLOCK)
         valid = rows < hi
-        ok = valid
-        if HAS_MASK:
-            ok = ok & (tl.load(mask_base + rows * stride_mt, mask=valid, other=1) == 0)
+        ok = unpadded_keys(mask_base, rows, valid, stride_mt, HAS_MASK)
         k_even, k_odd = _load_blocks(k_base, rows, ok, stride_kt, stride_kc, channel, even_ok, odd_ok, ACC)
         f_even = _shifted_feature(_halves(k_even, positive), 0.0, shift_even[None, :])
         f_odd = _shifted_feature(_halves(k_odd, positive), 0.0, shift_odd[None, :])

@@ -32,7 +32,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, padded_width, plan, program, sequence_tokens, share, warps
+from .common import (accumulator_dtype, dot_precision, padded_width, plan, program, sequence_tokens, share,
+                     unpadded_keys, warps)
 
 __all__ = ["PolaAttention", "pola_attention", "pola_backward", "pola_forward"]
 
@@ -73,9 +74,7 @@ def _key_state(k_base, v_base, mask_base, p, lo, hi,
     count = tl.zeros([BLOCK], dtype=ACC)
     for t0 in range(lo, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
-        keep = t < hi
-        if HAS_MASK:
-            keep = keep & (tl.load(mask_base + t * stride_mt, mask=keep, other=1) == 0)
+        keep = unpadded_keys(mask_base, t, t < hi, stride_mt, HAS_MASK)
         x = tl.load(k_base + t[:, None] * stride_kt + c[None, :] * stride_kc,
                     mask=keep[:, None] & (c < D)[None, :], other=0.0).to(ACC)
         values = tl.load(v_base + t[:, None] * stride_vt + j[None, :] * stride_vc,
@@ -317,9 +316,7 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, p, lo, hi, shift, in
     for t0 in range(lo, hi, BLOCK):
         t = t0 + tl.arange(0, BLOCK)
         valid = t < hi
-        keep = valid
-        if HAS_MASK:
-            keep = keep & (tl.load(mask_base + t * stride_mt, mask=valid, other=1) == 0)
+        keep = unpadded_keys(mask_base, t, valid, stride_mt, HAS_MASK)
         x = tl.load(k_base + t[:, None] * stride_kt + c[None, :] * stride_kc,
                     mask=keep[:, None] & (c < D)[None, :], other=0.0).to(ACC)
         values = tl.load(v_base + t[:, None] * stride_vt + j[None, :] * stride_vc,
