@@ -41,6 +41,17 @@ def _coco_options(parser, train: bool) -> None:
         parser.add_argument(f"--{prefix}-annotations", metavar="FILE", help=f"COCO format: {prefix} instances JSON")
 
 
+def _eval_parser(sub, help: str, handler, add_data_options) -> None:
+    """A task's ``eval`` subcommand: a checkpoint, the data options ``add_data_options`` adds, the digits'
+    validation size and the device."""
+    evaluate = sub.add_parser("eval", help=help)
+    evaluate.add_argument("--checkpoint", required=True, metavar="FILE")
+    add_data_options(evaluate)
+    evaluate.add_argument("--val-size", type=positive_int, help="digits: number of validation canvases")
+    evaluate.add_argument("--device", default="auto")
+    evaluate.set_defaults(handler=handler)
+
+
 def add_dense_parsers(commands) -> None:
     sub = add_command_group(
         commands, "detect", "detection / instance segmentation with torchvision detectors on Pola backbones",
@@ -54,12 +65,8 @@ def add_dense_parsers(commands) -> None:
     _coco_options(train, train=True)
     train.set_defaults(handler=cmd_detect_train)
 
-    evaluate = sub.add_parser("eval", help="COCO box (and mask) mAP of a checkpoint on its or other validation data")
-    evaluate.add_argument("--checkpoint", required=True, metavar="FILE")
-    _coco_options(evaluate, train=False)
-    evaluate.add_argument("--val-size", type=positive_int, help="digits: number of validation canvases")
-    evaluate.add_argument("--device", default="auto")
-    evaluate.set_defaults(handler=cmd_detect_eval)
+    _eval_parser(sub, "COCO box (and mask) mAP of a checkpoint on its or other validation data", cmd_detect_eval,
+                 lambda evaluate: _coco_options(evaluate, train=False))
 
     predict = sub.add_parser("predict", help="draw a checkpoint's boxes and masks on images (PNG)")
     predict.add_argument("--checkpoint", required=True, metavar="FILE")
@@ -83,12 +90,9 @@ def add_dense_parsers(commands) -> None:
     train.add_argument("--crop-size", type=positive_int, help="ADE layout: training crop (data.crop_size, 512)")
     train.set_defaults(handler=cmd_segment_train)
 
-    evaluate = sub.add_parser("eval", help="mIoU of a checkpoint on its or another validation folder")
-    evaluate.add_argument("--checkpoint", required=True, metavar="FILE")
-    evaluate.add_argument("--root", metavar="DIR", help="ADE20K-layout folder to score instead of the recipe's")
-    evaluate.add_argument("--val-size", type=positive_int, help="digits: number of validation canvases")
-    evaluate.add_argument("--device", default="auto")
-    evaluate.set_defaults(handler=cmd_segment_eval)
+    _eval_parser(sub, "mIoU of a checkpoint on its or another validation folder", cmd_segment_eval,
+                 lambda evaluate: evaluate.add_argument("--root", metavar="DIR",
+                                                        help="ADE20K-layout folder to score instead of the recipe's"))
 
 
 def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
