@@ -44,15 +44,15 @@ def weights(folder) -> dict:
     return torch.load(folder / "last.pth", weights_only=True)["model"]
 
 
-def test_detect_trains_under_torchrun(tmp_path, capsys):
+def test_detect_trains_under_torchrun(tmp_path):
     """Mask R-CNN (the default detector) trains on 2 processes; it used to fail on both ranks with "Every element
     of targets should have a masks key": the loss asked the DDP wrapper, not the detector, for its mask head.
 
     2 processes x 1 image cannot equal 1 x 2 images here: torchvision samples anchors and RoIs at random per image
     from the global generator (rank 1 draws from its own stream, one process draws its second image's after the
     first's), and its losses are means over the whole batch's samples (the mask loss over its positive RoIs), not
-    means of per-image means. So the weights are compared only to AdamW's bound: a step moves a weight by at most
-    about its learning rate (x1.5 for bias-corrected moments over 2 steps), whatever the gradient."""
+    means of per-image means. So this test checks the run and what it writes, not the weights against one
+    process (a bound loose enough to hold, AdamW's per-step learning rate, could not fail)."""
     common = ["detect", "train", "--backbone", "pola_pvt_tiny", *kwarg_flags("pola_pvt_tiny"), "--steps", "2",
               "--train-size", "4", "--val-size", "2", "--no-progress", "--device", "cpu"]
     result = torchrun([*common, "--batch-size", "1", "--output", str(tmp_path / "two")])
@@ -63,21 +63,14 @@ def test_detect_trains_under_torchrun(tmp_path, capsys):
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == RUN_FILES
     assert torch.load(tmp_path / "two" / "last.pth", weights_only=True)["world_size"] == 2
 
-    one_process([*common, "--batch-size", "2", "--output", str(tmp_path / "one")])
-    two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
-    lr_sum = 2e-4 * (1 + 2) / 50  # the default lr over its 50 warm-up steps: steps 1 and 2
-    print(f"detect: max |2 processes - 1 process| {max((two[k] - one[k]).abs().max().item() for k in one):.2e}, "
-          f"bound {3 * lr_sum:.2e}")
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=0, atol=2 * 1.5 * lr_sum)
-
 
 def test_lm_two_processes_equal_one_with_the_same_global_batch(tmp_path):
     """No dropout, the same windows per step (the engine's sampler): the gradients differ only by the order in which
     the sums are added (2 half-batch means averaged by DDP against one mean), float rounding. AdamW divides each
     gradient by its own magnitude, so where a gradient element is a near-cancelling sum that rounding can move its
     update by up to the learning rate: all but 0.1% of the weights agree to 1e-5 (in practice all but one element,
-    off by 3e-5), every one within AdamW's bound (as in the detection test)."""
+    off by 3e-5), every one within AdamW's bound (a step moves a weight by at most about its learning rate, x1.5 for
+    bias-corrected moments over 2 steps)."""
     common = ["lm", "train", "--context", "16", "--steps", "2", "--max-bytes", "20000", "--eval-every", "2",
               "--device", "cpu", "--opts", "train.eval_batches", "0", "train.warmup_steps", "1"]  # 0: every
     # validation window (a count of batches would cover twice as many windows in one process with batch 2b)
@@ -89,7 +82,6 @@ def test_lm_two_processes_equal_one_with_the_same_global_batch(tmp_path):
 
     one_process([*common, "--batch-size", "8", "--output", str(tmp_path / "one")])
     two, one = weights(tmp_path / "two"), weights(tmp_path / "one")
-    print(f"lm: max |2 processes - 1 process| {max((two[k] - one[k]).abs().max().item() for k in one):.2e}")
     lr_sum = 2 * 3e-3  # the default lr, both steps (1 warm-up step, then cosine from the peak)
     far = sum((~torch.isclose(two[k], one[k], rtol=1e-4, atol=1e-5)).sum().item() for k in one)
     assert far <= 1e-3 * sum(v.numel() for v in one.values()), far
