@@ -201,7 +201,9 @@ class Task:
         scheduler.load_state_dict(state)
 
     def step(self, model: nn.Module, batch: Any, device: torch.device) -> StepOutput:
-        """Forward and loss of one training batch (run under the engine's autocast)."""
+        """Forward and loss of one training batch (run under the engine's autocast). Under torchrun ``model`` is
+        the DistributedDataParallel wrapper (its forward syncs the gradients): read the model's own attributes
+        through :func:`~.optim.unwrap`."""
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:

@@ -17,6 +17,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
+from ...engine.optim import unwrap
 from .backbone import BackboneError, build_backbone
 from .cascade import build_cascade_mask_rcnn
 
@@ -74,7 +75,9 @@ def build_detector(detector: str, backbone: str, num_classes: int, *, backbone_w
 def detection_loss(model: nn.Module, batch) -> dict[str, torch.Tensor]:
     images, targets = batch
     device = next(model.parameters()).device
-    has_masks = hasattr(model, "roi_heads") and model.roi_heads.has_mask()
+    # Under torchrun the engine passes its DistributedDataParallel wrapper, which has no roi_heads of its own.
+    detector = unwrap(model)
+    has_masks = hasattr(detector, "roi_heads") and detector.roi_heads.has_mask()
     keep = ("boxes", "labels", "masks") if has_masks else ("boxes", "labels")
     targets = [{k: t[k].to(device, non_blocking=True) for k in keep} for t in targets]
     return model([im.to(device, non_blocking=True) for im in images], targets)
