@@ -15,6 +15,7 @@ from polaformer.checkpoint import CorruptCheckpointError, with_checksum
 from polaformer.cli import main
 from polaformer.engine.config import Config, ConfigError
 from polaformer.engine.steps import load_task_model, saved_config, step_settings
+from call_counting import counted
 
 
 def train_section(**extra) -> Config:
@@ -81,19 +82,6 @@ class Stop(Exception):
     pass
 
 
-def _counted(monkeypatch, module, name):
-    original, calls = getattr(module, name), []
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return original(*args, **kwargs)
-
-    for held in [m for key, m in sys.modules.items() if key.startswith("polaformer")]:
-        if getattr(held, name, None) is original:
-            monkeypatch.setattr(held, name, counting)
-    return calls
-
-
 @pytest.mark.parametrize("task, task_class, argv", [
     ("lm", "LMTask", ["--context", "16", "--steps", "5"]),
     ("sr", "SRTask", ["--scale", "2", "--steps", "5"]),
@@ -102,7 +90,7 @@ def _counted(monkeypatch, module, name):
 def test_a_train_command_checks_its_final_configuration_once(task, task_class, argv, monkeypatch, tmp_path):
     """The walk from the flags to the task's data: the configuration is checked once, as it will be trained."""
     module = importlib.import_module(f"polaformer.tasks.{task}.train")
-    checks = _counted(monkeypatch, module, f"check_{task}_config")
+    checks = counted(monkeypatch, module, f"check_{task}_config")
 
     def stop(cfg):
         raise Stop

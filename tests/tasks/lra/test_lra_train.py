@@ -15,6 +15,7 @@ from polaformer.tasks.lra.data import TASKS, LRADataset, collate_lra
 from polaformer.tasks.lra.listops import generate_listops
 from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig
 from polaformer.tasks.lra.train import LRASplits, load_lra_model, train_lra
+from call_counting import counted
 from conftest import REPO
 
 CONFIGS = REPO / "configs" / "lra"
@@ -187,22 +188,6 @@ def test_cli_attention_options_eval_and_errors(listops_dir, tmp_path, capsys):
     (tmp_path / "bad.pth").write_bytes(b"not a checkpoint")
     assert main(["lra", "eval", "--checkpoint", str(tmp_path / "bad.pth"), "--data", str(listops_dir)]) == 2
     assert "bad.pth" in capsys.readouterr().err
-
-
-def counted(monkeypatch, module, name):
-    """Every call of ``module.name``, wherever the package holds that function, recorded in the returned list."""
-    import sys
-
-    original, calls = getattr(module, name), []
-
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return original(*args, **kwargs)
-
-    for held in [m for key, m in sys.modules.items() if key.startswith("polaformer")]:
-        if getattr(held, name, None) is original:
-            monkeypatch.setattr(held, name, counting)
-    return calls
 
 
 def test_cli_train_checks_the_final_configuration_once(listops_dir, tmp_path, monkeypatch, capsys):
