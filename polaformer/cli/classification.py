@@ -9,7 +9,7 @@ from ..tasks.classification import DEFAULT_MODEL, evaluate_checkpoint, load_conf
 from ..engine.config import merge_opts
 from ..tasks.classification.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
 from ..data.folder import DatasetError
-from .common import (FLAG_KEYS, add_allow_changed, add_overwrite, is_main_process, one_line, parse_model_kwarg,
+from .common import (FLAG_KEYS, add_allow_changed, add_overwrite, print_summary, one_line, parse_model_kwarg,
                      positive_int, set_flags, usage_error)
 
 __all__ = ["add_classification_parsers"]
@@ -245,11 +245,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         config = make_config(args.model or DEFAULT_MODEL, args.data or DEFAULT_DATA,
                              model_kwargs=dict(args.model_kwargs or []), **overrides)
         metrics = run_training(config, opts=opts)
-        if is_main_process():
-            print(
-                f"final test top-1: {metrics['final_test_top1']:.2f}% "
-                f"(epochs={config.epochs}, time={metrics['wall_time_s']:.1f}s) -> {metrics['checkpoint']}"
-            )
+        print_summary(f"final test top-1: {metrics['final_test_top1']:.2f}% "
+                      f"(epochs={config.epochs}, time={metrics['wall_time_s']:.1f}s) -> {metrics['checkpoint']}")
         return 0
 
     cfg = load_config(args.config, args.opts)
@@ -257,13 +254,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     cfg.MODEL.KWARGS.merge(dict(args.model_kwargs or []), source="--model-kwarg")
     merge_opts(cfg, extra)
     metrics = run_training(cfg)
-    if is_main_process():
-        ema = f"EMA {metrics['best_ema_top1']:.2f}%, " if "best_ema_top1" in metrics else ""
-        print(
-            f"best top-1: {metrics.get('best_test_top1', float('nan')):.2f}% ({ema}final "
-            f"{metrics.get('final_test_top1', float('nan')):.2f}%, epochs={len(metrics['epochs'])}, "
-            f"time={metrics['wall_time_s']:.1f}s) -> {metrics['output']}"
-        )
+    ema = f"EMA {metrics['best_ema_top1']:.2f}%, " if "best_ema_top1" in metrics else ""
+    print_summary(f"best top-1: {metrics.get('best_test_top1', float('nan')):.2f}% ({ema}final "
+                  f"{metrics.get('final_test_top1', float('nan')):.2f}%, epochs={len(metrics['epochs'])}, "
+                  f"time={metrics['wall_time_s']:.1f}s) -> {metrics['output']}")
     return 0
 
 

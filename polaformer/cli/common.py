@@ -168,3 +168,9 @@ def usage_error(command: str | None, message: str) -> int:
 def is_main_process() -> bool:
     """Rank 0 under torchrun (which sets RANK), or a plain process."""
     return os.environ.get("RANK", "0") == "0"
+
+
+def print_summary(line: str) -> None:
+    """A training command's one summary line on stdout, from rank 0 only (as its one metrics.json)."""
+    if is_main_process():
+        print(line)

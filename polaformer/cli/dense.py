@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, is_main_process,
+from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary,
                      parse_model_kwarg, positive_int, run_options)
 
 __all__ = ["add_dense_parsers"]
@@ -107,8 +107,7 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
     recipe = load_recipe(task, args.config, overrides, opts=args.opts)
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
     summary = train_task(task, recipe, output, progress=not args.no_progress, **run_options(args))
-    if is_main_process():  # under torchrun: one summary line, as one metrics.json
-        print(json.dumps({**summary, "output": str(output)}))
+    print_summary(json.dumps({**summary, "output": str(output)}))
     return 0
 
 

@@ -7,7 +7,7 @@ import argparse
 from pathlib import Path
 
 from ..engine.config import ConfigError
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, is_main_process, positive_int,
+from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary, positive_int,
                      train_into)
 
 __all__ = ["add_diffusion_parser"]
@@ -72,10 +72,9 @@ def cmd_diffusion_train(args: argparse.Namespace) -> int:
         opts += ["data.latent", "true", "data.vae", args.vae]
     cfg = diffusion_config(args.config, opts, flag_values("diffusion train", args), check=False)  # checked there
     output, summary = train_into(train_diffusion, cfg, args, f"runs/diffusion/{cfg.model.name}-{cfg.model.attention}")
-    if is_main_process():  # under torchrun: one summary line, as one metrics.json
-        print(f"valid loss (EMA): {summary['best_valid_loss']:.4f} ({cfg.model.name}, {cfg.model.attention}, "
-              f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) "
-              f"-> {output}")
+    print_summary(f"valid loss (EMA): {summary['best_valid_loss']:.4f} ({cfg.model.name}, {cfg.model.attention}, "
+                  f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) "
+                  f"-> {output}")
     return 0
 
 

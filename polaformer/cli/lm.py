@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .common import add_command_group, add_train_options, flag_values, is_main_process, positive_int, train_into
+from .common import add_command_group, add_train_options, flag_values, print_summary, positive_int, train_into
 
 __all__ = ["add_lm_parser"]
 
@@ -64,10 +64,9 @@ def cmd_lm_train(args: argparse.Namespace) -> int:
     if cfg.train.warmup_steps >= cfg.train.steps:
         cfg.train.warmup_steps = max(1, cfg.train.steps // 10)
     output, summary = train_into(train_lm, cfg, args, f"runs/lm/{cfg.model.name}-{cfg.model.attention}")
-    if is_main_process():  # under torchrun: one summary line, as one metrics.json
-        print(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
-              f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} "
-              f"steps, {summary['wall_time_s']:.0f}s) -> {output}")
+    print_summary(f"valid bits/byte: {summary['best_valid_bpb']:.3f} (unigram {summary['unigram_valid_bpb']:.3f}; "
+                  f"{cfg.model.name}, {cfg.model.attention}, {summary['parameters']} parameters, {summary['steps']} "
+                  f"steps, {summary['wall_time_s']:.0f}s) -> {output}")
     return 0
 
 

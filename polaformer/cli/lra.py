@@ -5,7 +5,7 @@ import argparse
 
 from .bench import add_lra_bench_arguments
 from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg, positive_int,
-                     is_main_process, train_into, usage_error)
+                     print_summary, train_into, usage_error)
 
 __all__ = ["add_lra_parser"]
 
@@ -100,10 +100,9 @@ def cmd_lra_train(args: argparse.Namespace) -> int:
         # a short run keeps the recipe's warm-up fraction instead of failing
         cfg.train.warmup_steps = max(0, cfg.train.steps // 10)
     output, summary = train_into(train_lra, cfg, args, f"runs/lra/{cfg.task}-{cfg.attention}", args.data)
-    if is_main_process():  # under torchrun: one summary line, as one metrics.json
-        print(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at "
-              f"step {summary['best_step']}; majority class {summary['majority_class_test_accuracy']:.2f}%; "
-              f"{cfg.task}, {cfg.attention}, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
+    print_summary(f"test accuracy: {summary['test_accuracy']:.2f}% (best dev {summary['best_dev_accuracy']:.2f}% at "
+                  f"step {summary['best_step']}; majority class {summary['majority_class_test_accuracy']:.2f}%; "
+                  f"{cfg.task}, {cfg.attention}, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) -> {output}")
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, is_main_process, positive_int,
+from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary, positive_int,
                      train_into)
 
 __all__ = ["add_sr_parser"]
@@ -86,11 +86,10 @@ def cmd_sr_train(args: argparse.Namespace) -> int:
 
     cfg = sr_config(args.config, args.opts, flag_values("sr train", args), check=False)  # train_sr checks it
     output, summary = train_into(train_sr, cfg, args, f"runs/sr/x{cfg.model.scale}")
-    if is_main_process():  # under torchrun: one summary line, as one metrics.json
-        print(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
-              f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
-              f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) "
-              f"-> {output}")
+    print_summary(f"valid PSNR-Y {summary['best_psnr_y']:.2f} dB, SSIM-Y {summary['best_ssim_y']:.4f} (bicubic "
+                  f"{summary['bicubic_psnr_y']:.2f} dB, {summary['bicubic_ssim_y']:.4f}; x{cfg.model.scale}, "
+                  f"{summary['parameters']} parameters, {summary['steps']} steps, {summary['wall_time_s']:.0f}s) "
+                  f"-> {output}")
     return 0
 
 
