@@ -55,7 +55,7 @@ from .folder import (IMG_EXTENSIONS, DatasetError, ImageFolderDataset, build_tra
                      mixup_active, to_rgb)
 
 __all__ = ["INFO_NAMES", "ShardError", "ShardStream", "SplitInfo", "build_shard_datasets", "find_info",
-           "read_split", "write_shards"]
+           "open_eval_split", "read_info", "read_split", "write_shards"]
 
 logger = logging.getLogger(__name__)
 
@@ -299,6 +299,27 @@ class ShardStream(IterableDataset):
                 f"samples={self.num_samples}, shuffle={self.shuffle})")
 
 
+def _open(root, num_classes: int, source: str):
+    """The info file, its path, its class names (or None) and the number of classes with where it comes from."""
+    info, info_path = read_info(root)
+    classes = info.get("classes")
+    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
+        raise ShardError(f"{info_path}: 'classes' must be a list of class names")
+    if classes:
+        num_classes, source = len(classes), "the info file's classes"
+    if num_classes < 2:
+        raise ShardError(f"{info_path}: {num_classes} classes ({source}): a classifier needs at least 2")
+    return info, info_path, classes or None, num_classes, source
+
+
+def open_eval_split(root: str | os.PathLike, num_classes: int, source: str) -> ShardStream:
+    """The validation split of the shards in ``root``, in order, without a transform (``polaformer eval``); the
+    info file's classes, else ``num_classes`` (``source`` says where that number comes from)."""
+    info, info_path, classes, num_classes, source = _open(root, num_classes, source)
+    return ShardStream(read_split(info, info_path, VAL_SPLITS), shuffle=False, num_classes=num_classes,
+                       classes=classes, classes_from=source)
+
+
 def build_shard_datasets(cfg, *, is_distributed: bool = False):
     """``(train_set, val_set, num_classes)`` for the shards in ``cfg.DATA.DATA_PATH`` (see the module).
 
@@ -310,20 +331,13 @@ def build_shard_datasets(cfg, *, is_distributed: bool = False):
         raise DatasetError("no data folder given: set DATA.DATA_PATH (polaformer train --data-path DIR)")
     if not os.path.isdir(root):
         raise DatasetError(f"data folder not found: {root}")
-    info, info_path = read_info(root)
-    classes = info.get("classes")
-    if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
-        raise ShardError(f"{info_path}: 'classes' must be a list of class names")
-    num_classes = len(classes) if classes else cfg.MODEL.NUM_CLASSES
-    source = "the info file's classes" if classes else "MODEL.NUM_CLASSES"
-    if num_classes < 2:
-        raise ShardError(f"{info_path}: {num_classes} classes ({source}): a classifier needs at least 2")
+    info, info_path, classes, num_classes, source = _open(root, cfg.MODEL.NUM_CLASSES, "MODEL.NUM_CLASSES")
     size = cfg.DATA.IMG_SIZE
     shape = (3, size, size)
     splits = (read_split(info, info_path, (TRAIN_SPLIT,)), read_split(info, info_path, VAL_SPLITS))
     train_set, val_set = (
         ShardStream(split, build_transform(cfg, shuffle), shuffle=shuffle, num_classes=num_classes,
-                    classes=classes or None, image_shape=shape, classes_from=source)
+                    classes=classes, image_shape=shape, classes_from=source)
         for split, shuffle in zip(splits, (True, False)))
     train_set.check_readable()
     train_set.collate_fn = functools.partial(collate_skip_corrupt, image_shape=shape, even=mixup_active(cfg))

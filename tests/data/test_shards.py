@@ -168,6 +168,9 @@ def test_train_on_shards_and_evaluate_the_folder(data, tmp_path, capsys):
     top1, loss = re.search(r"val top-1: ([\d.]+)%.*loss: ([\d.]+);", line).groups()
     assert float(top1) == round(records[-1]["test_top1"], 3) and float(loss) == round(records[-1]["test_loss"], 4)
     assert "6 images" in line
+    # `eval` on the shards themselves: the same images, the same numbers.
+    assert main(["eval", "--checkpoint", str(output / "last.pth"), "--data-path", str(shards), "--workers", "2"]) == 0
+    assert capsys.readouterr().out.split(" <- ")[0] == line.split(" <- ")[0]
 
 
 def test_resumed_mid_epoch_ends_as_uninterrupted(data, tmp_path):
@@ -197,6 +200,16 @@ def test_resumed_mid_epoch_ends_as_uninterrupted(data, tmp_path):
     a = torch.load(tmp_path / "whole" / "last.pth", weights_only=True)["model"]
     b = torch.load(tmp_path / "cut" / "last.pth", weights_only=True)["model"]
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_data_shard_refuses_to_replace_shards_and_a_missing_folder(data, tmp_path, capsys):
+    folder, shards = data
+    assert main(["data", "shard", str(folder), str(shards)]) == 2
+    assert capsys.readouterr().err.strip() == (f"polaformer data: error: {shards}/_info.json already exists: "
+                                               "--overwrite replaces the shards, or choose another OUT")
+    assert main(["data", "shard", str(tmp_path / "none"), str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip() == f"polaformer data: error: data folder not found: {tmp_path}/none/train"
+    assert not (tmp_path / "out").exists()
 
 
 def write_tar(path, samples):
