@@ -376,7 +376,8 @@ def write_shards(source: str | os.PathLike, out: str | os.PathLike, *, samples_p
     last one may hold fewer), since a reader shuffles only within a shard; validation samples keep the folder's
     order. Each image goes in as its file's bytes (``.jpeg`` named ``.jpg``, as timm looks for ``.jpg``), with
     its class index as ``.cls``. The info file (``_info.json``, with the class names) is written last, so a folder
-    whose writing was interrupted has none and is refused. Returns the info.
+    whose writing was interrupted has none and is refused (``overwrite`` removes the old one first; shards of the
+    old set with other names stay, unlisted). Returns the info.
     """
     if samples_per_shard < 1:
         raise DatasetError(f"samples per shard must be a positive integer, got {samples_per_shard}")
@@ -388,6 +389,8 @@ def write_shards(source: str | os.PathLike, out: str | os.PathLike, *, samples_p
     if find_info(out) is not None and not overwrite:
         raise DatasetError(f"{find_info(out)} already exists: --overwrite replaces the shards, or choose another OUT")
     out.mkdir(parents=True, exist_ok=True)
+    for stale in INFO_NAMES:  # first: replacing shards that an old info file lists would leave it describing them
+        (out / stale).unlink(missing_ok=True)
     info = {"name": name, "splits": {}, "classes": sets[TRAIN_SPLIT].classes}
     for split, dataset in sets.items():
         order = np.arange(len(dataset))
