@@ -282,15 +282,9 @@ class ShardStream(IterableDataset):
     def check_readable(self) -> None:
         """Read the first sample of the first shard: a shard that is no tar file, or samples written without
         labels, stop the run here, before a model is built."""
-        for path, key, data, label in self._first():
-            self._decode(path, key, data, label)
-
-    def _first(self):
         samples = self._checked(0)
         try:
-            yield next(samples)
-        except StopIteration:
-            return
+            next(samples, None)
         finally:
             samples.close()
 

@@ -3,12 +3,15 @@ over processes and loader workers, trained on through the real command, and refu
 import hashlib
 import io
 import json
+import os
 import re
+import socket
 import tarfile
 
 import numpy as np
 import pytest
 import torch
+import torch.multiprocessing as mp
 from PIL import Image
 from torch.utils.data import DataLoader
 
@@ -171,6 +174,34 @@ def test_train_on_shards_and_evaluate_the_folder(data, tmp_path, capsys):
     # `eval` on the shards themselves: the same images, the same numbers.
     assert main(["eval", "--checkpoint", str(output / "last.pth"), "--data-path", str(shards), "--workers", "2"]) == 0
     assert capsys.readouterr().out.split(" <- ")[0] == line.split(" <- ")[0]
+
+
+def _process(rank, port, opts):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2")
+    torch.set_num_threads(1)
+    trainer = build_trainer(load_config(None, opts))
+    trainer.fit()
+    trainer.close()
+
+
+def test_two_processes_train_on_their_own_shards(data, tmp_path, capsys):
+    _, shards = data
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    output = tmp_path / "ddp"
+    opts = [*TINY, "DATA.DATA_PATH", str(shards), "OUTPUT", str(output), "TRAIN.EPOCHS", "1", "DATA.BATCH_SIZE", "2"]
+    mp.spawn(_process, args=(port, opts), nprocs=2, join=True)
+    last = torch.load(output / "last.pth", weights_only=True)
+    # Shards of 3, 3, 3, 3, 1 over two processes: each is sure of 1 + 3 samples, two batches of 2.
+    assert (last["world_size"], last["num_updates"]) == (2, 2)
+    # The validation shards were split over the processes and the sums gathered: one process reading them all
+    # gets the numbers of the run.
+    record = json.loads((output / "metrics.jsonl").read_text().splitlines()[-1])
+    assert main(["eval", "--checkpoint", str(output / "last.pth"), "--data-path", str(shards), "--workers", "0"]) == 0
+    top1, loss = re.search(r"val top-1: ([\d.]+)%.*loss: ([\d.]+); 6 images", capsys.readouterr().out).groups()
+    assert float(top1) == round(record["test_top1"], 3) and float(loss) == round(record["test_loss"], 4)
 
 
 def test_resumed_mid_epoch_ends_as_uninterrupted(data, tmp_path):
