@@ -1,4 +1,4 @@
-"""``polaformer data shard``: an ImageNet-layout folder written as WebDataset tar shards (:mod:`polaformer.data.shards`)."""
+"""``polaformer data shard``: an ImageNet-layout folder written as tar shards (:mod:`polaformer.data.shards`)."""
 from __future__ import annotations
 
 import argparse

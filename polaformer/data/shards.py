@@ -262,8 +262,8 @@ class ShardStream(IterableDataset):
             text = members[LABEL_EXT].decode("ascii", "replace").strip()
             label = int(text) if text.lstrip("-").isdigit() else None
             if label is None or not 0 <= label < self.num_classes:
-                raise ShardError(f"{path}: sample {key!r} has label {text!r}, not a class index 0..{self.num_classes - 1}"
-                                 f" ({self.num_classes} classes: {self.classes_from})")
+                raise ShardError(f"{path}: sample {key!r} has label {text!r}, not a class index "
+                                 f"0..{self.num_classes - 1} ({self.num_classes} classes: {self.classes_from})")
             count += 1
             yield path, key, members[image], label
         if count != self.split.lengths[index]:
@@ -376,7 +376,8 @@ def write_shards(source: str | os.PathLike, out: str | os.PathLike, *, samples_p
     if samples_per_shard < 1:
         raise DatasetError(f"samples per shard must be a positive integer, got {samples_per_shard}")
     source, out = Path(source).expanduser(), Path(out).expanduser()
-    sets = {split: ImageFolderDataset(source / folder) for split, folder in ((TRAIN_SPLIT, "train"), ("validation", "val"))}
+    sets = {split: ImageFolderDataset(source / folder)
+            for split, folder in ((TRAIN_SPLIT, "train"), ("validation", "val"))}
     if sets[TRAIN_SPLIT].classes != sets["validation"].classes:
         raise DatasetError(f"train and val class folders differ in {source}")
     name = name or source.resolve().name

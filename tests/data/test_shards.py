@@ -17,7 +17,7 @@ from torch.utils.data import DataLoader
 
 from polaformer.cli import main
 from polaformer.data.folder import ImageFolderDataset
-from polaformer.data.shards import ShardError, ShardStream, build_shard_datasets, read_info, read_split, write_shards
+from polaformer.data.shards import ShardError, ShardStream, read_info, read_split, write_shards
 from polaformer.tasks.classification import build_trainer, load_config
 
 CLASSES = 3
@@ -114,7 +114,7 @@ def test_ranks_and_workers_read_disjoint_shards_covering_the_set(data):
     ranks = [sum(collect(shards, rank, 2, 0, 1)[1], []) for rank in (0, 1)]
     assert [len(r) for r in ranks] == [4, 4]
     assert not set(map(str, ranks[0])) & set(map(str, ranks[1]))
-    # Two processes x two workers: four readers of one shard each, the 1-sample shard never a whole batch of 3.
+    # Two processes x two workers: four readers, each sure of one shard, the smallest holding 1 sample.
     per_rank = [collect(shards, rank, 2, 2, 1) for rank in (0, 1)]
     seen = [s for _, batches in per_rank for batch in batches for s in batch]
     assert [len(d) for d, _ in per_rank] == [2, 2] and len(seen) == 4 and len(set(map(str, seen))) == 4
@@ -125,7 +125,7 @@ def test_ranks_and_workers_read_disjoint_shards_covering_the_set(data):
         dataset.set_layout(rank, 2)
         evaluated += [digest(s) for s in dataset]
     assert sorted(evaluated, key=str) == sorted(folder_digests(folder / "val"), key=str)
-    # One process sees all samples (but the corrupt one's place) once; more workers than shards are refused.
+    # One process, one batch of 13: every sample once (None for the corrupt one). More readers than shards: refused.
     alone = sum(collect(shards, 0, 1, 0, 13)[1], [])
     assert sorted(alone, key=str) == expected
     with pytest.raises(ShardError, match=r"^5 training shards cannot be shared by 3 processes x 2 loader workers: "

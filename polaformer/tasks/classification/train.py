@@ -229,8 +229,8 @@ class ClassificationTask(Task):
         cfg, model = self.cfg, engine.model
         return (
             f"training {self.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on "
-            f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: {_images(self.data.train)} train / "
-            f"{_images(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
+            f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: "
+            f"{_images(self.data.train)} train / {_images(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
             f"{engine.ctx.world_size} processes x batch {cfg.DATA.BATCH_SIZE} x {engine.accumulation_steps} "
             f"accumulation = global batch {global_batch_size(cfg, engine.ctx.world_size)}, lr "
             f"{cfg.TRAIN.BASE_LR * lr_scale(cfg):.3e}, device {engine.device}"
