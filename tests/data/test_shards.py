@@ -192,7 +192,7 @@ def test_two_processes_train_on_their_own_shards(data, tmp_path, capsys):
         port = s.getsockname()[1]
     output = tmp_path / "ddp"
     opts = [*TINY, "DATA.DATA_PATH", str(shards), "OUTPUT", str(output), "TRAIN.EPOCHS", "1", "DATA.BATCH_SIZE", "2"]
-    mp.spawn(_process, args=(port, opts), nprocs=2, join=True)
+    mp.start_processes(_process, args=(port, opts), nprocs=2, join=True, start_method="fork")  # no imports again
     last = torch.load(output / "last.pth", weights_only=True)
     # Shards of 3, 3, 3, 3, 1 over two processes: each is sure of 1 + 3 samples, two batches of 2.
     assert (last["world_size"], last["num_updates"]) == (2, 2)
