@@ -7,7 +7,7 @@ DDP, EMA, AMP and the output folder):
 
 - data: the embedded ``digits`` set, or an ImageNet-layout folder (``DATA.DATA_PATH``) through
   :mod:`polaformer.data.folder` (timm transforms, Mixup/CutMix, unreadable images skipped and
-  counted);
+  counted), or tar shards there, streamed (:mod:`polaformer.data.shards`);
 - optimisation (:mod:`.optim`): AdamW without weight decay on norms/biases/position tables/
   attention temperatures, lr scaled with the global batch, cosine schedule with warm-up and
   cool-down stepped per update, gradient clipping and accumulation, AMP, weight EMA (timm
