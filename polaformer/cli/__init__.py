@@ -4,6 +4,7 @@
   ``export`` to ONNX;
 - :mod:`.ablate`: ``ablate`` (paper Table 3's component ablations, several seeds, table and chart);
 - :mod:`.bench`: ``bench`` (the attention op and model benchmarks);
+- :mod:`.data`: ``data shard`` (an image folder as WebDataset tar shards);
 - :mod:`.lra`: ``lra train|eval|generate|curves|bench`` (the Long Range Arena);
 - :mod:`.dense`: ``detect train|eval|predict`` and ``segment train|eval``;
 - :mod:`.lm`: ``lm train|eval|sample`` (causal byte-level language models);
@@ -34,6 +35,7 @@ from .ablate import add_ablate_parser
 from .bench import add_bench_parser
 from .classification import add_classification_parsers
 from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
+from .data import add_data_parser
 from .dense import add_dense_parsers
 from .diffusion import add_diffusion_parser
 from .lm import add_lm_parser
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_classification_parsers(commands)
     add_ablate_parser(commands)
     add_bench_parser(commands)
+    add_data_parser(commands)
     add_lra_parser(commands)
     add_dense_parsers(commands)
     add_lm_parser(commands)

@@ -25,7 +25,9 @@ def add_classification_parsers(commands) -> None:
                     "last.pth, best.pth, metrics.jsonl and metrics.json. Under torchrun, one process per GPU.",
     )
     train.add_argument("--config", "--cfg", metavar="FILE", help="YAML file with the official config keys")
-    train.add_argument("--data-path", metavar="DIR", help="ImageNet-layout folder: DIR/train/<class>/, DIR/val/<class>/")
+    train.add_argument("--data-path", metavar="DIR",
+                       help="ImageNet-layout folder: DIR/train/<class>/, DIR/val/<class>/; or tar shards listed in "
+                            "DIR/_info.json (polaformer data shard)")
     train.add_argument(
         "--resume", metavar="auto|FILE",
         help="continue a run: 'auto' from the output folder's last checkpoint (from scratch if there is none), "
@@ -82,7 +84,8 @@ def add_classification_parsers(commands) -> None:
         "--data", choices=sorted(DATASETS), help="embedded data set (default: the one the checkpoint was trained on)"
     )
     evaluate.add_argument(
-        "--data-path", metavar="DIR", help="ImageNet-layout folder: evaluates on DIR/val/<class>/<image>"
+        "--data-path", metavar="DIR",
+        help="ImageNet-layout folder: evaluates on DIR/val/<class>/<image>; or the validation shards of DIR/_info.json"
     )
     evaluate.add_argument(
         "--model", metavar="NAME",

@@ -2,7 +2,8 @@
 
 Each entry says how to build the ``(train, test)`` datasets and the image geometry the model
 must be created for. Only the embedded ``digits`` set is registered here; ImageNet-layout
-folders (``--data-path DIR``) are read by ``polaformer.data.folder``.
+folders (``--data-path DIR``) are read by ``polaformer.data.folder``, tar shards in the WebDataset
+layout by ``polaformer.data.shards``.
 """
 from __future__ import annotations
 

@@ -12,8 +12,8 @@ batch and its evaluation; :class:`Engine` does everything else, once for all tas
   (:attr:`Task.resume_may_change`: the length of the run, how often it evaluates, its workers) and those
   named in ``allow_changed`` (``--allow-changed KEY``);
 - the loop: epochs of a :class:`~.distributed.TrainSampler` (the same order for every process
-  count), gradient accumulation, device and autocast (:mod:`.device`), a GradScaler for float16,
-  gradient clipping (by norm or by value), DDP under torchrun, a weight EMA, the schedule stepped
+  count; a streamed set, as :mod:`polaformer.data.shards`, orders its own samples), gradient
+  accumulation, device and autocast (:mod:`.device`), a GradScaler for float16, gradient clipping (by norm or by value), DDP under torchrun, a weight EMA, the schedule stepped
   per update, a progress bar;
 - evaluation every ``eval_every`` updates (or at each epoch's end), one JSON line per evaluation
   in ``metrics.jsonl``, the task's summary in ``metrics.json``;
@@ -47,7 +47,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm import tqdm
 
 from ..checkpoint import CorruptCheckpointError, atomic_write
@@ -167,6 +167,7 @@ class Task:
     resume_may_change: tuple[str, ...] = ()
     ties_improve = False  # whether an equal value replaces the best checkpoint
     resume_hint = "use another --output"  # how to start from a checkpoint the task cannot resume
+    # a map-style Dataset, or a streamed IterableDataset with set_layout, set_epoch and set_start (data.shards)
     train_set: Dataset
     train_collate: Callable | None = None
 
@@ -385,13 +386,21 @@ class Engine:
             self.scheduler.step_update(num_updates=self.num_updates)
 
     def _build_loader(self) -> None:
-        s, ctx = self.settings, self.ctx
-        self.sampler = TrainSampler(self.task.train_set, ctx, seed=s.seed)
+        s, ctx, train_set = self.settings, self.ctx, self.task.train_set
+        sampler = None
+        if isinstance(train_set, IterableDataset):
+            # A streamed set (polaformer.data.shards) orders its own samples per epoch, process and loader
+            # worker, and takes the sampler's part (set_epoch, set_start); len() is its samples per process.
+            train_set.set_layout(ctx.rank, ctx.world_size, num_workers=s.num_workers, batch_size=s.batch_size,
+                                 seed=s.seed)
+            self.sampler = train_set
+        else:
+            self.sampler = sampler = TrainSampler(train_set, ctx, seed=s.seed)
         # Its own generator: creating an iterator must not draw from the global RNG (resuming
         # restores that), and it seeds the workers per epoch and process (see _train_epoch).
         self.loader_generator = torch.Generator()
         self.train_loader = DataLoader(
-            self.task.train_set, batch_size=s.batch_size, sampler=self.sampler, drop_last=True,
+            train_set, batch_size=s.batch_size, sampler=sampler, drop_last=True,
             num_workers=s.num_workers, pin_memory=self.device.type == "cuda" and s.pin_memory,
             collate_fn=self.task.train_collate, generator=self.loader_generator,
         )

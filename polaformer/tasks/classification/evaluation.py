@@ -1,4 +1,4 @@
-"""Evaluating a checkpoint on an ImageNet-layout folder, and measuring inference throughput.
+"""Evaluating a checkpoint on an ImageNet-layout folder (or tar shards), and measuring inference throughput.
 
 ``polaformer eval --data-path DIR`` and ``polaformer throughput`` are thin wrappers around
 :func:`evaluate_folder_checkpoint` and :func:`measure_throughput`.
@@ -43,6 +43,7 @@ from ...checkpoint import (
     strip_wrapper_prefixes,
 )
 from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
+from ...data.shards import INFO_NAMES, find_info, open_eval_split
 from .config import OFFICIAL_MODEL_NAMES
 from ...engine.factory import create_model
 from ...engine.limits import check_batch_memory, check_forward_memory
@@ -154,6 +155,8 @@ def _checkpoint_metadata(path, weights: str) -> dict:
         kwargs = checkpoint.get("model_kwargs")
         meta.update(arch=checkpoint["arch"], model_kwargs=dict(kwargs) if isinstance(kwargs, dict) else {})
     meta["config_model"] = _config_model_name(checkpoint.get("config"))
+    if isinstance(checkpoint.get("num_classes"), int):
+        meta["num_classes"] = checkpoint["num_classes"]
     names = checkpoint.get("class_names")
     if isinstance(names, list) and all(isinstance(name, str) for name in names):
         meta["class_names"] = names
@@ -220,7 +223,9 @@ def evaluate_folder_checkpoint(
     amp: bool = False,
     allow_nonfinite: bool = False,
 ) -> FolderEvaluation:
-    """Evaluate ``checkpoint`` on ``data_path/val`` (one sub-folder per class).
+    """Evaluate ``checkpoint`` on ``data_path/val`` (one sub-folder per class), or on the validation split of the
+    tar shards in ``data_path`` when it holds their info file (:mod:`polaformer.data.shards`; the classes are the
+    info file's, else the checkpoint's number of them).
 
     The model is ``model`` (a timm name; optional for our engine's checkpoints, which name theirs,
     and then it must match, and for files whose stored config's ``MODEL.NAME``/``MODEL.TYPE`` is a
@@ -237,8 +242,10 @@ def evaluate_folder_checkpoint(
     val_dir = data_path / "val"
     if not data_path.is_dir():
         raise EvalError(f"data folder not found: {data_path}")
-    if not val_dir.is_dir():
-        raise EvalError(f"no val folder in {data_path}: expected {val_dir}/<class>/<image>")
+    shards = find_info(data_path) is not None
+    if not shards and not val_dir.is_dir():
+        raise EvalError(f"no val folder in {data_path}: expected {val_dir}/<class>/<image> (or tar shards listed in "
+                        f"{INFO_NAMES[0]})")
     device = resolve_device(device)
 
     meta = _checkpoint_metadata(checkpoint, weights)
@@ -254,8 +261,15 @@ def evaluate_folder_checkpoint(
     if img_size is not None:  # before the model is built at that size, or an image decoded
         _check_eval_memory(batch_size, img_size, crop_pct, device)
 
-    dataset = ImageFolderDataset(str(val_dir))  # scans first: layout errors before the model is built
-    num_classes = len(dataset.classes)
+    # The layout is checked first: its errors come before the model is built.
+    if shards:
+        val_dir = data_path
+        dataset = open_eval_split(data_path, meta.get("num_classes", 1000), "the checkpoint's" if "num_classes" in meta
+                                  else "ImageNet's, the file names no number")
+        num_classes = dataset.num_classes
+    else:
+        dataset = ImageFolderDataset(str(val_dir))
+        num_classes = len(dataset.classes)
     network = create_model(arch, num_classes, **kwargs)
     if _input_channels(network, kwargs) != 3:
         raise EvalError(
@@ -268,7 +282,7 @@ def evaluate_folder_checkpoint(
             "folders: evaluate on a folder of the classes the model was trained on"
         )
     trained = meta.get("class_names")
-    if trained is not None and trained != dataset.classes:
+    if trained is not None and dataset.classes is not None and trained != dataset.classes:
         other = [f"{ours} (trained: {theirs})" for ours, theirs in zip(dataset.classes, trained) if ours != theirs]
         detail = (f"{len(other)} differ, e.g. {', '.join(other[:3])}" if other
                   else f"{len(dataset.classes)} folders, {len(trained)} classes trained")

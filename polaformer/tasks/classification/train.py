@@ -7,7 +7,7 @@ DDP, EMA, AMP and the output folder):
 
 - data: the embedded ``digits`` set, or an ImageNet-layout folder (``DATA.DATA_PATH``) through
   :mod:`polaformer.data.folder` (timm transforms, Mixup/CutMix, unreadable images skipped and
-  counted);
+  counted), or tar shards there, streamed (:mod:`polaformer.data.shards`);
 - optimisation (:mod:`.optim`): AdamW without weight decay on norms/biases/position tables/
   attention temperatures, lr scaled with the global batch, cosine schedule with warm-up and
   cool-down stepped per update, gradient clipping and accumulation, AMP, weight EMA (timm
@@ -20,6 +20,7 @@ DDP, EMA, AMP and the output folder):
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
 from ...data import DATASETS, DEFAULT_DATA, get_data_spec
@@ -120,14 +121,19 @@ class TrainData:
 
 
 def build_data(cfg: Config, ctx: DistContext | None = None) -> TrainData:
-    """The embedded data set named by ``DATA.DATASET`` (digits), else the folder ``DATA.DATA_PATH``."""
+    """The embedded data set named by ``DATA.DATASET`` (digits), else the shards or the folder ``DATA.DATA_PATH``:
+    shards when ``DATA.DATASET`` is ``wds/NAME`` (timm's name) or the folder holds a shard info file."""
     if cfg.DATA.DATASET in DATASETS:
         spec = get_data_spec(cfg.DATA.DATASET)
         train_set, val_set = spec.build(augment=cfg.AUG.DIGITS_SHIFT)
         return TrainData(train_set, val_set, spec.num_classes, {"in_chans": spec.in_chans, "img_size": spec.img_size})
     from ...data.folder import build_folder_datasets, build_mixup
+    from ...data.shards import build_shard_datasets, find_info
 
-    train_set, val_set, num_classes = build_folder_datasets(cfg, is_distributed=bool(ctx and ctx.is_distributed))
+    shards = str(cfg.DATA.DATASET).startswith("wds/") or (
+        bool(cfg.DATA.DATA_PATH) and find_info(os.path.expanduser(cfg.DATA.DATA_PATH)) is not None)
+    build = build_shard_datasets if shards else build_folder_datasets
+    train_set, val_set, num_classes = build(cfg, is_distributed=bool(ctx and ctx.is_distributed))
     return TrainData(
         train_set, val_set, num_classes, mixup=build_mixup(cfg, num_classes),
         train_collate=getattr(train_set, "collate_fn", None), val_collate=getattr(val_set, "collate_fn", None),
@@ -197,9 +203,12 @@ class ClassificationTask(Task):
         cfg.freeze()
         self._check_channels()
         self.train_set, self.train_collate = self.data.train, self.data.train_collate
+        val, streamed = self.data.val, isinstance(self.data.val, IterableDataset)
+        if streamed:  # it deals its shards out to the processes itself
+            val.set_layout(engine.ctx.rank, engine.ctx.world_size)
         self.val_loader = DataLoader(
-            self.data.val, batch_size=cfg.TEST.BATCH_SIZE or cfg.DATA.BATCH_SIZE,
-            sampler=ShardSampler(self.data.val, engine.ctx), num_workers=cfg.DATA.NUM_WORKERS,
+            val, batch_size=cfg.TEST.BATCH_SIZE or cfg.DATA.BATCH_SIZE,
+            sampler=None if streamed else ShardSampler(val, engine.ctx), num_workers=cfg.DATA.NUM_WORKERS,
             pin_memory=engine.device.type == "cuda" and cfg.DATA.PIN_MEMORY, collate_fn=self.data.val_collate,
         )
         self.criterion = build_criterion(cfg, self.data.mixup)
@@ -220,8 +229,8 @@ class ClassificationTask(Task):
         cfg, model = self.cfg, engine.model
         return (
             f"training {self.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on "
-            f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: {len(self.data.train)} train / "
-            f"{len(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
+            f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: "
+            f"{_images(self.data.train)} train / {_images(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
             f"{engine.ctx.world_size} processes x batch {cfg.DATA.BATCH_SIZE} x {engine.accumulation_steps} "
             f"accumulation = global batch {global_batch_size(cfg, engine.ctx.world_size)}, lr "
             f"{cfg.TRAIN.BASE_LR * lr_scale(cfg):.3e}, device {engine.device}"
@@ -354,6 +363,10 @@ class ClassificationTask(Task):
         if engine.model_ema is not None:
             entries["max_accuracy_ema"] = engine.best.get("ema_top1", 0.0)
         return entries
+
+
+def _images(dataset: Dataset) -> int:
+    return getattr(dataset, "num_samples", None) or len(dataset)  # a streamed set's len() is per process
 
 
 def loop_settings(cfg: Config) -> LoopSettings:
