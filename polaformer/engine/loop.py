@@ -13,8 +13,9 @@ batch and its evaluation; :class:`Engine` does everything else, once for all tas
   named in ``allow_changed`` (``--allow-changed KEY``);
 - the loop: epochs of a :class:`~.distributed.TrainSampler` (the same order for every process
   count; a streamed set, as :mod:`polaformer.data.shards`, orders its own samples), gradient
-  accumulation, device and autocast (:mod:`.device`), a GradScaler for float16, gradient clipping (by norm or by value), DDP under torchrun, a weight EMA, the schedule stepped
-  per update, a progress bar;
+  accumulation, device and autocast (:mod:`.device`), a GradScaler for float16, gradient clipping
+  (by norm or by value), DDP under torchrun, a weight EMA, the schedule stepped per update, a
+  progress bar;
 - evaluation every ``eval_every`` updates (or at each epoch's end), one JSON line per evaluation
   in ``metrics.jsonl``, the task's summary in ``metrics.json``;
 - checkpoints (:mod:`.checkpoint`, written atomically): the last state every ``save_every_steps``
