@@ -11,17 +11,17 @@ from __future__ import annotations
 import timm
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_dit_*)
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, fraction, unit)
 from ...engine.device import resolve_device
+from ...engine.distributed import all_reduce_sum
 from ...engine.limits import check_batch_memory
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
-from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
+from .data import LATENT_SCALE, NoisedImages, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
 __all__ = ["RULES", "DiffusionTask", "check_diffusion_config", "check_sample_request", "diffusion_config", "generate",
@@ -124,11 +124,16 @@ class DiffusionTask(StepTask):
         super().__init__(cfg)
         self.vae = load_vae(cfg.data.vae) if cfg.data.latent else None
         train_x, train_y, valid_x, valid_y, self.num_classes = load_images(cfg.data)
-        self.train_set = TensorDataset(train_x, train_y)
         keep = cfg.train.eval_samples
         self.valid_x, self.valid_y = valid_x[:keep], valid_y[:keep]
         self.input_size, self.in_channels = model_geometry(cfg, self.vae)
         self.scheduler = _scheduler(cfg)
+        shape, steps = (self.in_channels, self.input_size, self.input_size), cfg.diffusion.train_timesteps
+        self.train_set = NoisedImages(train_x, train_y, steps, shape, cfg.train.seed)
+        # the same steps and noise at every evaluation, each image's whatever the process count
+        generator = torch.Generator().manual_seed(1234)
+        self.valid_t = torch.randint(0, steps, (len(self.valid_x),), generator=generator)
+        self.valid_noise = torch.randn((len(self.valid_x), *shape), generator=generator)
 
     def encode(self, images: torch.Tensor) -> torch.Tensor:
         if self.vae is None:
@@ -153,24 +158,28 @@ class DiffusionTask(StepTask):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant, as the official
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        images, labels = (x.to(device, non_blocking=True) for x in batch)
-        terms = diffusion_loss(model, self.scheduler, self.encode(images), labels)
+        images, labels, t, noise = (x.to(device, non_blocking=True) for x in batch)
+        terms = diffusion_loss(model, self.scheduler, self.encode(images), labels, t=t, noise=noise)
         # the sum stays on the device: the engine reads it with the loss
         return StepOutput(terms["loss"].mean(), len(images), {"mse": terms["mse"].detach().sum()})
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        """The mean losses of the validation images; each process takes every K-th and the sums are added."""
         was_training = model.training
         model.eval()
-        generator = torch.Generator().manual_seed(1234)  # the same steps and noise at every evaluation
+        ctx, device = engine.ctx, engine.device
+        mine = slice(ctx.rank, None, ctx.world_size)
         totals = {"mse": 0.0, "vb": 0.0, "loss": 0.0}
-        for images, labels in zip(self.valid_x.split(256), self.valid_y.split(256)):
-            terms = diffusion_loss(model, self.scheduler, self.encode(images.to(engine.device)),
-                                   labels.to(engine.device), generator=generator)
+        for images, labels, t, noise in zip(*(x[mine].split(256) for x in (self.valid_x, self.valid_y, self.valid_t,
+                                                                            self.valid_noise))):
+            terms = diffusion_loss(model, self.scheduler, self.encode(images.to(device)), labels.to(device),
+                                   t=t.to(device), noise=noise.to(device))
             for key in totals:
                 totals[key] += terms[key].sum().item()
         model.train(was_training)
-        return {key: value / max(len(self.valid_x), 1) for key, value in totals.items()}
+        sums = all_reduce_sum(list(totals.values()), ctx, device)
+        return {key: value / max(len(self.valid_x), 1) for key, value in zip(totals, sums)}
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         chosen = results.get("ema", results["model"])
