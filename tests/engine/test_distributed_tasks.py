@@ -3,16 +3,12 @@
 Each runs the public command line twice: 2 processes with batch b, and 1 process (in this process, one thread as
 torchrun's) with batch 2b and the same seed; the weights and the evaluation metrics (computed by each process on
 every K-th example and added up) agree, and only rank 0 writes the output folder and prints the summary line.
-The super-resolution runs also serve the multi-node test (two torchrun agents meeting at a c10d rendezvous, bit for
-bit the single-node run) and the kill -9 / ``--resume auto`` test, to start as few process groups as possible.
+Super-resolution is in test_distributed_launch.py, whose multi-node and kill -9 tests reuse its runs.
 """
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -21,7 +17,6 @@ from polaformer.cli import main
 from conftest import REPO
 from dense_helpers import kwarg_flags
 from test_distributed import free_port
-from test_resume import assert_same_tensors
 
 pytestmark = pytest.mark.multiprocess
 
@@ -106,7 +101,7 @@ def assert_same_scores(two: list[dict], one: list[dict], keys: tuple[str, ...]) 
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
 
 
-def test_detect_trains_under_torchrun(tmp_path):
+def test_detect_trains_under_torchrun(tmp_path, capsys):
     """Mask R-CNN (the default detector) trains on 2 processes; it used to fail on both ranks with "Every element
     of targets should have a masks key": the loss asked the DDP wrapper, not the detector, for its mask head.
 
@@ -114,7 +109,8 @@ def test_detect_trains_under_torchrun(tmp_path):
     from the global generator (rank 1 draws from its own stream, one process draws its second image's after the
     first's), and its losses are means over the whole batch's samples (the mask loss over its positive RoIs), not
     means of per-image means. So this test checks the run and what it writes, not the weights against one
-    process (a bound loose enough to hold, AdamW's per-step learning rate, could not fail)."""
+    process (a bound loose enough to hold, AdamW's per-step learning rate, could not fail). Its box and mask AP,
+    from the detections of both processes gathered, are those one process gives its final weights."""
     common = ["detect", "train", "--backbone", "pola_pvt_tiny", *kwarg_flags("pola_pvt_tiny"), "--steps", "2",
               "--train-size", "4", "--val-size", "2", "--no-progress", "--device", "cpu"]
     result = torchrun([*common, "--batch-size", "1", "--output", str(tmp_path / "two")])
@@ -124,6 +120,10 @@ def test_detect_trains_under_torchrun(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["two"]
     assert sorted(p.name for p in (tmp_path / "two").iterdir()) == RUN_FILES
     assert torch.load(tmp_path / "two" / "last.pth", weights_only=True)["world_size"] == 2
+    one_process(["detect", "eval", "--checkpoint", str(tmp_path / "two" / "last.pth"), "--device", "cpu"])
+    scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    recorded = history(tmp_path / "two")[-1]
+    assert {k: recorded[k] for k in scored} == scored
 
 
 def test_lm_two_processes_equal_one_with_the_same_global_batch(tmp_path):
@@ -204,105 +204,3 @@ def test_diffusion_two_processes_equal_one_with_the_same_global_batch(tmp_path):
         assert_same_training(weights(tmp_path / "two", part), weights(tmp_path / "one", part), 2 * 1e-3)
     assert_same_scores(history(tmp_path / "two"), history(tmp_path / "one"),
                        ("train_loss", "valid_loss", "valid_mse", "ema_valid_loss"))
-
-
-# super-resolution: an evaluation (and so a last.pth) after every step, for the kill -9 test
-SR_STEPS = 4
-
-
-def sr_command(data: Path, batch_size: int, output: Path) -> list[str]:
-    return ["sr", "train", "--scale", "2", "--train-hr", str(data), "--valid-hr", str(data), "--patch-size", "16",
-            "--steps", str(SR_STEPS), "--eval-every", "1", "--batch-size", str(batch_size), "--device", "cpu",
-            "--output", str(output), "--opts", "model.embed_dim", "8", "model.depths", "[1]", "model.num_heads",
-            "[2]", "model.window_size", "8", "data.repeats", "4"]
-
-
-@pytest.fixture(scope="module")
-def sr_runs(tmp_path_factory):
-    """``(data, root)``: root/two trained by 2 processes x batch 2, root/one by 1 process x 4."""
-    from PIL import Image
-
-    from polaformer.tasks.sr.data import embedded_photo
-
-    data = tmp_path_factory.mktemp("hr")
-    for i, name in enumerate(("astronaut", "coffee", "rocket")):  # 40 x 56 crops: 3 validation images
-        photo = embedded_photo(name)
-        top, left = (photo.shape[1] - 40) // 2, (photo.shape[2] - 56) // 2
-        Image.fromarray(photo[:, top:top + 40, left:left + 56].permute(1, 2, 0).numpy()).save(data / f"{i}.png")
-    root = tmp_path_factory.mktemp("sr")
-    result = torchrun(sr_command(data, 2, root / "two"))
-    assert_rank0_wrote(result, root, "valid PSNR-Y")
-    one_process(sr_command(data, 4, root / "one"))
-    return data, root
-
-
-def test_sr_two_processes_equal_one_with_the_same_global_batch(sr_runs):
-    """The random patches come from (seed, epoch, index): the same crops and flips per step; PSNR-Y and SSIM-Y
-    are the means over the images both processes scored (every other one each)."""
-    _, root = sr_runs
-    assert_same_training(weights(root / "two"), weights(root / "one"), SR_STEPS * 2e-4)  # the default lr
-    assert_same_scores(history(root / "two"), history(root / "one"), ("train_l1", "psnr_y", "ssim_y"))
-
-
-def test_two_nodes_train_as_two_processes_of_one_node(sr_runs, tmp_path):
-    """``torchrun --nnodes 2 --nproc_per_node 1 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:PORT`` twice, as two
-    machines would run it (one output folder, shared): the same 2 ranks as one node's 2 processes, so the same
-    weights bit for bit, and only the agent holding rank 0 writes."""
-    data, root = sr_runs
-    output = tmp_path / "two"
-    port = free_port()
-    nodes = [launch(sr_command(data, 2, output), ["--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
-                                                  f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=polaformer-test"])
-             for _ in range(2)]
-    results = [finish(node) for node in nodes]
-    summaries = [line for r in results for line in r.stdout.splitlines() if line.startswith("valid PSNR-Y")]
-    assert len(summaries) == 1, [r.stdout for r in results]
-    assert sorted(p.name for p in output.iterdir()) == RUN_FILES
-    assert_same_tensors(weights(output), weights(root / "two"), "model")
-    assert history(output)[-1]["psnr_y"] == history(root / "two")[-1]["psnr_y"]
-
-
-def _rank_processes(agent: subprocess.Popen) -> dict[int, int]:
-    """``{rank: pid}`` of the workers a torchrun agent started (Linux: their parent and environment)."""
-    ranks = {}
-    for entry in Path("/proc").iterdir():
-        try:
-            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            environ = (entry / "environ").read_bytes().split(b"\0")
-        except (OSError, ValueError, IndexError):
-            continue
-        if parent == agent.pid:
-            rank = [v[5:] for v in environ if v.startswith(b"RANK=")]
-            if rank:
-                ranks[int(rank[0])] = int(entry.name)
-    return ranks
-
-
-def test_rank_killed_then_resumed_equals_uninterrupted(sr_runs, tmp_path):
-    """kill -9 of rank 1 once the first checkpoint has landed: torchrun stops rank 0 too. The same command with
-    ``--resume auto`` continues from last.pth (rank 0's weights, every process's random states and data position)
-    and ends bit-identical to the uninterrupted 2-process run."""
-    data, root = sr_runs
-    output = tmp_path / "two"
-    victim = launch(sr_command(data, 2, output))
-    last = output / "last.pth"
-    deadline = time.monotonic() + 240
-    while not last.exists():
-        assert victim.poll() is None, victim.communicate()[1][-3000:]
-        assert time.monotonic() < deadline, "no checkpoint appeared"
-        time.sleep(0.005)
-    os.kill(_rank_processes(victim)[1], signal.SIGKILL)
-    victim.communicate(timeout=120)
-    assert victim.returncode != 0
-    state = torch.load(last, weights_only=True)
-    assert 1 <= state["num_updates"] < SR_STEPS, state["num_updates"]  # killed mid-run
-
-    result = torchrun([*sr_command(data, 2, output), "--resume", "auto"])
-    assert f"resumed from {last}" in result.stderr
-    a, b = (torch.load(folder / "last.pth", weights_only=True) for folder in (root / "two", output))
-    assert a["num_updates"] == b["num_updates"] == SR_STEPS
-    for key in ("model", "optimizer", "lr_scheduler", "rng"):
-        assert_same_tensors(a[key], b[key], key)
-    timings = {"elapsed_s"}
-    assert ([{k: v for k, v in r.items() if k not in timings} for r in a["history"]]
-            == [{k: v for k, v in r.items() if k not in timings} for r in b["history"]])
