@@ -69,7 +69,8 @@ def segmentation_data(data: dict, *, train: bool = True, seed: int = 0):
         if not data.get("root"):
             raise ConfigError("ADE20K-layout data needs data.root (--root)")
         kwargs = dict(num_classes=data["num_classes"], reduce_zero_label=data["reduce_zero_label"])
-        train = RandomCrop(AdeSegmentation(data["root"], "training", **kwargs), data["crop_size"], seed) if train else None
+        train = (RandomCrop(AdeSegmentation(data["root"], "training", **kwargs), data["crop_size"], seed) if train
+                 else None)
         val = AdeSegmentation(data["root"], "validation", **kwargs)
         return train, val, data["num_classes"], val.classes
     raise ConfigError(f"segmentation data.format must be 'digits' or 'ade', got {data['format']!r}")
