@@ -44,12 +44,15 @@ def digits_images(image_size: int = 16):
 
 class NoisedImages(SampleDraws, Dataset):
     """``(image, label, timestep, noise)``: each training image with a uniform step below ``timesteps`` and
-    standard normal noise of ``noise_shape`` (the model's input: the image's, or its latent's), drawn from
+    standard normal noise of ``noise_shape`` (the model's input: the image's, or its latent's), and with
+    ``posterior`` a second such draw, the VAE posterior's sample (:meth:`DiffusionTask.encode`); all drawn from
     (``seed``, epoch, index) (:class:`~polaformer.engine.distributed.SampleDraws`): the same for any process count."""
 
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, timesteps: int, noise_shape: tuple, seed: int = 0):
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, timesteps: int, noise_shape: tuple, seed: int = 0,
+                 posterior: bool = False):
         super().__init__(seed)
         self.images, self.labels, self.timesteps, self.noise_shape = images, labels, timesteps, tuple(noise_shape)
+        self.posterior = posterior
 
     def __len__(self) -> int:
         return len(self.images)
@@ -57,7 +60,8 @@ class NoisedImages(SampleDraws, Dataset):
     def __getitem__(self, index: int):
         generator = self.generator(index)
         t = torch.randint(0, self.timesteps, (), generator=generator)
-        return self.images[index], self.labels[index], t, torch.randn(self.noise_shape, generator=generator)
+        draws = [torch.randn(self.noise_shape, generator=generator) for _ in range(1 + self.posterior)]
+        return self.images[index], self.labels[index], t, *draws
 
 
 def _square(image: Image.Image, size: int) -> Image.Image:

@@ -129,18 +129,22 @@ class DiffusionTask(StepTask):
         self.input_size, self.in_channels = model_geometry(cfg, self.vae)
         self.scheduler = _scheduler(cfg)
         shape, steps = (self.in_channels, self.input_size, self.input_size), cfg.diffusion.train_timesteps
-        self.train_set = NoisedImages(train_x, train_y, steps, shape, cfg.train.seed)
-        # the same steps and noise at every evaluation, each image's whatever the process count
+        self.train_set = NoisedImages(train_x, train_y, steps, shape, cfg.train.seed, posterior=self.vae is not None)
+        # the same steps, noise (and latent samples) at every evaluation, each image's whatever the process count
         generator = torch.Generator().manual_seed(1234)
-        self.valid_t = torch.randint(0, steps, (len(self.valid_x),), generator=generator)
-        self.valid_noise = torch.randn((len(self.valid_x), *shape), generator=generator)
+        n = len(self.valid_x)
+        self.valid_t = torch.randint(0, steps, (n,), generator=generator)
+        self.valid_draws = [torch.randn((n, *shape), generator=generator) for _ in range(1 + (self.vae is not None))]
 
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
+    def encode(self, images: torch.Tensor, posterior: torch.Tensor | None = None) -> torch.Tensor:
+        """The images, or in latent mode their scaled latents: the VAE posterior's sample mean + std x
+        ``posterior`` (standard normal, drawn with the image)."""
         if self.vae is None:
             return images
         with torch.no_grad():
             self.vae.to(images.device)
-            return self.vae.encode(images).latent_dist.sample() * LATENT_SCALE
+            latent = self.vae.encode(images).latent_dist
+            return (latent.mean + latent.std * posterior) * LATENT_SCALE
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
         return build_model(self.cfg, self.num_classes, self.input_size, self.in_channels)
@@ -158,8 +162,8 @@ class DiffusionTask(StepTask):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant, as the official
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        images, labels, t, noise = (x.to(device, non_blocking=True) for x in batch)
-        terms = diffusion_loss(model, self.scheduler, self.encode(images), labels, t=t, noise=noise)
+        images, labels, t, noise, *posterior = (x.to(device, non_blocking=True) for x in batch)
+        terms = diffusion_loss(model, self.scheduler, self.encode(images, *posterior), labels, t=t, noise=noise)
         # the sum stays on the device: the engine reads it with the loss
         return StepOutput(terms["loss"].mean(), len(images), {"mse": terms["mse"].detach().sum()})
 
@@ -171,10 +175,11 @@ class DiffusionTask(StepTask):
         ctx, device = engine.ctx, engine.device
         mine = slice(ctx.rank, None, ctx.world_size)
         totals = {"mse": 0.0, "vb": 0.0, "loss": 0.0}
-        for images, labels, t, noise in zip(*(x[mine].split(256) for x in (self.valid_x, self.valid_y, self.valid_t,
-                                                                            self.valid_noise))):
-            terms = diffusion_loss(model, self.scheduler, self.encode(images.to(device)), labels.to(device),
-                                   t=t.to(device), noise=noise.to(device))
+        parts = (self.valid_x, self.valid_y, self.valid_t, *self.valid_draws)
+        for images, labels, t, noise, *posterior in zip(*(x[mine].split(256) for x in parts)):
+            latents = self.encode(images.to(device), *(p.to(device) for p in posterior))
+            terms = diffusion_loss(model, self.scheduler, latents, labels.to(device), t=t.to(device),
+                                   noise=noise.to(device))
             for key in totals:
                 totals[key] += terms[key].sum().item()
         model.train(was_training)
