@@ -18,6 +18,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
@@ -138,5 +139,6 @@ class SampleDraws:
         self.epoch = epoch
 
     def generator(self, index: int) -> torch.Generator:
-        # a tuple of ints hashes the same in every process (only str and bytes hashes are salted)
-        return torch.Generator().manual_seed(hash((self.draw_seed, self.epoch, index)) % 2**63)
+        # SeedSequence mixes the three into one well-spread 64-bit seed, the same on every platform and version
+        seed = np.random.SeedSequence([self.draw_seed, self.epoch, index]).generate_state(1, np.uint64)[0]
+        return torch.Generator().manual_seed(int(seed))
