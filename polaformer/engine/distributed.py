@@ -7,7 +7,9 @@
 
 Data order: every process draws the same permutation of the training set for an epoch (seeded
 with ``SEED + epoch``) and takes every K-th index, so that step ``s`` of K processes with batch
-B covers exactly the images of step ``s`` of one process with batch K*B.
+B covers exactly the images of step ``s`` of one process with batch K*B. A data set's own random draws (crops,
+flips, noise) come from :class:`SampleDraws`, a generator per sample, so they too are the same for any process
+count. Evaluation takes every K-th example (:func:`shard`) and sums over the processes.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ import os
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
-from torch.utils.data import Dataset, DistributedSampler, Sampler
+from torch.utils.data import Dataset, DistributedSampler, Sampler, Subset
 
 
 @dataclass(frozen=True)
@@ -114,3 +117,28 @@ class ShardSampler(Sampler):
 
     def __len__(self) -> int:
         return len(self.indices)
+
+
+def shard(dataset: Dataset, ctx: DistContext, limit: int = 0) -> Subset:
+    """This process's part of an evaluation set: every K-th of its first ``limit`` examples (0: all) from ``rank``,
+    so that the processes together see each of them once, whatever their number."""
+    end = min(limit, len(dataset)) if limit else len(dataset)
+    return Subset(dataset, range(ctx.rank, end, ctx.world_size))
+
+
+class SampleDraws:
+    """What a training set draws at random for one sample (a crop, a flip, noise) comes from
+    :meth:`generator`, seeded by (seed, epoch, index): the same sample gets the same draws whatever the number of
+    processes, the batch size, the loader worker or the update a run resumed from. The engine calls
+    :meth:`set_epoch` at each epoch's start."""
+
+    def __init__(self, seed: int = 0):
+        self.draw_seed, self.epoch = seed, 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def generator(self, index: int) -> torch.Generator:
+        # SeedSequence mixes the three into one well-spread 64-bit seed, the same on every platform and version
+        seed = np.random.SeedSequence([self.draw_seed, self.epoch, index]).generate_state(1, np.uint64)[0]
+        return torch.Generator().manual_seed(int(seed))

@@ -55,7 +55,8 @@ from ..checkpoint import CorruptCheckpointError, atomic_write
 from .checkpoint import load_task_weights, read_training_state, save_training_state
 from .config import SEED, ConfigError
 from .device import amp_dtype, autocast, place_model, resolve_device
-from .distributed import DistContext, TrainSampler, all_gather_object, all_reduce_sum, barrier, init_distributed, shutdown
+from .distributed import (DistContext, SampleDraws, TrainSampler, all_gather_object, all_reduce_sum, barrier,
+                          init_distributed, shutdown)
 from .optim import unwrap
 from .output import OutputLock
 
@@ -693,6 +694,8 @@ class Engine:
         s, ctx = self.settings, self.ctx
         self.sampler.set_epoch(self.epoch)
         self.sampler.set_start(self.batches * s.batch_size)
+        if isinstance(self.task.train_set, SampleDraws):
+            self.task.train_set.set_epoch(self.epoch)
         # Workers (if any) are seeded from this: the same per epoch and process whatever came before.
         self.loader_generator.manual_seed(s.seed + 1_000_003 * self.epoch + ctx.rank)
         model, params = self.model, [p for p in self.model.parameters() if p.requires_grad]

@@ -21,6 +21,8 @@ from polaformer.tasks.classification import build_trainer, load_config, run_trai
 from polaformer.engine.optim import unwrap
 from conftest import REPO
 
+pytestmark = pytest.mark.multiprocess
+
 PER_PROCESS_BATCH = 16
 OPTS = [
     "DATA.DATASET", "digits", "MODEL.NAME", "vit_tiny_patch16_224",

@@ -6,6 +6,7 @@ defaults are the embedded CPU recipes measured in docs/dense.md (150 Mask R-CNN 
 steps); the files in configs/dense/ are the papers' schedules. Unknown keys and wrong types are an error,
 so a typo never silently keeps a default.
 
+``model.decoder_dropout`` (segmentation): the FPN decoder's spatial dropout (smp's default 0.2).
 ``train.no_decay_keys``: empty, weight decay spares norms, biases and position tables; otherwise exactly the
 parameters whose name holds one of the keys (mmcv's ``paramwise_cfg.custom_keys`` with ``decay_mult=0``).
 ``data.test_scale`` (segmentation): ADE20K-layout images are scored as mmseg's test pipeline, rescaled within
@@ -19,7 +20,7 @@ import os
 from collections.abc import Sequence
 
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
-                              configure, fraction)
+                              configure, fraction, unit)
 from ...engine.limits import check_batch_memory
 
 __all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]
@@ -44,7 +45,7 @@ DEFAULTS = {
     "segment": {
         "model": {
             "decoder": "fpn", "backbone": "pola_pvt_tiny", "backbone_weights": None, "backbone_kwargs": {},
-            "decoder_channels": 128,
+            "decoder_channels": 128, "decoder_dropout": 0.2,
         },
         "data": {
             "format": "digits", "root": None, "num_classes": 150, "reduce_zero_label": True, "crop_size": 512,
@@ -89,7 +90,7 @@ def load_recipe(task: str, path: str | os.PathLike | None = None, overrides: dic
 RULES = {
     "model.min_size": POSITIVE_INT, "model.max_size": POSITIVE_INT, "model.fpn_channels": POSITIVE_INT,
     "model.roi_batch": POSITIVE_INT, "model.anchor_sizes": POSITIVE_INT.but(optional=True),
-    "model.decoder_channels": POSITIVE_INT,
+    "model.decoder_channels": POSITIVE_INT, "model.decoder_dropout": unit(),
     "data.train_size": POSITIVE_INT, "data.val_size": POSITIVE_INT, "data.batch_size": POSITIVE_INT,
     "data.workers": COUNT, "data.num_classes": POSITIVE_INT, "data.crop_size": POSITIVE_INT,
     "train.lr": POSITIVE, "train.weight_decay": NON_NEGATIVE, "train.steps": POSITIVE_INT.but(optional=True),

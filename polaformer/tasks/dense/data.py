@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from ...data.digits import digits_split
 from ...data.folder import DatasetError
+from ...engine.distributed import SampleDraws
 from ...engine.limits import available_memory
 from ...files import UnreadableFileError, read_image, read_text
 
@@ -402,13 +403,15 @@ class AdeSegmentation(Dataset):
         return image, {"semantic": label, "image_id": index}
 
 
-class RandomCrop(Dataset):
-    """Random ``size`` x ``size`` crops of a segmentation set (padded with ignored pixels when smaller).
+class RandomCrop(SampleDraws, Dataset):
+    """Random ``size`` x ``size`` crops of a segmentation set (padded with ignored pixels when smaller), drawn from
+    (``seed``, epoch, index) (:class:`~polaformer.engine.distributed.SampleDraws`): the same for any process count.
 
     Training batches need one size; evaluation uses the whole images, one at a time.
     """
 
-    def __init__(self, dataset: Dataset, size: int):
+    def __init__(self, dataset: Dataset, size: int, seed: int = 0):
+        super().__init__(seed)
         self.dataset = dataset
         self.size = size
 
@@ -425,6 +428,7 @@ class RandomCrop(Dataset):
             image = F.pad(image, (0, pad_w, 0, pad_h))
             label = F.pad(label, (0, pad_w, 0, pad_h), value=IGNORE_INDEX)
             h, w = label.shape
-        y = int(torch.randint(h - s + 1, ()))
-        x = int(torch.randint(w - s + 1, ()))
+        generator = self.generator(index)
+        y = int(torch.randint(h - s + 1, (), generator=generator))
+        x = int(torch.randint(w - s + 1, (), generator=generator))
         return image[:, y:y + s, x:x + s], {**target, "semantic": label[y:y + s, x:x + s]}

@@ -17,6 +17,7 @@ from torchvision.models.detection.anchor_utils import AnchorGenerator
 from torchvision.models.detection.faster_rcnn import FastRCNNPredictor
 from torchvision.models.detection.mask_rcnn import MaskRCNNHeads, MaskRCNNPredictor
 
+from ...engine.distributed import DistContext, all_gather_object
 from ...engine.optim import unwrap
 from .backbone import BackboneError, build_backbone
 from .cascade import build_cascade_mask_rcnn
@@ -135,11 +136,18 @@ def coco_metrics(coco_gt, results: list, iou_type: str, image_ids: list[int]) ->
     return {prefix + n: max(0.0, float(v)) for n, v in zip(names, evaluator.stats[:6]) if v >= 0 or n == "AP"}
 
 
-def evaluate_detector(model: nn.Module, loader, coco_gt, category_ids: list[int]) -> dict[str, float]:
-    """COCO box mAP (and mask mAP for Mask R-CNN) on ``loader``'s images, pycocotools' numbers."""
-    predictions = predict(model, loader)
-    boxes, segms = coco_results(predictions, category_ids)
-    image_ids = [image_id for image_id, _ in predictions]
+def evaluate_detector(model: nn.Module, loader, coco_gt, category_ids: list[int],
+                      ctx: DistContext = DistContext()) -> dict[str, float]:
+    """COCO box mAP (and mask mAP for Mask R-CNN) on ``loader``'s images, pycocotools' numbers. Under torchrun
+    (``ctx``) each process predicts the images of its loader (every K-th, :class:`ShardSampler`) and the results
+    of all are scored together, in the order one process gives them."""
+    per_image = [(image_id, *coco_results([(image_id, pred)], category_ids))
+                 for image_id, pred in predict(model, loader)]
+    parts = all_gather_object(per_image, ctx)
+    merged = [part[j] for j in range(max(map(len, parts))) for part in parts if j < len(part)]
+    boxes = [entry for _, found, _ in merged for entry in found]
+    segms = [entry for _, _, found in merged for entry in found]
+    image_ids = [image_id for image_id, _, _ in merged]
     metrics = coco_metrics(coco_gt, boxes, "bbox", image_ids)
     if hasattr(model, "roi_heads") and model.roi_heads.has_mask():
         metrics.update(coco_metrics(coco_gt, segms, "segm", image_ids))

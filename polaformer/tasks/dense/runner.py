@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 from ...engine.checkpoint import DENSE_KEY_METRICS, load_task_weights, read_task_checkpoint
 from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
+from ...engine.distributed import ShardSampler
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import param_groups, unwrap
 from ...engine.output import claim_outputs, distinct_names, write_image
@@ -58,8 +59,8 @@ def detection_data(data: dict, *, train: bool = True):
     raise ConfigError(f"detection data.format must be 'digits' or 'coco', got {data['format']!r}")
 
 
-def segmentation_data(data: dict, *, train: bool = True):
-    """``(train set or None, val set, num_classes, class names)``."""
+def segmentation_data(data: dict, *, train: bool = True, seed: int = 0):
+    """``(train set or None, val set, num_classes, class names)``; ``seed``: of the training crops."""
     if data["format"] == "digits":
         train = DigitScenes("train", size=data["train_size"]) if train else None
         val = DigitScenes("val", size=data["val_size"])
@@ -68,7 +69,8 @@ def segmentation_data(data: dict, *, train: bool = True):
         if not data.get("root"):
             raise ConfigError("ADE20K-layout data needs data.root (--root)")
         kwargs = dict(num_classes=data["num_classes"], reduce_zero_label=data["reduce_zero_label"])
-        train = RandomCrop(AdeSegmentation(data["root"], "training", **kwargs), data["crop_size"]) if train else None
+        train = (RandomCrop(AdeSegmentation(data["root"], "training", **kwargs), data["crop_size"], seed) if train
+                 else None)
         val = AdeSegmentation(data["root"], "validation", **kwargs)
         return train, val, data["num_classes"], val.classes
     raise ConfigError(f"segmentation data.format must be 'digits' or 'ade', got {data['format']!r}")
@@ -103,7 +105,8 @@ def _build(task: str, recipe: dict, num_classes: int, *, load_weights: bool = Tr
             fpn_channels=m["fpn_channels"], roi_batch=m["roi_batch"],
         )
     return build_segmenter(m["decoder"], m["backbone"], num_classes, backbone_weights=weights,
-                           backbone_kwargs=m["backbone_kwargs"], decoder_channels=m["decoder_channels"])
+                           backbone_kwargs=m["backbone_kwargs"], decoder_channels=m["decoder_channels"],
+                           decoder_dropout=m.get("decoder_dropout", 0.2))  # recipes older than the key: smp's
 
 
 @dataclass
@@ -159,8 +162,9 @@ class DenseTask(Task):
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
         data = self.recipe["data"]
+        # each process scores every K-th validation image; the evaluation adds up the processes' results
         self.val_loader = DataLoader(self.val_set, batch_size=data["batch_size"], collate_fn=collate,
-                                     num_workers=data["workers"])
+                                     num_workers=data["workers"], sampler=ShardSampler(self.val_set, engine.ctx))
         if self.name == "detect":
             self.coco_gt, self.category_ids = self.val_set.coco(), self.val_set.category_ids()
         return _build(self.name, self.recipe, self.num_classes, load_weights=not resuming)
@@ -194,8 +198,9 @@ class DenseTask(Task):
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
         if self.name == "detect":
-            return evaluate_detector(model, self.val_loader, self.coco_gt, self.category_ids)
-        return evaluate_segmenter(model, self.val_loader, self.num_classes, _test_scale(self.recipe["data"]))
+            return evaluate_detector(model, self.val_loader, self.coco_gt, self.category_ids, engine.ctx)
+        return evaluate_segmenter(model, self.val_loader, self.num_classes, _test_scale(self.recipe["data"]),
+                                  engine.ctx)
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         return {"step": engine.num_updates, "train_loss": train["loss"], "lr": train["lr"], **results["model"]}
@@ -217,7 +222,7 @@ def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = No
         train_set, val_set = detection_data(data)
         num_classes, classes = train_set.num_classes, train_set.classes
     else:
-        train_set, val_set, num_classes, classes = segmentation_data(data)
+        train_set, val_set, num_classes, classes = segmentation_data(data, seed=train_cfg["seed"])
     schedule = _schedule(train_cfg, max(1, len(train_set) // data["batch_size"]))
     settings = LoopSettings(
         output=Path(output), batch_size=data["batch_size"], steps=schedule.steps,

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...engine.distributed import DistContext, all_reduce_sum
 from .backbone import BackboneError, build_trunk, pyramid_indices
 from .data import IGNORE_INDEX
 from .lightham import LightHamSegmentationNet
@@ -51,7 +52,8 @@ class Segmenter(nn.Module):
 
 
 def build_segmenter(decoder: str, backbone: str, num_classes: int, *, backbone_weights: str | None = None,
-                    backbone_kwargs: dict | None = None, decoder_channels: int = 256) -> Segmenter:
+                    backbone_kwargs: dict | None = None, decoder_channels: int = 256,
+                    decoder_dropout: float = 0.2) -> Segmenter:
     import segmentation_models_pytorch as smp
 
     if decoder not in DECODERS:
@@ -70,7 +72,7 @@ def build_segmenter(decoder: str, backbone: str, num_classes: int, *, backbone_w
         net = LightHamSegmentationNet(encoder, num_classes, channels=decoder_channels)
     elif decoder == "fpn":
         net = smp.FPN(decoder_pyramid_channels=decoder_channels, decoder_segmentation_channels=decoder_channels // 2,
-                      **kwargs)
+                      decoder_dropout=decoder_dropout, **kwargs)
     else:
         net = smp.UPerNet(decoder_channels=decoder_channels, **kwargs)
     if backbone_weights:
@@ -133,9 +135,11 @@ def _resize_8bit(image: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def evaluate_segmenter(model: nn.Module, loader, num_classes: int, test_scale=()) -> dict[str, float]:
+def evaluate_segmenter(model: nn.Module, loader, num_classes: int, test_scale=(),
+                       ctx: DistContext = DistContext()) -> dict[str, float]:
     """mIoU and pixel accuracy; with ``test_scale`` (long, short) each image is rescaled as mmseg's test pipeline
-    (:func:`mmseg_test_size`, in two bilinear steps as there) and its logits resized back before the argmax."""
+    (:func:`mmseg_test_size`, in two bilinear steps as there) and its logits resized back before the argmax. Under
+    torchrun (``ctx``) the confusion matrices of the processes' loaders are added."""
     model.eval()
     device = next(model.parameters()).device
     confusion = ConfusionMatrix(num_classes)
@@ -149,4 +153,7 @@ def evaluate_segmenter(model: nn.Module, loader, num_classes: int, test_scale=()
             if logits.shape[-2:] != size:
                 logits = F.interpolate(logits, size=size, mode="bilinear", align_corners=False)
             confusion.update(logits.argmax(1)[0].cpu(), target["semantic"])
+    if ctx.is_distributed:  # pixel counts: exact in float64
+        summed = all_reduce_sum(confusion.matrix.flatten().tolist(), ctx, device)
+        confusion.matrix = torch.tensor(summed, dtype=torch.float64).to(torch.int64).view_as(confusion.matrix)
     return confusion.metrics()

@@ -9,13 +9,16 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
+from torch.utils.data import Dataset
 
 from ...checkpoint import atomic_write
 from ...data.digits import digits_split
 from ...data.folder import DatasetError, ImageFolderDataset
 from ...engine.config import ConfigError
+from ...engine.distributed import SampleDraws
 
-__all__ = ["LATENT_SCALE", "digits_images", "folder_images", "load_images", "load_vae", "save_samples"]
+__all__ = ["LATENT_SCALE", "NoisedImages", "digits_images", "folder_images", "load_images", "load_vae",
+           "save_samples"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,28 @@ def digits_images(image_size: int = 16):
         return x.clamp(-1, 1)
 
     return prepare(x_train), torch.from_numpy(y_train), prepare(x_test), torch.from_numpy(y_test)
+
+
+class NoisedImages(SampleDraws, Dataset):
+    """``(image, label, timestep, noise)``: each training image with a uniform step below ``timesteps`` and
+    standard normal noise of ``noise_shape`` (the model's input: the image's, or its latent's), and with
+    ``posterior`` a second such draw, the VAE posterior's sample (:meth:`DiffusionTask.encode`); all drawn from
+    (``seed``, epoch, index) (:class:`~polaformer.engine.distributed.SampleDraws`): the same for any process count."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, timesteps: int, noise_shape: tuple, seed: int = 0,
+                 posterior: bool = False):
+        super().__init__(seed)
+        self.images, self.labels, self.timesteps, self.noise_shape = images, labels, timesteps, tuple(noise_shape)
+        self.posterior = posterior
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int):
+        generator = self.generator(index)
+        t = torch.randint(0, self.timesteps, (), generator=generator)
+        draws = [torch.randn(self.noise_shape, generator=generator) for _ in range(1 + self.posterior)]
+        return self.images[index], self.labels[index], t, *draws
 
 
 def _square(image: Image.Image, size: int) -> Image.Image:

@@ -11,17 +11,17 @@ from __future__ import annotations
 import timm
 import torch
 from torch import nn
-from torch.utils.data import TensorDataset
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_dit_*)
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, fraction, unit)
 from ...engine.device import resolve_device
+from ...engine.distributed import all_reduce_sum
 from ...engine.limits import check_batch_memory
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
-from .data import LATENT_SCALE, load_images, load_vae, vae_downsampling
+from .data import LATENT_SCALE, NoisedImages, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
 __all__ = ["RULES", "DiffusionTask", "check_diffusion_config", "check_sample_request", "diffusion_config", "generate",
@@ -124,18 +124,27 @@ class DiffusionTask(StepTask):
         super().__init__(cfg)
         self.vae = load_vae(cfg.data.vae) if cfg.data.latent else None
         train_x, train_y, valid_x, valid_y, self.num_classes = load_images(cfg.data)
-        self.train_set = TensorDataset(train_x, train_y)
         keep = cfg.train.eval_samples
         self.valid_x, self.valid_y = valid_x[:keep], valid_y[:keep]
         self.input_size, self.in_channels = model_geometry(cfg, self.vae)
         self.scheduler = _scheduler(cfg)
+        shape, steps = (self.in_channels, self.input_size, self.input_size), cfg.diffusion.train_timesteps
+        self.train_set = NoisedImages(train_x, train_y, steps, shape, cfg.train.seed, posterior=self.vae is not None)
+        # the same steps, noise (and latent samples) at every evaluation, each image's whatever the process count
+        generator = torch.Generator().manual_seed(1234)
+        n = len(self.valid_x)
+        self.valid_t = torch.randint(0, steps, (n,), generator=generator)
+        self.valid_draws = [torch.randn((n, *shape), generator=generator) for _ in range(1 + (self.vae is not None))]
 
-    def encode(self, images: torch.Tensor) -> torch.Tensor:
+    def encode(self, images: torch.Tensor, posterior: torch.Tensor | None = None) -> torch.Tensor:
+        """The images, or in latent mode their scaled latents: the VAE posterior's sample mean + std x
+        ``posterior`` (standard normal, drawn with the image)."""
         if self.vae is None:
             return images
         with torch.no_grad():
             self.vae.to(images.device)
-            return self.vae.encode(images).latent_dist.sample() * LATENT_SCALE
+            latent = self.vae.encode(images).latent_dist
+            return (latent.mean + latent.std * posterior) * LATENT_SCALE
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
         return build_model(self.cfg, self.num_classes, self.input_size, self.in_channels)
@@ -153,24 +162,29 @@ class DiffusionTask(StepTask):
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # constant, as the official
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        images, labels = (x.to(device, non_blocking=True) for x in batch)
-        terms = diffusion_loss(model, self.scheduler, self.encode(images), labels)
+        images, labels, t, noise, *posterior = (x.to(device, non_blocking=True) for x in batch)
+        terms = diffusion_loss(model, self.scheduler, self.encode(images, *posterior), labels, t=t, noise=noise)
         # the sum stays on the device: the engine reads it with the loss
         return StepOutput(terms["loss"].mean(), len(images), {"mse": terms["mse"].detach().sum()})
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        """The mean losses of the validation images; each process takes every K-th and the sums are added."""
         was_training = model.training
         model.eval()
-        generator = torch.Generator().manual_seed(1234)  # the same steps and noise at every evaluation
+        ctx, device = engine.ctx, engine.device
+        mine = slice(ctx.rank, None, ctx.world_size)
         totals = {"mse": 0.0, "vb": 0.0, "loss": 0.0}
-        for images, labels in zip(self.valid_x.split(256), self.valid_y.split(256)):
-            terms = diffusion_loss(model, self.scheduler, self.encode(images.to(engine.device)),
-                                   labels.to(engine.device), generator=generator)
+        parts = (self.valid_x, self.valid_y, self.valid_t, *self.valid_draws)
+        for images, labels, t, noise, *posterior in zip(*(x[mine].split(256) for x in parts)):
+            latents = self.encode(images.to(device), *(p.to(device) for p in posterior))
+            terms = diffusion_loss(model, self.scheduler, latents, labels.to(device), t=t.to(device),
+                                   noise=noise.to(device))
             for key in totals:
                 totals[key] += terms[key].sum().item()
         model.train(was_training)
-        return {key: value / max(len(self.valid_x), 1) for key, value in totals.items()}
+        sums = all_reduce_sum(list(totals.values()), ctx, device)
+        return {key: value / max(len(self.valid_x), 1) for key, value in zip(totals, sums)}
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         chosen = results.get("ema", results["model"])

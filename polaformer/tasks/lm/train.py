@@ -16,6 +16,7 @@ from tqdm import tqdm
 from ... import models  # noqa: F401  (registers pola_lm_*)
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, Range,
                               check_settings, configure, fraction, unit)
+from ...engine.distributed import all_reduce_sum, shard
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
@@ -124,8 +125,11 @@ class LMTask(StepTask):
         self.valid_set = byte_windows(self.valid_bytes, cfg, "validation")
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
-        self.valid_loader = DataLoader(self.valid_set, batch_size=self.cfg.train.batch_size, shuffle=False,
-                                       generator=torch.Generator())
+        # train.eval_batches counts batches of the global batch (train.batch_size x processes): every process
+        # count scores the same windows, each process every K-th of them
+        t = self.cfg.train
+        windows = shard(self.valid_set, engine.ctx, t.eval_batches * t.batch_size * engine.ctx.world_size)
+        self.valid_loader = DataLoader(windows, batch_size=t.batch_size, shuffle=False, generator=torch.Generator())
         return build_lm(self.cfg)
 
     def start_message(self, engine: Engine) -> str:
@@ -153,7 +157,9 @@ class LMTask(StepTask):
         return StepOutput(loss, len(inputs))
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
-        return evaluate_bits_per_byte(model, self.valid_loader, engine.device, self.cfg.train.eval_batches)
+        mine = evaluate_bits_per_byte(model, self.valid_loader, engine.device)
+        bits, count = all_reduce_sum([mine["bits_per_byte"] * mine["bytes"], mine["bytes"]], engine.ctx, engine.device)
+        return {"bits_per_byte": bits / max(count, 1), "bytes": int(count)}
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         bpb = results["model"]["bits_per_byte"]

@@ -28,7 +28,9 @@ from torch.utils.data import DataLoader, Dataset
 from ...engine.checkpoint import read_checkpoint
 from ...engine.config import Config
 from ...engine.device import autocast
+from ...engine.distributed import DistContext, all_reduce_sum, barrier, shard
 from ...engine.loop import Engine, StepOutput, train
+from ...engine.optim import unwrap
 from ...engine.steps import StepTask, load_task_model, step_settings
 from .config import LRAConfigError, check_lra_config, lra_config
 from .data import TASKS, collate_lra, load_lra_split
@@ -76,8 +78,9 @@ def _logits(model: nn.Module, batch: dict) -> torch.Tensor:
 
 @torch.no_grad()
 def evaluate_lra(model: nn.Module, loader: DataLoader, device: torch.device | str = "cpu", *,
-                 max_batches: int = 0, amp_dtype: torch.dtype | None = None) -> dict:
-    """Accuracy (%) and mean cross-entropy over ``loader`` (its first ``max_batches`` if > 0)."""
+                 max_batches: int = 0, amp_dtype: torch.dtype | None = None, ctx: DistContext = DistContext()) -> dict:
+    """Accuracy (%) and mean cross-entropy over ``loader`` (its first ``max_batches`` if > 0); under torchrun
+    (``ctx``) over the loaders of all processes together."""
     device = torch.device(device)
     was_training = model.training
     model.eval()
@@ -94,6 +97,8 @@ def evaluate_lra(model: nn.Module, loader: DataLoader, device: torch.device | st
         correct += (logits.argmax(dim=-1) == batch["label"]).sum().item()
         seen += len(batch["label"])
     model.train(was_training)
+    correct, loss_sum, seen = all_reduce_sum([correct, loss_sum, seen], ctx, device)
+    seen = int(seen)
     n = max(seen, 1)
     return {"accuracy": 100.0 * correct / n, "loss": loss_sum / n, "examples": seen}
 
@@ -136,7 +141,10 @@ class LRATask(StepTask):
             raise LRAConfigError(
                 f"the training split has {len(self.splits.train)} examples, fewer than one batch of {t.batch_size}"
             )
-        self.dev_loader = _eval_loader(self.splits.dev, t.batch_size, t.num_workers)
+        # train.eval_batches counts batches of the global batch (train.batch_size x processes): every process
+        # count scores the same dev examples
+        limit = t.eval_batches * t.batch_size * engine.ctx.world_size
+        self.dev_loader = _eval_loader(shard(self.splits.dev, engine.ctx, limit), t.batch_size, t.num_workers)
         return build_lra_model(self.cfg)
 
     def start_message(self, engine: Engine) -> str:
@@ -184,8 +192,7 @@ class LRATask(StepTask):
         return StepOutput(loss, len(batch["label"]), {"correct": correct})
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
-        return evaluate_lra(model, self.dev_loader, engine.device, max_batches=self.cfg.train.eval_batches,
-                            amp_dtype=engine.amp_dtype)
+        return evaluate_lra(model, self.dev_loader, engine.device, amp_dtype=engine.amp_dtype, ctx=engine.ctx)
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         dev = results["model"]
@@ -212,12 +219,13 @@ class LRATask(StepTask):
 
     def finish(self, engine: Engine) -> dict:
         t = self.cfg.train
-        model = engine.model
+        model = unwrap(engine.model)
         best_path = engine.output / BEST
+        barrier(engine.ctx)  # rank 0 has written its last best.pth
         if best_path.exists():
             model.load_state_dict(read_checkpoint(best_path)["model"])
-        test_loader = _eval_loader(self.splits.test, t.batch_size, t.num_workers)
-        test = evaluate_lra(model, test_loader, engine.device, amp_dtype=engine.amp_dtype)
+        test_loader = _eval_loader(shard(self.splits.test, engine.ctx), t.batch_size, t.num_workers)
+        test = evaluate_lra(model, test_loader, engine.device, amp_dtype=engine.amp_dtype, ctx=engine.ctx)
         summary = {
             **self.summary(engine),
             "test_accuracy": test["accuracy"],
@@ -225,12 +233,13 @@ class LRATask(StepTask):
             "test_examples": test["examples"],
             "majority_class_test_accuracy": majority_rate(self.splits.test),
         }
-        log.info("test accuracy %.2f%% (best dev %.2f%% at step %d; majority class %.2f%%)", test["accuracy"],
-                 summary["best_dev_accuracy"], summary["best_step"], summary["majority_class_test_accuracy"])
+        if engine.ctx.is_main:
+            log.info("test accuracy %.2f%% (best dev %.2f%% at step %d; majority class %.2f%%)", test["accuracy"],
+                     summary["best_dev_accuracy"], summary["best_step"], summary["majority_class_test_accuracy"])
         return summary
 
     def metadata(self, engine: Engine) -> dict:
-        return {"model_config": engine.model.cfg.to_dict()}
+        return {"model_config": unwrap(engine.model).cfg.to_dict()}
 
 
 def majority_rate(dataset: Dataset) -> float:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 
 from ...data.folder import DatasetError
+from ...engine.distributed import SampleDraws
 from ...engine.output import write_image
 from ...files import read_image_or_raise
 
@@ -141,14 +142,16 @@ def photo_pairs(split: str, scale: int) -> list[ImagePair]:
     return [_pair_from_hr(name, embedded_photo(name), scale) for name in PHOTOS[split]]
 
 
-class RandomPatches(Dataset):
+class RandomPatches(SampleDraws, Dataset):
     """Aligned random crops of ``pairs``: an LR patch of ``patch_size // scale`` pixels and its HR patch,
     flipped and rotated at random (basicsr's ``use_hflip``/``use_rot``), as floats in [0, 1].
 
-    One pass holds ``repeats`` crops of every image (basicsr's ``dataset_enlarge_ratio``).
+    One pass holds ``repeats`` crops of every image (basicsr's ``dataset_enlarge_ratio``). A crop is drawn from
+    (``seed``, epoch, index) (:class:`~polaformer.engine.distributed.SampleDraws`): the same for any process count.
     """
 
-    def __init__(self, pairs: list[ImagePair], scale: int, patch_size: int, repeats: int = 100):
+    def __init__(self, pairs: list[ImagePair], scale: int, patch_size: int, repeats: int = 100, seed: int = 0):
+        super().__init__(seed)
         if patch_size % scale:
             raise DatasetError(f"the HR patch size {patch_size} is not a multiple of the scale {scale}")
         self.pairs, self.scale, self.lr_patch, self.repeats = pairs, scale, patch_size // scale, repeats
@@ -165,10 +168,11 @@ class RandomPatches(Dataset):
         pair = self.pairs[index % len(self.pairs)]
         p, s = self.lr_patch, self.scale
         lh, lw = pair.lr.shape[-2:]
-        top, left = (int(torch.randint(0, n - p + 1, ())) for n in (lh, lw))
+        generator = self.generator(index)
+        top, left = (int(torch.randint(0, n - p + 1, (), generator=generator)) for n in (lh, lw))
         lr = pair.lr[:, top:top + p, left:left + p]
         hr = pair.hr[:, top * s:(top + p) * s, left * s:(left + p) * s]
-        flip, vflip, transpose = (bool(torch.randint(0, 2, ())) for _ in range(3))
+        flip, vflip, transpose = (bool(torch.randint(0, 2, (), generator=generator)) for _ in range(3))
         if flip:
             lr, hr = lr.flip(-1), hr.flip(-1)
         if vflip:

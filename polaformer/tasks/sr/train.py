@@ -17,6 +17,7 @@ from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights
 from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
                               fraction)
+from ...engine.distributed import all_gather_object
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
@@ -101,10 +102,19 @@ def bicubic_upscale(lr: torch.Tensor, scale: int) -> torch.Tensor:
 def evaluate_sr(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> dict:
     """Mean PSNR-Y/SSIM-Y over ``pairs`` of ``upscale`` ((1, 3, h, w) floats → (1, 3, s·h, s·w)), with a border
     of ``scale``; ``images`` holds each image's scores."""
+    return mean_scores(score_images(upscale, pairs, scale, device))
+
+
+def score_images(upscale, pairs: list[ImagePair], scale: int, device="cpu") -> dict[str, dict]:
+    """PSNR-Y/SSIM-Y of each of ``pairs`` (see :func:`evaluate_sr`), by image name."""
     images = {}
     for pair in pairs:
         sr = upscale(pair.lr[None].float().div(255).to(device))
         images[pair.name] = sr_metrics(to_uint8(sr[0]).cpu(), pair.hr, crop_border=scale)
+    return images
+
+
+def mean_scores(images: dict[str, dict]) -> dict:
     return {"psnr_y": sum(r["psnr_y"] for r in images.values()) / len(images),
             "ssim_y": sum(r["ssim_y"] for r in images.values()) / len(images), "images": images}
 
@@ -147,7 +157,7 @@ class SRTask(StepTask):
         d, scale = cfg.data, cfg.model.scale
         self.train_pairs = sr_pairs(d.train_hr, d.train_lr, scale, "train")
         self.valid_pairs = sr_pairs(d.valid_hr, d.valid_lr, scale, "valid")
-        self.train_set = RandomPatches(self.train_pairs, scale, d.patch_size, d.repeats)
+        self.train_set = RandomPatches(self.train_pairs, scale, d.patch_size, d.repeats, cfg.train.seed)
         self.bicubic = evaluate_sr(lambda lr: bicubic_upscale(lr, scale), self.valid_pairs, scale)
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
@@ -171,11 +181,15 @@ class SRTask(StepTask):
         return StepOutput(F.l1_loss(model(lr).float(), hr), len(lr))
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
+        """Each process scores every K-th image; the means are over all of them, in the order of one process."""
         was_training = model.training
         model.eval()
-        result = evaluate_sr(model_upscaler(model, self.cfg), self.valid_pairs, self.cfg.model.scale, engine.device)
+        ctx = engine.ctx
+        mine = score_images(model_upscaler(model, self.cfg), self.valid_pairs[ctx.rank::ctx.world_size],
+                            self.cfg.model.scale, engine.device)
         model.train(was_training)
-        return result
+        scores = {name: r for part in all_gather_object(mine, ctx) for name, r in part.items()}
+        return mean_scores({pair.name: scores[pair.name] for pair in self.valid_pairs})
 
     def record(self, engine: Engine, train: dict, results: dict[str, dict]) -> dict:
         r = results["model"]
