@@ -29,6 +29,7 @@ from ...engine.checkpoint import read_checkpoint
 from ...engine.config import Config
 from ...engine.device import autocast
 from ...engine.loop import Engine, StepOutput, train
+from ...engine.optim import unwrap
 from ...engine.steps import StepTask, load_task_model, step_settings
 from .config import LRAConfigError, check_lra_config, lra_config
 from .data import TASKS, collate_lra, load_lra_split
@@ -212,7 +213,7 @@ class LRATask(StepTask):
 
     def finish(self, engine: Engine) -> dict:
         t = self.cfg.train
-        model = engine.model
+        model = unwrap(engine.model)
         best_path = engine.output / BEST
         if best_path.exists():
             model.load_state_dict(read_checkpoint(best_path)["model"])
@@ -230,7 +231,7 @@ class LRATask(StepTask):
         return summary
 
     def metadata(self, engine: Engine) -> dict:
-        return {"model_config": engine.model.cfg.to_dict()}
+        return {"model_config": unwrap(engine.model).cfg.to_dict()}
 
 
 def majority_rate(dataset: Dataset) -> float:
