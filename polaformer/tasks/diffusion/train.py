@@ -60,7 +60,7 @@ def diffusion_config(path=None, opts=(), overrides=None, *, check: bool = True) 
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
         "train": {"steps": 2000, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.0, "ema_decay": 0.999,
                   "clip_grad_norm": 1.0, "eval_every": 500, "eval_samples": 256, "seed": 0, "num_workers": 0,
-                  **EXECUTION_DEFAULTS},
+                  "amp": False, **EXECUTION_DEFAULTS},
         # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
         # the official first three output channels
         "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",

@@ -53,7 +53,7 @@ def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         # a few minutes on a laptop CPU, well under the unigram baseline (docs/causal.md)
         "train": {"steps": 600, "batch_size": 16, "lr": 3e-3, "warmup_steps": 50, "weight_decay": 0.01,
                   "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 25, "seed": 0, "num_workers": 0,
-                  **EXECUTION_DEFAULTS},
+                  "amp": False, **EXECUTION_DEFAULTS},
     })
     return configure(cfg, path, opts, overrides, check=check_lm_config if check else None)
 

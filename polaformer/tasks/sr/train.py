@@ -57,7 +57,7 @@ def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         "data": {"train_hr": PHOTOS, "train_lr": "", "valid_hr": PHOTOS, "valid_lr": "", "patch_size": 192,
                  "repeats": 100},
         "train": {"steps": 500000, "batch_size": 16, "lr": 2e-4, "milestones": [0.5, 0.8, 0.9, 0.95],
-                  "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0, **EXECUTION_DEFAULTS},
+                  "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0, "amp": False, **EXECUTION_DEFAULTS},
         # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
         "eval": {"mode": "chop", "tile": 192, "overlap": 16},
     })
