@@ -79,6 +79,9 @@ def read_run_checkpoint(path: str | os.PathLike) -> dict:
     checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint, dict):
         raise CorruptCheckpointError(path, f"expected a dict, found {type(checkpoint).__name__}")
+    if SHARDED in checkpoint and "model" not in checkpoint:
+        raise CorruptCheckpointError(path, f"a sharded checkpoint (its weights are in {checkpoint[SHARDED]}): "
+                                           "'polaformer checkpoint consolidate' makes it one file")
     missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
     if missing:
         raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
@@ -95,6 +98,8 @@ def check_metadata(checkpoint: dict, path: str | os.PathLike) -> None:
         raise CorruptCheckpointError(path, f"'model_kwargs' must be a dict of keyword arguments, found {kwargs!r}")
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 0:
         raise CorruptCheckpointError(path, f"'num_classes' must be an integer >= 0, found {classes!r}")
+    if SHARDED in checkpoint and "model" not in checkpoint:  # the weights are in its shard folder
+        return
     if not isinstance(checkpoint["model"], dict) or not all(
             isinstance(value, torch.Tensor) for value in checkpoint["model"].values()):
         raise CorruptCheckpointError(path, "'model' is not a state dict (name -> tensor)")

@@ -34,6 +34,7 @@ from torch.utils.data import DataLoader, Dataset
 from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
 from ...data import DATASETS, DEFAULT_DATA, get_data_spec
 from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_model_state, read_run_checkpoint
+from ...engine.parallel import SHARDED
 from ...engine.config import Config, ConfigError, merge_opts
 from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
@@ -239,7 +240,7 @@ class ClassificationTask(Task):
         return self.cfg.to_dict()
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
+        missing = [key for key in REQUIRED_KEYS if key not in checkpoint and not (key == "model" and SHARDED in checkpoint)]
         if missing:
             raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
         check_metadata(checkpoint, path)
