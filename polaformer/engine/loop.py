@@ -497,9 +497,9 @@ class Engine:
         if unknown:
             raise ConfigError(f"--allow-changed {unknown[0]}: no setting of a {self.task.name} run has this name "
                               f"(settings: {', '.join(ours)})")
+        may_change = (*self.task.resume_may_change, *self.task.execution_keys, *allowed)
         for key, value in ours.items():
-            if key in saved and saved[key] != value and not _covered(key, (*self.task.resume_may_change, *self.task.execution_keys,
-                                                                     *allowed)):
+            if key in saved and saved[key] != value and not _covered(key, may_change):
                 raise ConfigError(
                     f"{self.resume_path} was trained with {key} = {saved[key]!r}, this run asks for {value!r}: "
                     f"--allow-changed {key} continues the run with the new value")

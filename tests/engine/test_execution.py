@@ -105,10 +105,14 @@ def test_grad_checkpointing_recomputes_and_trains_the_same_weights(task, data, t
         assert torch.equal(weights[key], plain[key]), key
 
 
-# detect and segment set the key through the same runner (dense/runner.py train_task): segment's run covers both,
-# without dynamo tracing a torchvision detector (minutes on a 2-core CPU)
+# One run per path the key takes to the engine, to keep the suite short: the step tasks' (engine/steps.py
+# step_settings: diffusion and lra here, lm and sr the same way), classification's and the dense runner's (segment;
+# detect the same way, without dynamo tracing a torchvision detector, minutes on a 2-core CPU).
+COMPILED = ("diffusion", "lra", "classification", "segment")
+
+
 @pytest.mark.filterwarnings("ignore:Using `torch.compile(module)` when there are global hooks")
-@pytest.mark.parametrize("task", [task for task in TASKS if task != "detect"])
+@pytest.mark.parametrize("task", COMPILED)
 def test_compile_trains_the_compiled_model(task, data, tmp_path_factory, tmp_path):
     """Compiled, the model runs as plain torch modules (the CPU backend's fused ones are not traced) whose float32
     sums may round otherwise; AdamW can turn that rounding of a near-zero gradient into an update of up to its
@@ -136,3 +140,10 @@ def test_bad_execution_settings_are_one_line(settings, message, tmp_path, capsys
     assert main([*argv, *settings]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_fsdp_is_refused_where_the_task_does_not_shard(tmp_path, capsys):
+    argv = [a.replace("{out}", str(tmp_path / "x")) for a in TASKS["segment"][0]]
+    assert main([*argv, "train.parallel", "fsdp"]) == 2
+    err = capsys.readouterr().err
+    assert "train.parallel fsdp is not supported for detection and segmentation models: use ddp" in err, err

@@ -77,6 +77,8 @@ def test_resumed_on_one_process_it_ends_as_ddp_does_and_consolidates(runs, tmp_p
     assert fsdp["num_updates"] == ddp["num_updates"] == 3
     for part in ("model", "model_ema"):
         assert fsdp[part].keys() == ddp[part].keys()
+        worst = max((fsdp[part][k] - ddp[part][k]).abs().max().item() for k in ddp[part])
+        print(f"max |fsdp - ddp| over the {part} weights after 3 steps: {worst:.2e}")
         far = sum((~torch.isclose(fsdp[part][k], ddp[part][k], rtol=1e-4, atol=1e-5)).sum().item() for k in ddp[part])
         assert far <= 1e-2 * sum(v.numel() for v in ddp[part].values()), (part, far)
         for key in ddp[part]:
@@ -95,6 +97,7 @@ def test_consolidated_checkpoint_resumes_and_loaders_refuse_the_sharded_file(run
     assert main(["checkpoint", "consolidate", str(root / "fsdp" / "last.pth"), str(single)]) == 0
     assert main(["checkpoint", "consolidate", str(root / "fsdp" / "last.pth"), str(single)]) == 2
     assert "already exists" in capsys.readouterr().err
+    # parallel: ddp now (the default): a resumed run may change how it runs
     assert main([*RUN, "--steps", "4", "--resume", str(single), "--output", str(tmp_path / "run"), *TINY]) == 0
     with pytest.raises(Exception, match="sharded checkpoint .*consolidate"):
         load_diffusion_model(root / "fsdp" / "last.pth")
