@@ -111,7 +111,7 @@ def test_grad_checkpointing_recomputes_and_trains_the_same_weights(task, data, t
 COMPILED = ("diffusion", "lra", "classification", "segment")
 
 
-@pytest.mark.filterwarnings("ignore:Using `torch.compile(module)` when there are global hooks")
+@pytest.mark.filterwarnings(r"ignore:Using `torch\.compile\(module\)` when there are global hooks")
 @pytest.mark.parametrize("task", COMPILED)
 def test_compile_trains_the_compiled_model(task, data, tmp_path_factory, tmp_path):
     """Compiled, the model runs as plain torch modules (the CPU backend's fused ones are not traced) whose float32
