@@ -112,3 +112,17 @@ def test_blocks_are_the_innermost_block_lists():
     assert blocks(dit) == list(dit.blocks)
     swin = timm.create_model("pola_swin_t", depths=(1, 1, 2, 1), embed_dim=16, num_heads=(1, 2, 2, 4))
     assert blocks(swin) == [b for stage in swin.layers for b in stage.blocks]
+
+
+def test_classification_continues_a_sharded_run_with_ddp(tmp_path, capsys):
+    """One process with ``fsdp`` trains the plain model but writes sharded checkpoints (the official key tree:
+    ``TRAIN.PARALLEL``); the run continues with ``ddp``, and ``eval`` names the command that makes the file whole."""
+    run = ["train", "--model", "pola_deit_digits", "--batch-size", "512", "--device", "cpu", "--output", str(tmp_path)]
+    assert main([*run, "--epochs", "1", "--opts", "TRAIN.PARALLEL", "fsdp"]) == 0
+    first = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    assert "model" not in first and (tmp_path / first["sharded"]).is_dir()
+    assert main(["eval", "--checkpoint", str(tmp_path / "checkpoint.pth")]) == 2
+    assert "'polaformer checkpoint consolidate' makes it one file" in capsys.readouterr().err
+    assert main([*run, "--epochs", "2", "--resume", "auto"]) == 0
+    last = torch.load(tmp_path / "checkpoint.pth", weights_only=True)
+    assert last["epoch"] == 2 and "model" in last and "sharded" not in last
