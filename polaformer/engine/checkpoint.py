@@ -7,6 +7,7 @@ A checkpoint is a plain dict (so it loads with ``weights_only=True``). The engin
      'model_ema'?, 'optimizer', 'lr_scheduler', 'scaler', 'epoch', 'step' (batches into the epoch),
      'num_updates', 'window', 'history', 'best', 'best_at', 'metrics', 'world_size',
      'batch_size', 'rng', 'config' (the run's settings, compared on resume),
+     'sharded' (in place of 'model', 'model_ema' and 'optimizer': the folder holding them, :mod:`.parallel`),
      'tensor_sha256' (the checksum of every tensor, checked on load), ...the task's entries that rebuild its model}
 
 Classification adds ``'arch'`` + ``'num_classes'`` + ``'model_kwargs'`` (enough to rebuild the
@@ -27,6 +28,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from .parallel import SHARDED
 
 # The errors, the atomic writer and the safe reader are shared with the public loader.
 from ..checkpoint import (  # noqa: F401  (re-exported)
@@ -76,6 +79,9 @@ def read_run_checkpoint(path: str | os.PathLike) -> dict:
     checkpoint = read_checkpoint(path)
     if not isinstance(checkpoint, dict):
         raise CorruptCheckpointError(path, f"expected a dict, found {type(checkpoint).__name__}")
+    if SHARDED in checkpoint and "model" not in checkpoint:
+        raise CorruptCheckpointError(path, f"a sharded checkpoint (its weights are in {checkpoint[SHARDED]}): "
+                                           "'polaformer checkpoint consolidate' makes it one file")
     missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
     if missing:
         raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
@@ -92,6 +98,8 @@ def check_metadata(checkpoint: dict, path: str | os.PathLike) -> None:
         raise CorruptCheckpointError(path, f"'model_kwargs' must be a dict of keyword arguments, found {kwargs!r}")
     if isinstance(classes, bool) or not isinstance(classes, int) or classes < 0:
         raise CorruptCheckpointError(path, f"'num_classes' must be an integer >= 0, found {classes!r}")
+    if SHARDED in checkpoint and "model" not in checkpoint:  # the weights are in its shard folder
+        return
     if not isinstance(checkpoint["model"], dict) or not all(
             isinstance(value, torch.Tensor) for value in checkpoint["model"].values()):
         raise CorruptCheckpointError(path, "'model' is not a state dict (name -> tensor)")
@@ -145,10 +153,14 @@ def save_training_state(folder: Path, names: list[str], state: dict) -> Path:
     return first
 
 
-def read_task_checkpoint(path: str | os.PathLike, task: str) -> dict:
-    """A checkpoint of ``task`` (any version), refusing other files in one line."""
+def read_task_checkpoint(path: str | os.PathLike, task: str, *, sharded: bool = False) -> dict:
+    """A checkpoint of ``task`` (any version), refusing other files in one line; ``sharded``: also one whose
+    weights are in a shard folder (:mod:`.parallel`), which only resuming reads."""
     checkpoint = read_checkpoint(path)
-    if not isinstance(checkpoint, dict) or "model" not in checkpoint:
+    if isinstance(checkpoint, dict) and SHARDED in checkpoint and "model" not in checkpoint and not sharded:
+        raise CorruptCheckpointError(path, f"a sharded checkpoint (its weights are in {checkpoint[SHARDED]}): "
+                                           "'polaformer checkpoint consolidate' makes it one file")
+    if not isinstance(checkpoint, dict) or ("model" not in checkpoint and not (sharded and SHARDED in checkpoint)):
         raise CorruptCheckpointError(path, f"not a checkpoint of a {task!r} run (no 'model')")
     checkpoint = upgrade_legacy(checkpoint)
     found = checkpoint.get("task")
@@ -160,8 +172,8 @@ def read_task_checkpoint(path: str | os.PathLike, task: str) -> dict:
 
 def read_training_state(path: str | os.PathLike, task: str, hint: str) -> dict:
     """A checkpoint of ``task`` that holds a training state to resume; ``hint`` says what to do otherwise."""
-    checkpoint = read_task_checkpoint(path, task)
-    missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint]
+    checkpoint = read_task_checkpoint(path, task, sharded=True)
+    missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint and not (key == "optimizer" and SHARDED in checkpoint)]
     if missing:
         raise CorruptCheckpointError(path, f"holds weights but no training state ({', '.join(missing)}): {hint}")
     return checkpoint

@@ -43,13 +43,14 @@ def autocast(device: torch.device | str, dtype: torch.dtype | None):
     return torch.autocast(torch.device(device).type, dtype=dtype)
 
 
-def place_model(model: torch.nn.Module, device: torch.device, *, inference: bool = False) -> torch.nn.Module:
-    """``model`` moved to ``device``; on the CPU also with :func:`polaformer.accelerate`'s fused modules (the
-    same function and state_dict keys; with ``inference`` the model is put in eval mode and its BatchNorms are
-    folded into their convs, so it is for evaluation only). Returns the model."""
+def place_model(model: torch.nn.Module, device: torch.device, *, inference: bool = False,
+                fused: bool = True) -> torch.nn.Module:
+    """``model`` moved to ``device``; on the CPU also with :func:`polaformer.accelerate`'s fused modules unless
+    ``fused`` is false (the same function and state_dict keys; with ``inference`` the model is put in eval mode and
+    its BatchNorms are folded into their convs, so it is for evaluation only). Returns the model."""
     from ..backends.cpu.accelerate import accelerate
 
     model = model.to(device)
-    if device.type == "cpu":
+    if device.type == "cpu" and fused:
         accelerate(model.eval() if inference else model, inference=inference)
     return model

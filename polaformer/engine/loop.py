@@ -14,8 +14,10 @@ batch and its evaluation; :class:`Engine` does everything else, once for all tas
 - the loop: epochs of a :class:`~.distributed.TrainSampler` (the same order for every process
   count; a streamed set, as :mod:`polaformer.data.shards`, orders its own samples), gradient
   accumulation, device and autocast (:mod:`.device`), a GradScaler for float16, gradient clipping
-  (by norm or by value), DDP under torchrun, a weight EMA, the schedule stepped per update, a
-  progress bar;
+  (by norm or by value), a weight EMA, the schedule stepped per update, a progress bar;
+- how the model runs (:mod:`.parallel`, one order for every task): gradient checkpointing, then under torchrun
+  FSDP2 sharding (``parallel='fsdp'``, checkpoints sharded with ``torch.distributed.checkpoint``), then
+  ``torch.compile``, then DDP (``parallel='ddp'``);
 - evaluation every ``eval_every`` updates (or at each epoch's end), one JSON line per evaluation
   in ``metrics.jsonl``, the task's summary in ``metrics.json``;
 - checkpoints (:mod:`.checkpoint`, written atomically): the last state every ``save_every_steps``
@@ -38,6 +40,7 @@ import math
 import os
 import random
 import re
+import secrets
 import time
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -51,7 +54,7 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm import tqdm
 
-from ..checkpoint import CorruptCheckpointError, atomic_write
+from ..checkpoint import CorruptCheckpointError, atomic_write, read_checkpoint
 from .checkpoint import load_task_weights, read_training_state, save_training_state
 from .config import SEED, ConfigError
 from .device import amp_dtype, autocast, place_model, resolve_device
@@ -59,6 +62,8 @@ from .distributed import (DistContext, SampleDraws, TrainSampler, all_gather_obj
                           init_distributed, shutdown)
 from .optim import unwrap
 from .output import OutputLock
+from .parallel import (SHARDED, check_execution, compile_backend, gathered, load_sharded, load_whole_into_sharded,
+                       new_folder_name, prepare_model, remove_unused_folders, save_sharded, sync_from_rank0)
 
 log = logging.getLogger(__name__)
 
@@ -126,8 +131,11 @@ class LoopSettings:
     accumulation_steps: int = 1
     clip_grad_norm: float | None = None
     clip_grad_value: float | None = None
-    amp: bool = False
+    amp: bool = False  # mixed precision: autocast (under FSDP its MixedPrecisionPolicy), bfloat16 on the CPU
     amp_cuda_dtype: str = "float16"
+    parallel: str = "ddp"  # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded, see .parallel)
+    compile: bool | str | None = False  # torch.compile of the model: True (inductor) or a backend name
+    grad_checkpointing: bool = False  # recompute each block's activations in the backward pass
     ema_decay: float | None = None
     seed: int = 0
     num_workers: int = 0
@@ -167,6 +175,8 @@ class Task:
     best_files: dict[str, str] = {"best.pth": "metric"}  # checkpoint name -> record key it maximises
     # settings (dotted keys of settings(), or sections) a resumed run may change without --allow-changed
     resume_may_change: tuple[str, ...] = ()
+    # the settings of how the model runs (parallel, compile, grad checkpointing): a resumed run may change them too
+    execution_keys: tuple[str, ...] = ()
     ties_improve = False  # whether an equal value replaces the best checkpoint
     resume_hint = "use another --output"  # how to start from a checkpoint the task cannot resume
     # a map-style Dataset, or a streamed IterableDataset with set_layout, set_epoch and set_start (data.shards)
@@ -204,9 +214,9 @@ class Task:
         scheduler.load_state_dict(state)
 
     def step(self, model: nn.Module, batch: Any, device: torch.device) -> StepOutput:
-        """Forward and loss of one training batch (run under the engine's autocast). Under torchrun ``model`` is
-        the DistributedDataParallel wrapper (its forward syncs the gradients): read the model's own attributes
-        through :func:`~.optim.unwrap`."""
+        """Forward and loss of one training batch (run under the engine's autocast). ``model`` may be a wrapper
+        (DistributedDataParallel under torchrun, torch.compile's): read the model's own attributes through
+        :func:`~.optim.unwrap`."""
         raise NotImplementedError
 
     def evaluate(self, model: nn.Module, engine: Engine) -> dict:
@@ -311,6 +321,8 @@ class Engine:
         if (settings.epochs is None) == (settings.steps is None):
             raise ConfigError("give a number of epochs or of steps, not both")
         SEED.check("the seed", settings.seed)
+        check_execution(settings.parallel, settings.compile, settings.grad_checkpointing,
+                        ("parallel", "compile", "grad_checkpointing"))
         self.task, self.settings = task, settings
         self.device = resolve_device(settings.device)
         self.lock: OutputLock | None = None
@@ -340,20 +352,29 @@ class Engine:
         if resume is not None:
             task.check_resume(resume, self.resume_path)
             self._check_same_settings(resume)
-            task.load_weights(model, resume, self.resume_path)
-        place_model(model, self.device)
+            if SHARDED not in resume:  # a sharded state is loaded once the model is sharded
+                task.load_weights(model, resume, self.resume_path)
+        # the compiler traces the plain modules, not the CPU backend's fused ones
+        place_model(model, self.device, fused=compile_backend(s.compile) is None)
+        self.amp_dtype = amp_dtype(self.device, s.amp, s.amp_cuda_dtype)
+        self.sharded = s.parallel == "fsdp" and ctx.is_distributed  # the model's parameters are shards
+        # under FSDP mixed precision is its policy, not autocast
+        self.autocast_dtype = None if self.sharded else self.amp_dtype
 
-        self.optimizer = task.build_optimizer(model)
-        self.model = model
-        if ctx.is_distributed:  # rank 0's weights go to every process here
-            self.model = nn.parallel.DistributedDataParallel(
-                model, device_ids=[ctx.local_rank] if self.device.type == "cuda" else None,
-                find_unused_parameters=s.find_unused_parameters,
-            )
+        from timm.utils import ModelEmaV3
+
         self.model_ema = None
-        if s.ema_decay is not None:  # after DDP: a copy of the weights all processes share
-            from timm.utils import ModelEmaV3
-
+        if self.sharded:  # rank 0's weights (and the EMA's copy of them), sharded by prepare_model
+            sync_from_rank0(model)
+        if s.ema_decay is not None and self.sharded:
+            self.model_ema = ModelEmaV3(model, decay=s.ema_decay)
+        self.model = prepare_model(
+            model, ctx=ctx, device=self.device, parallel=s.parallel, compile=s.compile,
+            grad_checkpointing=s.grad_checkpointing, amp_dtype=self.amp_dtype,
+            find_unused_parameters=s.find_unused_parameters,
+            ema=self.model_ema.module if self.model_ema is not None else None)
+        self.optimizer = task.build_optimizer(model)
+        if s.ema_decay is not None and not self.sharded:  # after DDP: a copy of the weights all processes share
             self.model_ema = ModelEmaV3(model, decay=s.ema_decay)
 
         self.accumulation_steps = max(1, s.accumulation_steps)
@@ -366,7 +387,6 @@ class Engine:
             )
         self.total_updates = s.steps if s.steps is not None else s.epochs * self.updates_per_epoch
         self.scheduler = task.build_scheduler(self.optimizer, self.updates_per_epoch, self.total_updates)
-        self.amp_dtype = amp_dtype(self.device, s.amp, s.amp_cuda_dtype)
         self.scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
 
         self.epoch = s.start_epoch if s.epochs is not None else 0  # epochs of data completed
@@ -488,8 +508,9 @@ class Engine:
         if unknown:
             raise ConfigError(f"--allow-changed {unknown[0]}: no setting of a {self.task.name} run has this name "
                               f"(settings: {', '.join(ours)})")
+        may_change = (*self.task.resume_may_change, *self.task.execution_keys, *allowed)
         for key, value in ours.items():
-            if key in saved and saved[key] != value and not _covered(key, (*self.task.resume_may_change, *allowed)):
+            if key in saved and saved[key] != value and not _covered(key, may_change):
                 raise ConfigError(
                     f"{self.resume_path} was trained with {key} = {saved[key]!r}, this run asks for {value!r}: "
                     f"--allow-changed {key} continues the run with the new value")
@@ -523,13 +544,19 @@ class Engine:
 
     def _restore_state(self, checkpoint: dict) -> None:
         ctx = self.ctx
-        if self.model_ema is not None:
-            if checkpoint.get("model_ema") is not None:
-                self.model_ema.module.load_state_dict(checkpoint["model_ema"])
-            else:
-                log.warning("%s has no EMA weights: the EMA restarts from the model's", self.resume_path)
-                self.model_ema.module.load_state_dict(unwrap(self.model).state_dict())
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        ema = self.model_ema.module if self.model_ema is not None else None
+        if SHARDED in checkpoint:
+            load_sharded(self.resume_path.parent / checkpoint[SHARDED], unwrap(self.model), self.optimizer, ema,
+                         has_ema=checkpoint.get("ema_saved", False))
+        elif self.sharded:
+            load_whole_into_sharded(checkpoint, unwrap(self.model), self.optimizer, ema)
+        else:
+            if ema is not None and checkpoint.get("model_ema") is not None:
+                ema.load_state_dict(checkpoint["model_ema"])
+            self.optimizer.load_state_dict(checkpoint["optimizer"])
+        if ema is not None and checkpoint.get("model_ema") is None and not checkpoint.get("ema_saved"):
+            log.warning("%s has no EMA weights: the EMA restarts from the model's", self.resume_path)
+            ema.load_state_dict(unwrap(self.model).state_dict())
         self._check_optimizer_shapes()
         if checkpoint["lr_scheduler"] is not None:
             self.task.restore_scheduler(self.scheduler, checkpoint["lr_scheduler"])
@@ -605,12 +632,16 @@ class Engine:
 
     # saving
 
-    def _state(self, per_process: list[dict]) -> dict:
+    def _state(self, per_process: list[dict], folder: str | None) -> dict:
+        if folder is not None:  # model, EMA and optimizer are in the shard folder
+            weights = {SHARDED: folder, "ema_saved": self.model_ema is not None}
+        else:
+            weights = {"model": unwrap(self.model).state_dict(),
+                       **({"model_ema": self.model_ema.module.state_dict()} if self.model_ema is not None else {}),
+                       "optimizer": self.optimizer.state_dict()}
         return {
             "task": self.task.name,
-            "model": unwrap(self.model).state_dict(),
-            **({"model_ema": self.model_ema.module.state_dict()} if self.model_ema is not None else {}),
-            "optimizer": self.optimizer.state_dict(),
+            **weights,
             "lr_scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,  # epochs of data completed
@@ -631,17 +662,40 @@ class Engine:
 
     def save(self, names: list[str]) -> None:
         """Write the training state to ``names`` in the output folder (rank 0; all processes call)."""
-        per_process = all_gather_object({"rng": rng_state(self.device), "window": self.window.to_dict()}, self.ctx)
+        per_process = all_gather_object({"rng": rng_state(self.device), "window": self.window.to_dict(),
+                                         "names": names, "token": secrets.token_hex(6)}, self.ctx)
+        names = per_process[0]["names"]  # rank 0 decides, so that every process joins the sharded write
+        folder = None
+        if self.settings.parallel == "fsdp" and names:
+            folder = new_folder_name(self.num_updates, per_process[0]["token"])
+            save_sharded(self.output, folder, unwrap(self.model), self.optimizer,
+                         self.model_ema.module if self.model_ema is not None else None, self.ctx)
         if not self.ctx.is_main or not names:
             return
         first = self.output / names[0]
         before = _identity(first)
         try:
-            self.last_saved = save_training_state(self.output, names, self._state(per_process))
+            self.last_saved = save_training_state(self.output, names, self._state(per_process, folder))
         except KeyboardInterrupt:
             if _identity(first) != before:  # Ctrl-C while the copies were made: the first file is complete
                 self.last_saved = first
             raise
+        finally:
+            if folder is not None:
+                remove_unused_folders(self.output, self._shard_folders_in_use())
+
+    def _shard_folders_in_use(self) -> set[str]:
+        """The shard folders the run's checkpoint files name."""
+        used = set()
+        for path in self.run_files:
+            if path.suffix == ".pth":
+                try:
+                    folder = read_checkpoint(path).get(SHARDED)
+                except (CorruptCheckpointError, OSError, AttributeError):
+                    continue
+                if isinstance(folder, str):
+                    used.add(folder)
+        return used
 
     # the run
 
@@ -686,6 +740,7 @@ class Engine:
         if self.settings.overwrite and self.resume_path is None:  # no file of the old run stays
             for path in self.run_files:
                 path.unlink()
+        remove_unused_folders(self.output, self._shard_folders_in_use())  # and shards no checkpoint names
         # metrics.jsonl holds exactly the evaluations of the checkpoint we continue from.
         lines = "".join(json.dumps(record) + "\n" for record in self.history)
         atomic_write(self.output / METRICS_JSONL, lambda f: f.write(lines.encode()))
@@ -701,6 +756,7 @@ class Engine:
         model, params = self.model, [p for p in self.model.parameters() if p.requires_grad]
         model.train()
         ddp = isinstance(model, nn.parallel.DistributedDataParallel)
+        fsdp = unwrap(model) if self.sharded else None
         scaler = self.scaler if self.scaler.is_enabled() else None
         # The batches still to train in this epoch, up to the end of the run.
         usable = self.batches_per_epoch - self.batches
@@ -716,8 +772,10 @@ class Engine:
                 if index >= usable:
                     break
                 completes_update = (self.batches + 1) % self.accumulation_steps == 0
+                if fsdp is not None and self.accumulation_steps > 1:  # reduce the gradients once per update
+                    fsdp.set_requires_gradient_sync(completes_update)
                 with model.no_sync() if ddp and not completes_update else nullcontext():
-                    with autocast(self.device, self.amp_dtype):
+                    with autocast(self.device, self.autocast_dtype):
                         output = self.task.step(model, batch, self.device)
                     scaled = output.loss / self.accumulation_steps
                     (scaler.scale(scaled) if scaler else scaled).backward()
@@ -827,9 +885,11 @@ class Engine:
         stats = dict(zip(self.window.stats, all_reduce_sum(list(self.window.stats.values()), ctx, self.device)))
         train = {"loss": loss_sum / max(samples, 1), "samples": samples, "time": train_time / ctx.world_size,
                  "stats": stats, "lr": self.lr, "eval_start": eval_start}
-        results = {"model": self.task.evaluate(unwrap(self.model).eval(), self)}
+        with gathered(unwrap(self.model)) as model:  # whole on every process: each may run its own batches
+            results = {"model": self.task.evaluate(model.eval(), self)}
         if self.model_ema is not None:
-            results["ema"] = self.task.evaluate(self.model_ema.module.eval(), self)
+            with gathered(self.model_ema.module) as ema:
+                results["ema"] = self.task.evaluate(ema.eval(), self)
         self.model.train()
         record = self.task.record(self, train, results)
         self.history.append(record)

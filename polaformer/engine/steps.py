@@ -19,13 +19,35 @@ from ..checkpoint import CorruptCheckpointError
 from .checkpoint import load_task_weights, read_task_checkpoint
 from .config import Config, ConfigError
 from .loop import Engine, LoopSettings, Task
+from .parallel import check_execution
 
-__all__ = ["OPTIONAL_TRAIN_KEYS", "StepTask", "load_task_model", "saved_config", "step_settings"]
+__all__ = ["EXECUTION_DEFAULTS", "EXECUTION_KEYS", "OPTIONAL_TRAIN_KEYS", "StepTask", "check_execution_keys",
+           "load_task_model", "saved_config", "step_settings"]
+
+# How the engine runs the model (engine/parallel.py), in every step task's ``train`` section and the dense
+# recipes': 'ddp' or 'fsdp' under torchrun; torch.compile (null/false: off, true: inductor, or a backend name such
+# as 'eager'); gradient checkpointing of every block. None changes what is computed, so a resumed run may change them.
+EXECUTION_DEFAULTS = {"parallel": "ddp", "compile": None, "grad_checkpointing": False}
+EXECUTION_KEYS = tuple(f"train.{key}" for key in EXECUTION_DEFAULTS)
 
 # ``train`` keys a task's configuration may have -> the LoopSettings field each sets (clipping and EMA: 0 is off)
 OPTIONAL_TRAIN_KEYS = {"clip_grad_norm": "clip_grad_norm", "clip_grad_value": "clip_grad_value",
-                       "ema_decay": "ema_decay", "amp": "amp", "save_every": "save_every_steps"}
+                       "ema_decay": "ema_decay", "amp": "amp", "save_every": "save_every_steps",
+                       **{key: key for key in EXECUTION_DEFAULTS}}
 _ZERO_IS_OFF = ("clip_grad_norm", "clip_grad_value", "ema_decay")
+
+
+def check_execution_keys(train: Config | dict, error: type[Exception] = ConfigError, *,
+                         unsharded: str | None = None) -> None:
+    """The :data:`EXECUTION_DEFAULTS` keys of a ``train`` section, one line for a value no run can use;
+    ``unsharded``: the task's models, when it does not train them with ``parallel: fsdp``."""
+    values = [train.get(key, default) for key, default in EXECUTION_DEFAULTS.items()]
+    try:
+        check_execution(*values, keys=EXECUTION_KEYS)
+    except ConfigError as e:
+        raise error(str(e)) from None
+    if unsharded and values[0] == "fsdp":
+        raise error(f"train.parallel fsdp is not supported for {unsharded}: use ddp")
 
 
 def step_settings(cfg: Config, output: str | os.PathLike, *, resume: str | os.PathLike | None = None,
@@ -51,6 +73,8 @@ class StepTask(Task):
     """A step-based task: its configuration (``cfg``) is the run's settings, compared on resume. A subclass gives
     the model, data, loss and evaluation; :meth:`opening`, :meth:`evaluation_line` and :meth:`run_summary` give
     its log lines and ``metrics.json`` the form of every other step-based task's."""
+
+    execution_keys = EXECUTION_KEYS
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

@@ -17,6 +17,7 @@ import torch
 from timm.layers import Mlp, PatchEmbed
 from timm.models import generate_default_cfgs
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..layers.registry import sequence_attentions
 from ..ops.dispatch import capturing
@@ -158,7 +159,12 @@ class PolaDiT(nn.Module):
         self.pos_embed = nn.Parameter(sincos_pos_table(hidden_size, grid).float().unsqueeze(0), requires_grad=False)
         self.blocks = nn.ModuleList(DiTBlock(hidden_size, num_heads, mlp_ratio, attention) for _ in range(depth))
         self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.grad_checkpointing = False
         self._init_weights()
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True):
+        self.grad_checkpointing = enable
 
     @property
     def null_class(self) -> int | None:
@@ -204,7 +210,10 @@ class PolaDiT(nn.Module):
         tokens = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, drop=self.training)
         for block in self.blocks:
-            tokens = block(tokens, c)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                tokens = checkpoint(block, tokens, c, use_reentrant=False)
+            else:
+                tokens = block(tokens, c)
         return self.unpatchify(self.final_layer(tokens, c))
 
 

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from timm.layers import Mlp
 from timm.models import generate_default_cfgs
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..layers.registry import sequence_attentions
 from ..ops.dispatch import capturing
@@ -79,6 +80,11 @@ class PolaLM(nn.Module):
         self.apply(self._init_weights)
         nn.init.normal_(self.pos_embed, std=0.02)
         self.head.weight = self.tok_embed.weight  # tied
+        self.grad_checkpointing = False
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True):
+        self.grad_checkpointing = enable
 
     @staticmethod
     def _init_weights(m):
@@ -109,7 +115,10 @@ class PolaLM(nn.Module):
         """(B, N) token ids -> (B, N, vocab) next-token logits."""
         x = self._embed(tokens, 0)
         for block in self.blocks:
-            x = block(x)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.head(self.norm(x))
 
     def step(self, tokens: torch.Tensor, caches: list | None = None, start: int = 0):

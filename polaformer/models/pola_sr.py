@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from timm.models import generate_default_cfgs
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..layers import PacsLinearAttention, RoPE2d
 from ..layers.qkv_window_attention import QKVWindowAttention
@@ -132,10 +133,14 @@ class ResidualGroup(nn.Module):
         window = layer_kwargs["window_size"]
         self.layers = nn.ModuleList(
             AttentiveLayer(shift_size=0 if i % 2 == 0 else window // 2, **layer_kwargs) for i in range(depth))
+        self.grad_checkpointing = False
 
     def forward(self, x, height, width, relative_index, mask):
         for layer in self.layers:
-            x = layer(x, height, width, relative_index, mask)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, height, width, relative_index, mask, use_reentrant=False)
+            else:
+                x = layer(x, height, width, relative_index, mask)
         return x
 
 
@@ -206,6 +211,11 @@ class PolaSR(nn.Module):
         self.upsample = nn.Sequential(nn.Conv2d(embed_dim, upscale ** 2 * in_chans, 3, padding=1),
                                       nn.PixelShuffle(upscale))
         self.apply(self._init_weights)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True):
+        for group in self.layers:
+            group.residual_group.grad_checkpointing = enable
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:

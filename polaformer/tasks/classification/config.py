@@ -12,6 +12,9 @@ keys), a few keys of Swin-Transformer's newer config that recipes use, and the e
                                 512); 0 uses them as given
 ``TRAIN.SAVE_FREQ_STEPS``       also write ``last.pth`` every N optimizer updates (0: off)
 ``TRAIN.FIND_UNUSED_PARAMETERS``  DDP's find_unused_parameters (official ``--find-unused-params``)
+``TRAIN.PARALLEL``              under torchrun: ``ddp`` (replicated) or ``fsdp`` (sharded, FSDP2)
+``TRAIN.COMPILE``               ``torch.compile``: null/false off, true inductor, or a backend name
+``TRAIN.USE_CHECKPOINT``        gradient checkpointing of every block (official key; the engine applies it)
 ``TRAIN.EMA.ENABLE/DECAY``      weight EMA (official PolaFormer++: ``--model-ema
                                 --model-ema-decay 0.99982`` on its command line)
 ``AMP_DTYPE``                   ``float16`` (with a GradScaler) or ``bfloat16``, for CUDA; AMP
@@ -41,6 +44,7 @@ from dataclasses import asdict, dataclass, field, replace
 from ...data import DEFAULT_DATA
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, unit)
+from ...engine.parallel import check_execution
 
 # The model `polaformer train` uses when none is named.
 DEFAULT_MODEL = "pola_deit_digits"
@@ -133,6 +137,8 @@ def _official_defaults() -> dict:
             "BASE_BATCH_SIZE": 512,
             "SAVE_FREQ_STEPS": 0,
             "FIND_UNUSED_PARAMETERS": False,
+            "PARALLEL": "ddp",
+            "COMPILE": None,
             "LR_SCHEDULER": {"NAME": "cosine", "DECAY_EPOCHS": 30, "DECAY_RATE": 0.1},
             "OPTIMIZER": {"NAME": "adamw", "EPS": 1e-8, "BETAS": (0.9, 0.999), "MOMENTUM": 0.9},
             "EMA": {"ENABLE": False, "DECAY": 0.9999},  # official main_ema.py's --model-ema-decay default
@@ -250,6 +256,8 @@ def check_config(cfg: Config) -> None:
             f"TRAIN.OPTIMIZER.NAME must be 'adamw' or 'sgd', got {train.OPTIMIZER.NAME!r}")
     require(train.LR_SCHEDULER.NAME.lower() in ("cosine", "step"),
             f"TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step', got {train.LR_SCHEDULER.NAME!r}")
+    check_execution(train.PARALLEL, train.COMPILE, train.USE_CHECKPOINT,
+                    ("TRAIN.PARALLEL", "TRAIN.COMPILE", "TRAIN.USE_CHECKPOINT"))
     require(cfg.AMP_DTYPE in ("float16", "bfloat16"), f"AMP_DTYPE must be 'float16' or 'bfloat16', got {cfg.AMP_DTYPE!r}")
     require(bool(cfg.LAST_CHECKPOINT) and "/" not in cfg.LAST_CHECKPOINT,
             f"LAST_CHECKPOINT must be a file name, got {cfg.LAST_CHECKPOINT!r}")

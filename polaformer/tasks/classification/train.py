@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
 from ...data import DATASETS, DEFAULT_DATA, get_data_spec
 from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_model_state, read_run_checkpoint
+from ...engine.parallel import SHARDED
 from ...engine.config import Config, ConfigError, merge_opts
 from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
@@ -183,6 +184,7 @@ class ClassificationTask(Task):
     resume_hint = "use --finetune to start from it"
     # what a resumed run may change: its length, where it starts from and writes to, its workers, logging and
     # saving cadence, evaluation batch, device, and the keys only read when a run starts or that are not used
+    execution_keys = ("TRAIN.PARALLEL", "TRAIN.COMPILE", "TRAIN.USE_CHECKPOINT")
     resume_may_change = (
         "TRAIN.EPOCHS", "TRAIN.START_EPOCH", "TRAIN.AUTO_RESUME", "TRAIN.SAVE_FREQ_STEPS", "MODEL.RESUME",
         "MODEL.PRETRAINED", "DATA.NUM_WORKERS", "DATA.PIN_MEMORY", "DATA.ZIP_MODE", "DATA.CACHE_MODE",
@@ -214,10 +216,6 @@ class ClassificationTask(Task):
         self.criterion = build_criterion(cfg, self.data.mixup)
 
         model = create_model(self.arch, self.data.num_classes, **self.model_kwargs)
-        if cfg.TRAIN.USE_CHECKPOINT:
-            if not hasattr(model, "set_grad_checkpointing"):
-                raise ConfigError(f"TRAIN.USE_CHECKPOINT: model {self.arch!r} has no set_grad_checkpointing()")
-            model.set_grad_checkpointing(True)
         if not resuming and cfg.MODEL.PRETRAINED:
             from ...finetune import load_for_finetune
 
@@ -251,7 +249,7 @@ class ClassificationTask(Task):
         return self.cfg.to_dict()
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        missing = [key for key in REQUIRED_KEYS if key not in checkpoint]
+        missing = [key for key in REQUIRED_KEYS if key not in checkpoint and not (key == "model" and SHARDED in checkpoint)]
         if missing:
             raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
         check_metadata(checkpoint, path)
@@ -382,6 +380,7 @@ def loop_settings(cfg: Config) -> LoopSettings:
         resume="auto" if train_cfg.AUTO_RESUME or cfg.MODEL.RESUME == "auto" else (cfg.MODEL.RESUME or None),
         allow_changed=tuple(cfg.ALLOW_CHANGED), overwrite=cfg.OVERWRITE, last_name=cfg.LAST_CHECKPOINT,
         find_unused_parameters=train_cfg.FIND_UNUSED_PARAMETERS, print_freq=cfg.PRINT_FREQ,
+        parallel=train_cfg.PARALLEL, compile=train_cfg.COMPILE, grad_checkpointing=train_cfg.USE_CHECKPOINT,
     )
 
 

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, fraction, unit)
 from ...engine.limits import check_batch_memory
+from ...engine.steps import EXECUTION_DEFAULTS, check_execution_keys
 
 __all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]
 
@@ -39,7 +40,7 @@ DEFAULTS = {
         "train": {
             "steps": None, "epochs": 1.5, "lr": 2e-4, "weight_decay": 0.05, "warmup_steps": 50, "policy": "step",
             "milestones": [0.75], "gamma": 0.1, "power": 1.0, "clip_grad": None, "eval_every": None,
-            "save_every": 50, "seed": 0, "no_decay_keys": [],
+            "save_every": 50, "seed": 0, "no_decay_keys": [], "amp": False, **EXECUTION_DEFAULTS,
         },
     },
     "segment": {
@@ -54,7 +55,7 @@ DEFAULTS = {
         "train": {
             "steps": None, "epochs": 3, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
             "milestones": [], "gamma": 0.1, "power": 0.9, "clip_grad": None, "eval_every": None, "save_every": 50,
-            "seed": 0, "head_lr_mult": 1.0, "no_decay_keys": [],
+            "seed": 0, "head_lr_mult": 1.0, "no_decay_keys": [], "amp": False, **EXECUTION_DEFAULTS,
         },
     },
 }
@@ -105,6 +106,7 @@ def check_recipe(cfg: Config) -> None:
     """Reject values no run can use, one line each: every key of :data:`RULES` the recipe has in its range, a
     batch of crops that fits in memory, LightHam's GroupNorm width."""
     check_settings(cfg, {key: rule for key, rule in RULES.items() if _has(cfg, key)})
+    check_execution_keys(cfg.train, unsharded="detection and segmentation models")
     data = cfg.data
     if "crop_size" in data and data.format == "ade":  # each image is padded to the crop: a batch that cannot fit
         check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,

@@ -25,6 +25,7 @@ from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.distributed import ShardSampler
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
+from ...engine.steps import EXECUTION_DEFAULTS, EXECUTION_KEYS
 from ...engine.optim import param_groups, unwrap
 from ...engine.output import claim_outputs, distinct_names, write_image
 from .config import DEFAULTS
@@ -148,6 +149,7 @@ class DenseTask(Task):
 
     resume_hint = "it holds weights only; use --backbone-weights or another --output"
     # the run's length and cadence, its workers and evaluation canvases; the backbone weights only start a run
+    execution_keys = EXECUTION_KEYS
     resume_may_change = ("train.steps", "train.epochs", "train.eval_every", "train.save_every", "data.workers",
                          "data.val_size", "model.backbone_weights")
 
@@ -229,7 +231,7 @@ def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = No
         eval_every=train_cfg["eval_every"] or schedule.steps, save_every_steps=train_cfg["save_every"],
         clip_grad_norm=schedule.clip_grad, seed=train_cfg["seed"], num_workers=data["workers"],
         device=device or "auto", resume=resume, allow_changed=tuple(allow_changed), overwrite=overwrite,
-        show_progress=progress,
+        show_progress=progress, amp=train_cfg.get("amp", False), **{key: train_cfg.get(key, default) for key, default in EXECUTION_DEFAULTS.items()},
     )
     return train(DenseTask(task, recipe, train_set, val_set, num_classes, classes, schedule), settings)
 

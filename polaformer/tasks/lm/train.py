@@ -19,7 +19,7 @@ from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED,
 from ...engine.distributed import all_reduce_sum, shard
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
+from ...engine.steps import EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config, step_settings
 from .data import ByteWindows, stdlib_corpus
 
 __all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
@@ -53,7 +53,8 @@ def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
         # a few minutes on a laptop CPU, well under the unigram baseline (docs/causal.md)
         "train": {"steps": 600, "batch_size": 16, "lr": 3e-3, "warmup_steps": 50, "weight_decay": 0.01,
-                  "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 25, "seed": 0, "num_workers": 0},
+                  "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 25, "seed": 0, "num_workers": 0,
+                  "amp": False, **EXECUTION_DEFAULTS},
     })
     return configure(cfg, path, opts, overrides, check=check_lm_config if check else None)
 
@@ -61,6 +62,7 @@ def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
 def check_lm_config(cfg: Config) -> None:
     """Every setting in its range (:data:`RULES`), a known attention, a position table that fits in memory."""
     check_settings(cfg, RULES)
+    check_execution_keys(cfg.train)
     if cfg.model.attention not in models.pola_lm.ATTENTIONS:
         raise ConfigError(f"model.attention must be one of {', '.join(models.pola_lm.ATTENTIONS)}, "
                           f"got {cfg.model.attention!r}")

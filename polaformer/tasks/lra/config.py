@@ -19,6 +19,7 @@ from typing import Any
 
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, unit)
+from ...engine.steps import EXECUTION_DEFAULTS, check_execution_keys
 
 __all__ = ["LRAConfigError", "MODEL_DEFAULTS", "RECIPES", "RULES", "TRAIN_DEFAULTS", "check_lra_config", "lra_config",
            "load_lra_config"]
@@ -48,6 +49,7 @@ TRAIN_DEFAULTS = dict(
     seed=42,
     amp=False,  # bfloat16 on the CPU, float16 with a GradScaler on CUDA
     num_workers=0,
+    **EXECUTION_DEFAULTS,
     limit_train=None,  # keep the first N examples of a split (quick runs)
     limit_dev=None,
     limit_test=None,
@@ -133,6 +135,7 @@ def check_lra_config(cfg: Config) -> None:
                              f"its options: {takes}")
     check_settings(cfg, RULES, LRAConfigError)
     t = cfg.train
+    check_execution_keys(t, LRAConfigError, unsharded="the LRA models (small enough to replicate)")
     if not t.warmup_steps < t.steps:
         raise LRAConfigError(f"train.warmup_steps must be in [0, steps={t.steps}), got {t.warmup_steps}")
     if len(t.betas) != 2:

@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from .attention import build_attention
 
@@ -79,9 +80,13 @@ class LRAClassifier(nn.Module):
         nn.init.normal_(self.pos_embed.weight, std=0.02)
         self.embed_drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(_Block(cfg) for _ in range(cfg.num_layers))
+        self.grad_checkpointing = False
         self.norm = nn.LayerNorm(cfg.dim)
         features = 4 * cfg.dim if cfg.dual else cfg.dim
         self.head = nn.Sequential(nn.Linear(features, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, cfg.num_classes))
+
+    def set_grad_checkpointing(self, enable: bool = True):
+        self.grad_checkpointing = enable
 
     def encode(self, tokens: torch.Tensor, padding_mask: torch.Tensor | None = None) -> torch.Tensor:
         """(B, dim): the mean of the final token features over each sequence's valid tokens."""
@@ -94,7 +99,10 @@ class LRAClassifier(nn.Module):
             raise ValueError(f"padding_mask must match tokens {tuple(tokens.shape)}, got {tuple(padding_mask.shape)}")
         x = self.embed_drop(self.token_embed(tokens) + self.pos_embed.weight[:n])
         for block in self.blocks:
-            x = block(x, padding_mask)
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(block, x, padding_mask, use_reentrant=False)
+            else:
+                x = block(x, padding_mask)
         x = self.norm(x)
         if padding_mask is None:
             return x.mean(dim=1)

@@ -20,7 +20,7 @@ from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, Confi
 from ...engine.distributed import all_gather_object
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import StepTask, load_task_model, saved_config, step_settings
+from ...engine.steps import EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config, step_settings
 from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
@@ -58,7 +58,7 @@ def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         "data": {"train_hr": PHOTOS, "train_lr": "", "valid_hr": PHOTOS, "valid_lr": "", "patch_size": 192,
                  "repeats": 100},
         "train": {"steps": 500000, "batch_size": 16, "lr": 2e-4, "milestones": [0.5, 0.8, 0.9, 0.95],
-                  "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0},
+                  "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0, "amp": False, **EXECUTION_DEFAULTS},
         # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
         "eval": {"mode": "chop", "tile": 192, "overlap": 16},
     })
@@ -68,6 +68,7 @@ def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
 def check_sr_config(cfg: Config) -> None:
     """Every setting in its range (:data:`RULES`), a known evaluation mode, tiles that overlap less than their side."""
     check_settings(cfg, RULES)
+    check_execution_keys(cfg.train)
     if cfg.eval.mode not in EVAL_MODES:
         raise ConfigError(f"eval.mode must be one of {', '.join(EVAL_MODES)}, got {cfg.eval.mode!r}")
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
