@@ -8,7 +8,8 @@
 - :mod:`.dense`: ``detect train|eval|predict`` and ``segment train|eval``;
 - :mod:`.lm`: ``lm train|eval|sample`` (causal byte-level language models);
 - :mod:`.sr`: ``sr train|eval|upscale`` (super-resolution);
-- :mod:`.diffusion`: ``diffusion train|sample|fid`` (class-conditional PolaDiT).
+- :mod:`.diffusion`: ``diffusion train|sample|fid`` (class-conditional PolaDiT);
+- :mod:`.convert`: ``convert weights|train|demo`` (trained softmax models into Pola).
 
 Dependencies point one way: this package -> the tasks -> the engine. Every user error (a bad option,
 a missing or foreign checkpoint, an unknown model) and every environmental fault (a full disk, a busy
@@ -33,6 +34,7 @@ from ..runtime import tune_cpu_allocator
 from .ablate import add_ablate_parser
 from .bench import add_bench_parser
 from .classification import add_classification_parsers
+from .convert import add_convert_parser
 from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
 from .dense import add_dense_parsers
 from .diffusion import add_diffusion_parser
@@ -55,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lm_parser(commands)
     add_sr_parser(commands)
     add_diffusion_parser(commands)
+    add_convert_parser(commands)
     return parser
 
 

@@ -20,6 +20,10 @@ from .weights import ConversionError, ConversionReport, Family
 __all__ = ["AttentionTransfer", "freeze_for_transfer"]
 
 
+def _tensors_alike(a, b) -> bool:
+    return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.numel() == b.numel()
+
+
 def _matched(model: nn.Module, pattern: str) -> list[nn.Module]:
     return [module for name, module in model.named_modules() if re.fullmatch(pattern, name)]
 
@@ -34,7 +38,7 @@ class AttentionTransfer:
             raise ConversionError(f"the teacher has {len(teacher_modules)} layers to match, the student "
                                   f"{len(student_modules)}")
         self.teacher, self.student = teacher, student
-        self._inputs: list[torch.Tensor | None] = [None] * len(teacher_modules)
+        self._inputs: list[tuple | None] = [None] * len(teacher_modules)
         self._targets: list[torch.Tensor | None] = [None] * len(teacher_modules)
         self._outputs: list[torch.Tensor | None] = [None] * len(teacher_modules)
         self._active = False
@@ -47,14 +51,17 @@ class AttentionTransfer:
     def _keep_teacher(self, i):
         def hook(module, args, output):
             if self._active:
-                self._inputs[i], self._targets[i] = args[0], output
+                self._inputs[i], self._targets[i] = args, output
         return hook
 
     def _feed_student(self, i):
         def hook(module, args):
-            if self._active:  # the teacher's input, in the student's layout (Swin: both NHWC; same numel)
-                return (self._inputs[i].reshape(args[0].shape), *args[1:])
-            return None
+            if not self._active:
+                return None
+            # the teacher's tensors in the student's layout; other arguments (a grid's height and width) the
+            # student's own (DiT's condition is the teacher's too: the student's would see label dropout)
+            return tuple(t.reshape(s.shape) if _tensors_alike(t, s) else s
+                         for t, s in zip(self._inputs[i], args)) + tuple(args[len(self._inputs[i]):])
         return hook
 
     def _keep_student(self, i):

@@ -22,10 +22,12 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ...engine.factory import ModelBuildError
+
 __all__ = ["FAMILIES", "TARGETS", "ConversionError", "ConversionReport", "convert_state_dict", "family_of"]
 
 
-class ConversionError(ValueError):
+class ConversionError(ModelBuildError):
     """The source weights do not fit the target model (one line)."""
 
 
