@@ -105,7 +105,7 @@ def test_transfer_loss_falls_and_copied_rows_stay(family, tmp_path):
     transfer.remove()
 
 
-def test_shapes_or_weights_without_counterpart_are_refused(tmp_path):
+def test_shapes_or_weights_without_counterpart_are_refused(tmp_path, capsys):
     teacher, *_ = _teacher("deit", tmp_path)
     with pytest.raises(ConversionError, match=r"shape mismatch: source cls_token \(1, 1, 16\) -> cls_token \(1, 1, 32\)"):
         convert_model(teacher, "pola_deit_tiny_patch16_224", {**VIT, "num_heads": 4, "embed_dim": 32})
@@ -115,6 +115,12 @@ def test_shapes_or_weights_without_counterpart_are_refused(tmp_path):
     pola = timm.create_model("pola_lm_tiny", context=16)
     with pytest.raises(ConversionError, match="conversion starts from attention='softmax'"):
         target_of(pola, "pola_lm_tiny", {})
+    assert main(["convert", "train", "--source", "vit_tiny_patch16_224", "--output", str(tmp_path / "x")]) == 2
+    assert capsys.readouterr().err.strip().endswith("name the softmax model (model.source) and its trained weights "
+                                                    "(model.teacher)")
+    assert main(["convert", "weights", "--source", "swin_tiny_patch4_window7_224", "--weights", str(tmp_path / "deit.pth"),
+                 "--output", str(tmp_path / "y.pth")]) == 2
+    assert "does not fit SwinTransformer" in capsys.readouterr().err
 
 
 def test_cli_weights_then_both_stages_on_digits_resume_bit_identically(tmp_path, capsys):
