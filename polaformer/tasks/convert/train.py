@@ -88,6 +88,8 @@ class ConvertTask(StepTask):
         self.family = family_of(self.teacher)
         self.target, self.target_kwargs = target_of(self.teacher, m.source, m.source_kwargs.to_dict(), m.target,
                                                     m.target_kwargs.to_dict())
+        if self.family is FAMILIES["dit"]:
+            raise ConfigError("the transfer and fine-tuning stages are not wired for DiT yet (convert weights is)")
         if cfg.data.name == "stdlib":
             if self.family is not FAMILIES["lm"]:
                 raise ConfigError(f"data.name stdlib is text, for the language model; {m.source} is an image model")

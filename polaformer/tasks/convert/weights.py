@@ -49,11 +49,7 @@ def _fused_qkv(key: str, target: str, names: set[str]) -> list[Part] | None:
     return [(f"{prefix}.qg.{leaf}", 0, 2, "q"), (f"{prefix}.kv.{leaf}", 0, 2, "k"), (f"{prefix}.kv.{leaf}", 1, 2, "v")]
 
 
-def _map_deit(key: str, names: set[str]) -> list[Part] | str:
-    return _fused_qkv(key, "qkvg", names) or [(key, 0, 1, "")]
-
-
-def _map_dit(key: str, names: set[str]) -> list[Part] | str:
+def _map_qkvg(key: str, names: set[str]) -> list[Part] | str:
     return _fused_qkv(key, "qkvg", names) or [(key, 0, 1, "")]
 
 
@@ -107,7 +103,7 @@ class Family:
 _VIT_KWARGS = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
                "qkv_bias", "global_pool")
 FAMILIES = {
-    "deit": Family("deit", _map_deit, r"blocks\.\d+\.attn", r"blocks\.\d+\.attn", _VIT_KWARGS),
+    "deit": Family("deit", _map_qkvg, r"blocks\.\d+\.attn", r"blocks\.\d+\.attn", _VIT_KWARGS),
     # Swin's windows differ (softmax 7x7, Pola global), so whole blocks are matched, given the teacher's input
     "swin": Family("swin", _map_swin, r"layers\.\d+\.blocks\.\d+", r"layers\.\d+\.blocks\.\d+",
                    ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depths", "num_heads",
@@ -115,7 +111,7 @@ FAMILIES = {
     "pvt_v2": Family("pvt_v2", _map_pvt_v2, r"stages\.\d+\.blocks\.\d+\.attn", r"block\d+\.\d+\.attn",
                      ("img_size", "in_chans", "num_classes", "embed_dims", "depths", "num_heads", "mlp_ratios")),
     # the PaCS layer reads maps, the softmax one tokens: whole blocks are matched
-    "dit": Family("dit", _map_dit, r"blocks\.\d+", r"blocks\.\d+", ()),
+    "dit": Family("dit", _map_qkvg, r"blocks\.\d+", r"blocks\.\d+", ()),
     "lm": Family("lm", _map_lm, r"blocks\.\d+\.attn", r"blocks\.\d+\.attn", ()),
 }
 _CLASSES = {"VisionTransformer": "deit", "SwinTransformer": "swin", "PyramidVisionTransformerV2": "pvt_v2",
@@ -178,8 +174,7 @@ def _layers_as_n(text: str) -> str:
 
 def _init_new(key: str, value: torch.Tensor, rows: list[tuple[int, int]]) -> str:
     """Initialise the new ``rows`` (all rows: the whole tensor) of target ``key`` in place; how, in words."""
-    leaf = key.rsplit(".", 1)[-1]
-    parent = key.rsplit(".", 2)[-2] if key.count(".") >= 1 else ""
+    *_, parent, leaf = ["", *key.split(".")]
     if parent in ("qkvg", "qg") and rows != [(0, len(value))]:
         for start, end in rows:
             value[start:end] = 1.0 if leaf == "bias" else 0.0

@@ -27,7 +27,8 @@ PAIRS = {  # family: (source name, source kwargs, target kwargs, a batch of forw
     "dit": ("pola_dit_s_2", dict(attention="softmax", input_size=8, in_channels=1, hidden_size=16, depth=2,
                                  num_heads=2, num_classes=3), {},
             lambda: (torch.randn(2, 1, 8, 8), torch.rand(2) * 1000, torch.randint(0, 3, (2,)))),
-    "lm": ("pola_lm_tiny", dict(attention="softmax", context=16, dim=16), {}, lambda: (torch.randint(0, 256, (2, 16)),)),
+    "lm": ("pola_lm_tiny", dict(attention="softmax", context=16, dim=16), {},
+           lambda: (torch.randint(0, 256, (2, 16)),)),
 }
 
 
@@ -107,7 +108,7 @@ def test_transfer_loss_falls_and_copied_rows_stay(family, tmp_path):
 
 def test_shapes_or_weights_without_counterpart_are_refused(tmp_path, capsys):
     teacher, *_ = _teacher("deit", tmp_path)
-    with pytest.raises(ConversionError, match=r"shape mismatch: source cls_token \(1, 1, 16\) -> cls_token \(1, 1, 32\)"):
+    with pytest.raises(ConversionError, match=r"shape mismatch: source cls_token \(1, 1, 16\) -> cls_token \(1, 1, 32"):
         convert_model(teacher, "pola_deit_tiny_patch16_224", {**VIT, "num_heads": 4, "embed_dim": 32})
     qk_norm = timm.create_model("vit_tiny_patch16_224", **VIT, qk_norm=True)
     with pytest.raises(ConversionError, match=r"q_norm\.weight .* has no counterpart"):
@@ -118,8 +119,8 @@ def test_shapes_or_weights_without_counterpart_are_refused(tmp_path, capsys):
     assert main(["convert", "train", "--source", "vit_tiny_patch16_224", "--output", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip().endswith("name the softmax model (model.source) and its trained weights "
                                                     "(model.teacher)")
-    assert main(["convert", "weights", "--source", "swin_tiny_patch4_window7_224", "--weights", str(tmp_path / "deit.pth"),
-                 "--output", str(tmp_path / "y.pth")]) == 2
+    assert main(["convert", "weights", "--source", "swin_tiny_patch4_window7_224",
+                 "--weights", str(tmp_path / "deit.pth"), "--output", str(tmp_path / "y.pth")]) == 2
     assert "does not fit SwinTransformer" in capsys.readouterr().err
 
 
