@@ -195,7 +195,7 @@ def convert_state_dict(source: nn.Module, target: nn.Module) -> tuple[dict[str, 
     family = family_of(source)
     src = source.state_dict()
     out = {key: value.detach().clone() for key, value in target.state_dict().items()}
-    persistent = {name for name, _ in target.named_parameters()}
+    parameters = {name for name, _ in target.named_parameters()}
     names = set(out)
     report = ConversionReport(family.name)
     filled: dict[str, list[tuple[int, int]]] = defaultdict(list)
@@ -226,7 +226,7 @@ def convert_state_dict(source: nn.Module, target: nn.Module) -> tuple[dict[str, 
             if role in ("q", "k"):
                 report.qk_rows.setdefault(name, []).append((start, start + len(chunk)))
     for key, value in out.items():
-        if key not in persistent:
+        if key not in parameters:
             continue  # buffers the model computes (window masks, index tables)
         taken = sorted(filled.get(key, []))
         free = _free_rows(taken, len(value))
