@@ -11,6 +11,7 @@
 - :mod:`.sr`: ``sr train|eval|upscale`` (super-resolution);
 - :mod:`.diffusion`: ``diffusion train|sample|fid`` (class-conditional PolaDiT);
 - :mod:`.checkpoint`: ``checkpoint consolidate`` (a sharded checkpoint as one file).
+- :mod:`.convert`: ``convert weights|train|demo`` (trained softmax models into Pola).
 
 Dependencies point one way: this package -> the tasks -> the engine. Every user error (a bad option,
 a missing or foreign checkpoint, an unknown model) and every environmental fault (a full disk, a busy
@@ -36,6 +37,7 @@ from .ablate import add_ablate_parser
 from .bench import add_bench_parser
 from .checkpoint import add_checkpoint_parser
 from .classification import add_classification_parsers
+from .convert import add_convert_parser
 from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
 from .data import add_data_parser
 from .dense import add_dense_parsers
@@ -61,6 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_sr_parser(commands)
     add_diffusion_parser(commands)
     add_checkpoint_parser(commands)
+    add_convert_parser(commands)
     return parser
 
 

@@ -86,6 +86,11 @@ FLAG_KEYS = {
         "save_every": "train.save_every", "seed": "train.seed", "workers": "data.workers",
         "train_size": "data.train_size", "val_size": "data.val_size",
     },
+    "convert train": {
+        "stage": "stage", "source": "model.source", "teacher": "model.teacher", "target": "model.target",
+        "init": "init", "data": "data.name", "steps": "train.steps", "batch_size": "train.batch_size",
+        "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
+    },
     "diffusion train": {
         "model": "model.name", "attention": "model.attention", "data": "data.name", "image_size": "data.image_size",
         "channels": "data.channels", "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",

@@ -86,6 +86,7 @@ class Stop(Exception):
     ("lm", "LMTask", ["--context", "16", "--steps", "5"]),
     ("sr", "SRTask", ["--scale", "2", "--steps", "5"]),
     ("diffusion", "DiffusionTask", ["--steps", "5"]),
+    ("convert", "ConvertTask", ["--source", "vit_tiny_patch16_224", "--teacher", "t.pth", "--steps", "5"]),
 ])
 def test_a_train_command_checks_its_final_configuration_once(task, task_class, argv, monkeypatch, tmp_path):
     """The walk from the flags to the task's data: the configuration is checked once, as it will be trained."""

@@ -231,7 +231,8 @@ def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = No
         eval_every=train_cfg["eval_every"] or schedule.steps, save_every_steps=train_cfg["save_every"],
         clip_grad_norm=schedule.clip_grad, seed=train_cfg["seed"], num_workers=data["workers"],
         device=device or "auto", resume=resume, allow_changed=tuple(allow_changed), overwrite=overwrite,
-        show_progress=progress, amp=train_cfg.get("amp", False), **{key: train_cfg.get(key, default) for key, default in EXECUTION_DEFAULTS.items()},
+        show_progress=progress, amp=train_cfg.get("amp", False),
+        **{key: train_cfg.get(key, default) for key, default in EXECUTION_DEFAULTS.items()},
     )
     return train(DenseTask(task, recipe, train_set, val_set, num_classes, classes, schedule), settings)
 

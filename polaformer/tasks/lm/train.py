@@ -19,8 +19,9 @@ from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED,
 from ...engine.distributed import all_reduce_sum, shard
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config, step_settings
-from .data import ByteWindows, stdlib_corpus
+from ...data.text import ByteWindows, stdlib_corpus
+from ...engine.steps import (EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config,
+                             step_settings)
 
 __all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
            "train_lm", "unigram_bits_per_byte"]

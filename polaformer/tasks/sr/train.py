@@ -20,7 +20,8 @@ from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, Confi
 from ...engine.distributed import all_gather_object
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config, step_settings
+from ...engine.steps import (EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config,
+                             step_settings)
 from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8

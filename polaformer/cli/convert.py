@@ -1,0 +1,97 @@
+"""``polaformer convert``: a trained softmax model into its Pola counterpart (``weights``), then the two training
+stages (``train --stage transfer|finetune``), and the demo on the embedded data (``demo``). See docs/convert.md.
+Errors reach the one handler of :func:`polaformer.cli.main`."""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg,
+                     positive_int, print_summary, train_into)
+
+__all__ = ["add_convert_parser"]
+
+
+def add_convert_parser(commands) -> None:
+    sub = add_command_group(commands, "convert", "convert a trained softmax model to Pola (copy, transfer, fine-tune)",
+                            "Softmax DeiT/ViT, Swin, PVTv2 (timm), DiT and the softmax LM into their Pola "
+                            "counterparts. See docs/convert.md.")
+
+    weights = sub.add_parser("weights", help="copy every weight that has a counterpart; report what is new")
+    weights.add_argument("--source", required=True, help="the softmax model: a timm name (deit_small_patch16_224, "
+                                                         "swin_tiny_patch4_window7_224, pvt_v2_b2) or ours")
+    weights.add_argument("--weights", required=True, metavar="FILE", help="its trained weights")
+    weights.add_argument("--target", default="", help="the Pola model (default: the source's counterpart)")
+    _kwarg_options(weights)
+    weights.add_argument("--output", required=True, metavar="FILE", help="the converted weights (.pth)")
+    add_overwrite(weights, "a file at --output")
+    weights.set_defaults(handler=cmd_convert_weights)
+
+    train = sub.add_parser("train", help="attention transfer or distillation fine-tuning (step-based, resumable)")
+    train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, stage, init, "
+                                                        "transfer, finetune, train keys)")
+    train.add_argument("--stage", choices=("transfer", "finetune"), help="stage")
+    train.add_argument("--source", help="model.source")
+    train.add_argument("--teacher", metavar="FILE", help="the softmax model's trained weights (model.teacher)")
+    train.add_argument("--target", help="model.target (default: the source's counterpart)")
+    train.add_argument("--init", metavar="FILE", help="finetune: start from these weights (the transfer run's)")
+    train.add_argument("--data", choices=("digits", "stdlib"), help="data.name")
+    _kwarg_options(train)
+    add_train_options(train, (
+        ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
+        ("--lr", float, "train.lr"), ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")),
+        output="runs/convert/STAGE", opts_example="transfer.train_qk true finetune.distill 0.7")
+    train.set_defaults(handler=cmd_convert_train)
+
+    demo = sub.add_parser("demo", help="the digits ViT and the stdlib LM: softmax -> Pola against Pola from scratch",
+                          description="Trains the softmax teachers, converts them, runs both stages and Pola from "
+                                      "scratch; writes OUT/table.md and OUT/results.json.")
+    demo.add_argument("--out", required=True, metavar="DIR")
+    demo.add_argument("--quick", action="store_true", help="short runs (a smoke check, not the documented table)")
+    demo.set_defaults(handler=cmd_convert_demo)
+
+
+def _kwarg_options(parser) -> None:
+    parser.add_argument("--source-kwarg", type=parse_model_kwarg, action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument of the source model (repeatable)")
+    parser.add_argument("--target-kwarg", type=parse_model_kwarg, action="append", default=[], metavar="KEY=VALUE",
+                        help="keyword argument of the target model over those it shares with the source")
+
+
+def cmd_convert_weights(args: argparse.Namespace) -> int:
+    from ..engine.output import claim_outputs
+    from ..tasks.convert import build_source, convert_model, save_converted, target_of
+
+    claim_outputs([Path(args.output)], args.overwrite)
+    source = build_source(args.source, dict(args.source_kwarg), args.weights)
+    target, target_kwargs = target_of(source, args.source, dict(args.source_kwarg), args.target,
+                                      dict(args.target_kwarg))
+    model, report = convert_model(source, target, target_kwargs)
+    save_converted(model, report, target, target_kwargs, args.output)
+    print("\n".join(report.lines()))
+    print(f"{args.source} -> {target} {json.dumps(target_kwargs)}: {len(report.copied)} tensors copied, "
+          f"{len(report.new)} new, {len(report.dropped)} dropped -> {args.output}")
+    return 0
+
+
+def cmd_convert_train(args: argparse.Namespace) -> int:
+    from ..tasks.convert import convert_config, train_convert
+
+    cfg = convert_config(args.config, args.opts, flag_values("convert train", args), check=False)  # checked there
+    cfg.model.source_kwargs.merge(dict(args.source_kwarg))
+    cfg.model.target_kwargs.merge(dict(args.target_kwarg))
+    output, summary = train_into(train_convert, cfg, args, f"runs/convert/{cfg.stage}")
+    score = (f"test top-1 {summary['best_top1']:.2f}%" if "best_top1" in summary else
+             f"valid bits/byte {summary['best_valid_bpb']:.3f}")
+    print_summary(f"{cfg.stage}: {score} ({summary['target']} from {summary['source']}, {summary['steps']} steps, "
+                  f"{summary['wall_time_s']:.0f}s) -> {output}")
+    return 0
+
+
+def cmd_convert_demo(args: argparse.Namespace) -> int:
+    from ..bench.convert import QUICK, DemoSizes, run_convert_demo
+
+    results = run_convert_demo(args.out, QUICK if args.quick else DemoSizes(), show_progress=True)
+    print(results["table"])
+    return 0
