@@ -3,12 +3,14 @@ are reported and initialised, foreign shapes are refused, the converted file loa
 class, and the attention-transfer loss falls; then both engine stages on digits, resumed bit-identically."""
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 
 import pytest
 import timm
 import torch
+from torch import nn
 
 from polaformer.checkpoint import load_checkpoint
 from polaformer.cli import main
@@ -30,6 +32,17 @@ PAIRS = {  # family: (source name, source kwargs, target kwargs, a batch of forw
     "lm": ("pola_lm_tiny", dict(attention="softmax", context=16, dim=16), {},
            lambda: (torch.randint(0, 256, (2, 16)),)),
 }
+
+
+@contextlib.contextmanager
+def counting_forwards():
+    """Module forward calls inside the block, as a one-item list."""
+    calls = [0]
+    handle = nn.modules.module.register_module_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    try:
+        yield calls
+    finally:
+        handle.remove()
 
 
 def _teacher(family, tmp_path):
@@ -143,9 +156,19 @@ def test_cli_weights_then_both_stages_on_digits_resume_bit_identically(tmp_path,
     assert all(torch.equal(whole[k], part[k]) for k in whole)
     history = json.loads((tmp_path / "whole" / "metrics.json").read_text())["history"]
     assert len(history) == 2 and all("top1" in h for h in history)
-    assert main(["convert", "train", "--stage", "finetune", *source, "--teacher", str(tmp_path / "deit.pth"),
-                 "--init", str(tmp_path / "whole" / "last.pth"), "--steps", "2", "--batch-size", "8",
-                 "--output", str(tmp_path / "finetune")]) == 0
+    finetune = ["convert", "train", "--stage", "finetune", *source, "--teacher", str(tmp_path / "deit.pth"),
+                "--init", str(tmp_path / "whole" / "last.pth"), "--steps", "2", "--batch-size", "8"]
+    with counting_forwards() as plain_calls:
+        assert main([*finetune, "--output", str(tmp_path / "finetune")]) == 0
     assert "finetune: test top-1" in capsys.readouterr().out
     plain = timm.create_model("pola_deit_tiny_patch16_224", **VIT)
     load_checkpoint(plain, tmp_path / "finetune" / "last.pth", strict=True)
+    # the engine's execution keys, as for every task: the same steps recomputed, or captured by dynamo
+    expected = torch.load(tmp_path / "finetune" / "last.pth", weights_only=True)["model"]
+    for key, value in (("train.grad_checkpointing", "true"), ("train.compile", "eager")):
+        with counting_forwards() as calls:
+            assert main([*finetune, "--output", str(tmp_path / key), "--opts", key, value]) == 0
+        got = torch.load(tmp_path / key / "last.pth", weights_only=True)["model"]
+        assert all(torch.allclose(got[k], expected[k], rtol=0, atol=1e-6) for k in expected), key
+        if key == "train.grad_checkpointing":
+            assert calls[0] > plain_calls[0]  # the student's blocks ran again in the backward pass
