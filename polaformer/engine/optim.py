@@ -13,6 +13,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import torch
 from timm.scheduler import CosineLRScheduler, StepLRScheduler
 from torch import nn
@@ -112,3 +114,15 @@ def build_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epo
             t_in_epochs=False,
         )
     raise ConfigError(f"TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step', got {train.LR_SCHEDULER.NAME!r}")
+
+
+def warmup_cosine(optimizer: torch.optim.Optimizer, warmup_steps: int, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+    """The step tasks' schedule: a linear warm-up over ``warmup_steps`` updates, then a cosine to 0 at ``steps``
+    (stepped once per update)."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup_steps) / max(1, steps - warmup_steps))))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

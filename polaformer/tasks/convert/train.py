@@ -26,6 +26,7 @@ from ...data.text import ByteWindows, stdlib_corpus
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError,
                               check_settings, configure, fraction, unit)
 from ...engine.loop import Engine, StepOutput, train
+from ...engine.optim import warmup_cosine
 from ...engine.steps import EXECUTION_DEFAULTS, StepTask, check_execution_keys, step_settings
 from .build import build_source, convert_model, target_of
 from .transfer import AttentionTransfer, freeze_for_transfer
@@ -128,14 +129,7 @@ class ConvertTask(StepTask):
         return torch.optim.AdamW(params, lr=t.lr, weight_decay=t.weight_decay)
 
     def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
-        warmup, steps = self.cfg.train.warmup_steps, self.cfg.train.steps
-
-        def factor(step):
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return warmup_cosine(optimizer, self.cfg.train.warmup_steps, self.cfg.train.steps)
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
         inputs, labels = (x.to(device, non_blocking=True) for x in batch)

@@ -19,6 +19,7 @@ from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED,
 from ...engine.distributed import all_reduce_sum, shard
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
+from ...engine.optim import warmup_cosine
 from ...data.text import ByteWindows, stdlib_corpus
 from ...engine.steps import (EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config,
                              step_settings)
@@ -144,14 +145,7 @@ class LMTask(StepTask):
         return torch.optim.AdamW(model.parameters(), lr=t.lr, betas=(0.9, 0.95), weight_decay=t.weight_decay)
 
     def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
-        warmup, steps = self.cfg.train.warmup_steps, self.cfg.train.steps
-
-        def factor(step):
-            if step < warmup:
-                return (step + 1) / warmup
-            return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup))))
-
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return warmup_cosine(optimizer, self.cfg.train.warmup_steps, self.cfg.train.steps)
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
         inputs, targets = (x.to(device, non_blocking=True) for x in batch)
