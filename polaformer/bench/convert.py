@@ -35,7 +35,7 @@ DIGITS_STEPS_PER_EPOCH = 44  # 1,437 training images in batches of 32 (the parti
 class DemoSizes:
     """How long each run trains: the teachers' full budget, and the two stages after a conversion."""
 
-    digits_epochs: int = 10
+    digits_epochs: int = 40
     digits_transfer_steps: int = 22
     digits_finetune_steps: int = 66
     lm_steps: int = 600
@@ -72,7 +72,7 @@ def _digits(out: Path, s: DemoSizes, show_progress: bool) -> dict:
         cfg.merge({"model": {"source": "vit_tiny_patch16_224", "teacher": str(teacher_file), "target": target},
                    "stage": name, "init": init,
                    "train": {"steps": steps, "eval_every": steps, "seed": s.seed,
-                             "lr": 2e-3 if name == "transfer" else 5e-4,
+                             "lr": 2e-3 if name == "transfer" else 1e-3,
                              "weight_decay": 0.0 if name == "transfer" else 0.05}})
         cfg.model.source_kwargs.merge(source_kwargs)
         train_convert(cfg, out / name, overwrite=True, show_progress=show_progress)
