@@ -88,8 +88,8 @@ FLAG_KEYS = {
     },
     "convert train": {
         "stage": "stage", "source": "model.source", "teacher": "model.teacher", "target": "model.target",
-        "init": "init", "data": "data.name", "steps": "train.steps", "batch_size": "train.batch_size",
-        "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
+        "init": "init", "data": "data.name", "data_path": "data.path", "steps": "train.steps",
+        "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
     },
     "diffusion train": {
         "model": "model.name", "attention": "model.attention", "data": "data.name", "image_size": "data.image_size",

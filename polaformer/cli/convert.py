@@ -36,7 +36,10 @@ def add_convert_parser(commands) -> None:
     train.add_argument("--teacher", metavar="FILE", help="the softmax model's trained weights (model.teacher)")
     train.add_argument("--target", help="model.target (default: the source's counterpart)")
     train.add_argument("--init", metavar="FILE", help="finetune: start from these weights (the transfer run's)")
-    train.add_argument("--data", choices=("digits", "stdlib"), help="data.name")
+    train.add_argument("--data", choices=("digits", "folder", "stdlib"), help="data.name (default: folder with "
+                                                                             "--data-path, else digits)")
+    train.add_argument("--data-path", metavar="DIR", help="an ImageNet-layout folder, DIR/train/<class>/<image> "
+                                                          "and DIR/val/<class>/<image> (data.path)")
     _kwarg_options(train)
     add_train_options(train, (
         ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
@@ -78,11 +81,14 @@ def cmd_convert_weights(args: argparse.Namespace) -> int:
 def cmd_convert_train(args: argparse.Namespace) -> int:
     from ..tasks.convert import convert_config, train_convert
 
+    if args.data_path and args.data is None:
+        args.data = "folder"
     cfg = convert_config(args.config, args.opts, flag_values("convert train", args), check=False)  # checked there
     cfg.model.source_kwargs.merge(dict(args.source_kwarg))
     cfg.model.target_kwargs.merge(dict(args.target_kwarg))
     output, summary = train_into(train_convert, cfg, args, f"runs/convert/{cfg.stage}")
-    score = (f"test top-1 {summary['best_top1']:.2f}%" if "best_top1" in summary else
+    split = "val" if cfg.data.name == "folder" else "test"
+    score = (f"{split} top-1 {summary['best_top1']:.2f}%" if "best_top1" in summary else
              f"valid bits/byte {summary['best_valid_bpb']:.3f}")
     print_summary(f"{cfg.stage}: {score} ({summary['target']} from {summary['source']}, {summary['steps']} steps, "
                   f"{summary['wall_time_s']:.0f}s) -> {output}")

@@ -50,6 +50,8 @@ __all__ = [
     "collate_skip_corrupt",
     "eval_data_config",
     "mixup_active",
+    "model_transforms",
+    "open_folder",
 ]
 
 logger = logging.getLogger(__name__)
@@ -392,7 +394,6 @@ def build_transform(cfg, is_train: bool):
 
     size = _img_size(cfg)
     mode = _interpolation(cfg)
-    small = size <= SMALL_IMAGE_SIZE
     if is_train:
         aug = cfg.AUG
         jitter = aug.COLOR_JITTER
@@ -407,14 +408,45 @@ def build_transform(cfg, is_train: bool):
             re_count=aug.RECOUNT,
             interpolation=mode,
         )
-        if small:
-            # pad_if_needed only matters for images smaller than IMG_SIZE - 8, where the official
-            # transform would fail.
-            transform.transforms[0] = transforms.RandomCrop(size, padding=4, pad_if_needed=True)
-        return transform
+        return _small_image_crop(transform, size)
 
     data_config = resolve_data_config(args=eval_data_config(size, interpolation=mode, crop=bool(cfg.TEST.CROP)))
     return create_transform(**data_config, is_training=False)
+
+
+def _small_image_crop(transform, size: int):
+    """CIFAR style for ``size <= 32``: the random resized crop becomes ``RandomCrop(size, padding=4)``."""
+    if size <= SMALL_IMAGE_SIZE:
+        # pad_if_needed only matters for images smaller than size - 8, where the official transform would fail
+        transform.transforms[0] = transforms.RandomCrop(size, padding=4, pad_if_needed=True)
+    return transform
+
+
+def model_transforms(model, *, augment: bool = True):
+    """``(train, eval, image_shape)``: transforms for a built timm ``model`` from its own data config (timm's
+    ``resolve_model_data_config``: interpolation, mean/std, crop), at the size the model was built for.
+
+    The size is the patch embedding's ``img_size`` where the model has one (an ``img_size=`` argument
+    changes it, not ``pretrained_cfg``), else ``pretrained_cfg``'s. Training: timm's random resized crop
+    (CIFAR style for sizes up to 32, as :func:`build_transform`), flip and colour jitter, or the
+    evaluation transform when ``augment`` is false; evaluation: as :func:`eval_data_config` for the
+    small sizes (no crop), else the model's own crop.
+    """
+    from timm.data import create_transform, resolve_model_data_config
+
+    config = resolve_model_data_config(model)
+    built = getattr(getattr(model, "patch_embed", None), "img_size", None)
+    if built is not None:
+        size = tuple(built) if isinstance(built, (tuple, list)) else (built, built)
+        config["input_size"] = (config["input_size"][0], *size)
+    size = max(config["input_size"][1:])
+    if size <= SMALL_IMAGE_SIZE:
+        config["crop_pct"] = 1.0
+    eval_transform = create_transform(**config, is_training=False)
+    if not augment:
+        return eval_transform, eval_transform, config["input_size"]
+    train = {key: config[key] for key in ("input_size", "interpolation", "mean", "std")}
+    return _small_image_crop(create_transform(**train, is_training=True), size), eval_transform, config["input_size"]
 
 
 def mixup_active(cfg) -> bool:
@@ -462,6 +494,15 @@ def build_folder_datasets(cfg, *, is_distributed: bool = False):
     data_path = cfg.DATA.DATA_PATH
     if not data_path:
         raise DatasetError("no data folder given: set DATA.DATA_PATH (polaformer train --data-path DIR)")
+    size = _img_size(cfg)
+    return open_folder(data_path, build_transform(cfg, True), build_transform(cfg, False), (3, size, size),
+                       even=mixup_active(cfg), is_distributed=is_distributed)
+
+
+def open_folder(data_path, train_transform, val_transform, image_shape: tuple[int, ...], *, even: bool = False,
+                is_distributed: bool = False):
+    """``(train_set, val_set, num_classes)`` for the folder ``data_path`` with ``train/`` and ``val/`` and
+    these transforms, checked as :func:`build_folder_datasets` says; ``even``: training batches of even size."""
     data_path = os.path.expanduser(os.fspath(data_path))
     if not os.path.isdir(data_path):
         raise DatasetError(f"data folder not found: {data_path}")
@@ -472,11 +513,9 @@ def build_folder_datasets(cfg, *, is_distributed: bool = False):
             f"missing folder{'s' if len(missing) > 1 else ''} {' and '.join(missing)}: "
             f"expected {data_path}/train/<class>/<image> and {data_path}/val/<class>/<image>"
         )
-    size = _img_size(cfg)
-    shape = (3, size, size)
-    train_tf, val_tf = build_transform(cfg, True), build_transform(cfg, False)
-    train_set = ImageFolderDataset(roots["train"], train_tf, image_shape=shape)
-    val_set = ImageFolderDataset(roots["val"], val_tf, image_shape=shape)
+    shape = tuple(image_shape)
+    train_set = ImageFolderDataset(roots["train"], train_transform, image_shape=shape)
+    val_set = ImageFolderDataset(roots["val"], val_transform, image_shape=shape)
     if train_set.classes != val_set.classes:
         only_train = sorted(set(train_set.classes) - set(val_set.classes))
         only_val = sorted(set(val_set.classes) - set(train_set.classes))
@@ -494,7 +533,7 @@ def build_folder_datasets(cfg, *, is_distributed: bool = False):
             f"{roots['train']} has one class folder ({train_set.classes[0]}): a classifier needs at least 2 classes"
         )
     train_set.check_readable()
-    train_set.collate_fn = functools.partial(collate_skip_corrupt, image_shape=shape, even=mixup_active(cfg))
+    train_set.collate_fn = functools.partial(collate_skip_corrupt, image_shape=shape, even=even)
     num_classes = len(train_set.classes)
     rank0 = not is_distributed or not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if rank0:

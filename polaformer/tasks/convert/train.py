@@ -7,9 +7,11 @@ other):
   ``(1 − d)·CE(labels) + d·T²·KL(teacher_T ‖ student_T)`` with ``d`` = ``finetune.distill`` and ``T`` =
   ``finetune.temperature``, starting from ``init`` (the transfer run's checkpoint; empty: the plain copy).
 
-Data: ``digits`` (the image classifiers, test top-1 in %) or ``stdlib`` (the language model, validation bits per
-byte; its windows are the model's context). Every evaluation scores the student on the task's metric, so the
-transfer stage's effect on accuracy is measured, not only its loss.
+Data: ``digits`` (the image classifiers, test top-1 in %), ``folder`` (the image classifiers on the ImageNet-layout
+folder ``data.path``, val top-1 in %, with the teacher's own transforms from
+:func:`~polaformer.data.folder.model_transforms`)
+or ``stdlib`` (the language model, validation bits per byte; its windows are the model's context). Every evaluation
+scores the student on the task's metric, so the transfer stage's effect on accuracy is measured, not only its loss.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from torch.utils.data import DataLoader
 
 from ...checkpoint import load_checkpoint
 from ...data import get_data_spec
+from ...data.folder import model_transforms, open_folder
 from ...data.text import ByteWindows, stdlib_corpus
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError,
                               check_settings, configure, fraction, unit)
@@ -36,7 +39,7 @@ __all__ = ["ConvertTask", "convert_config", "check_convert_config", "train_conve
 
 BEST = "best.pth"
 STAGES = ("transfer", "finetune")
-DATASETS = ("digits", "stdlib")
+DATASETS = ("digits", "folder", "stdlib")
 RULES = {
     "data.max_bytes": COUNT.but(note="0: all"), "data.valid_fraction": fraction(), "data.seed": SEED,
     "finetune.distill": unit(high_open=False), "finetune.temperature": POSITIVE,
@@ -53,7 +56,7 @@ def convert_config(path=None, opts=(), overrides=None, *, check: bool = True) ->
     cfg = Config({
         "model": {"source": "", "source_kwargs": Config(new_allowed=True, path="model.source_kwargs"),
                   "teacher": "", "target": "", "target_kwargs": Config(new_allowed=True, path="model.target_kwargs")},
-        "data": {"name": "digits", "augment": True, "max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
+        "data": {"name": "digits", "path": "", "augment": True, "max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
         "stage": "transfer",
         "init": "",
         "transfer": {"train_qk": False},
@@ -73,6 +76,10 @@ def check_convert_config(cfg: Config) -> None:
         raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {cfg.stage!r}")
     if cfg.data.name not in DATASETS:
         raise ConfigError(f"data.name must be one of {', '.join(DATASETS)}, got {cfg.data.name!r}")
+    if cfg.data.name == "folder" and not cfg.data.path:
+        raise ConfigError("data.name folder reads the ImageNet-layout folder data.path (--data-path DIR)")
+    if cfg.data.path and cfg.data.name != "folder":
+        raise ConfigError(f"data.path is read with data.name folder, not {cfg.data.name}")
     if not cfg.model.source or not cfg.model.teacher:
         raise ConfigError("name the softmax model (model.source) and its trained weights (model.teacher)")
     if cfg.stage == "transfer" and cfg.train.weight_decay:
@@ -83,6 +90,7 @@ class ConvertTask(StepTask):
     name = "convert"
     best_files = {BEST: "score"}
     resume_may_change = ("train.steps", "train.eval_every", "train.eval_batches", "train.num_workers")
+    valid_collate = None  # the folder's: unreadable images dropped from the batch
 
     def __init__(self, cfg: Config):
         super().__init__(cfg)
@@ -102,8 +110,20 @@ class ConvertTask(StepTask):
             self.valid_set = ByteWindows(valid, self.teacher.context)
         else:
             if self.family is FAMILIES["lm"]:
-                raise ConfigError(f"data.name digits is images; {m.source} is a language model (use stdlib)")
-            self.train_set, self.valid_set = get_data_spec("digits").build(augment=cfg.data.augment)
+                raise ConfigError(f"data.name {cfg.data.name} is images; {m.source} is a language model (use stdlib)")
+            if cfg.data.name == "digits":
+                self.train_set, self.valid_set = get_data_spec("digits").build(augment=cfg.data.augment)
+            else:
+                self._open_folder(cfg.data)
+
+    def _open_folder(self, data: Config) -> None:
+        train_tf, eval_tf, shape = model_transforms(self.teacher, augment=data.augment)
+        self.train_set, self.valid_set, classes = open_folder(data.path, train_tf, eval_tf, shape)
+        self.train_collate, self.valid_collate = self.train_set.collate_fn, self.valid_set.collate_fn
+        heads = self.teacher.num_classes
+        if classes != heads:
+            raise ConfigError(f"{data.path} has {classes} classes, {self.cfg.model.source}'s head {heads}: convert "
+                              "a teacher trained on these classes")
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
         cfg = self.cfg
@@ -115,7 +135,7 @@ class ConvertTask(StepTask):
         if cfg.stage == "transfer":
             self.trained = freeze_for_transfer(student, self.report, cfg.transfer.train_qk)
             self.transfer = AttentionTransfer(self.teacher, student, self.family)
-        self.valid_loader = DataLoader(self.valid_set, batch_size=256, shuffle=False)
+        self.valid_loader = DataLoader(self.valid_set, batch_size=256, shuffle=False, collate_fn=self.valid_collate)
         return student
 
     def start_message(self, engine: Engine) -> str:
@@ -132,7 +152,7 @@ class ConvertTask(StepTask):
         return warmup_cosine(optimizer, self.cfg.train.warmup_steps, self.cfg.train.steps)
 
     def step(self, model: nn.Module, batch, device: torch.device) -> StepOutput:
-        inputs, labels = (x.to(device, non_blocking=True) for x in batch)
+        inputs, labels = (x.to(device, non_blocking=True) for x in batch[:2])  # a folder's batch: + skipped count
         if self.transfer is not None:
             return StepOutput(self.transfer.loss(inputs, student=model), len(inputs))
         logits = model(inputs).float()
@@ -162,29 +182,31 @@ class ConvertTask(StepTask):
 
     def summary(self, engine: Engine) -> dict:
         best = engine.best.get("score", -math.inf)
-        scores = {"best_top1": best} if self.cfg.data.name == "digits" else {"best_valid_bpb": -best}
+        scores = {"best_top1": best} if self.cfg.data.name != "stdlib" else {"best_valid_bpb": -best}
         return self.run_summary(engine, {"source": self.cfg.model.source, "target": self.target,
                                          "stage": self.cfg.stage, "conversion": self.report.to_dict()}, scores)
 
 
 @torch.no_grad()
 def evaluate_student(model: nn.Module, loader: DataLoader, device, data: str, max_batches: int = 0) -> dict:
-    """Digits: ``top1`` (%) on the test split; stdlib: ``bits_per_byte`` on validation; ``score``: higher is better."""
+    """Digits and folder: ``top1`` (%) on the test / val split; stdlib: ``bits_per_byte`` on validation; ``score``:
+    higher is better."""
     was_training = model.training
     model.eval()
     total, count = 0.0, 0
-    for i, (inputs, targets) in enumerate(loader):
+    for i, batch in enumerate(loader):
         if max_batches and i >= max_batches:
             break
+        inputs, targets = batch[:2]  # a folder's batch: + skipped count
         logits = model(inputs.to(device)).float()
         targets = targets.to(device)
-        if data == "digits":
+        if data != "stdlib":
             total += (logits.argmax(-1) == targets).sum().item()
         else:
             total += F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum").item()
         count += targets.numel()
     model.train(was_training)
-    if data == "digits":
+    if data != "stdlib":
         top1 = 100.0 * total / max(count, 1)
         return {"top1": top1, "score": top1}
     bpb = total / max(count, 1) / math.log(2)

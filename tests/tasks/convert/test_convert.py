@@ -1,6 +1,7 @@
 """Softmax → Pola conversion for every pair: each source weight lands exactly where its map says, the new parts
 are reported and initialised, foreign shapes are refused, the converted file loads strictly into the plain Pola
-class, and the attention-transfer loss falls; then both engine stages on digits, resumed bit-identically."""
+class, and the attention-transfer loss falls; then both engine stages on digits, resumed bit-identically, and on an
+ImageNet-layout folder."""
 from __future__ import annotations
 
 import contextlib
@@ -10,10 +11,12 @@ import re
 import pytest
 import timm
 import torch
+from PIL import Image
 from torch import nn
 
 from polaformer.checkpoint import load_checkpoint
 from polaformer.cli import main
+from polaformer.data.folder import model_transforms
 from polaformer.tasks.convert import (AttentionTransfer, ConversionError, build_source, convert_config, convert_model,
                                       family_of, freeze_for_transfer, save_converted, target_of, train_convert)
 from polaformer.tasks.convert.weights import FAMILIES
@@ -172,3 +175,48 @@ def test_cli_weights_then_both_stages_on_digits_resume_bit_identically(tmp_path,
         assert all(torch.allclose(got[k], expected[k], rtol=0, atol=1e-6) for k in expected), key
         if key == "train.grad_checkpointing":
             assert calls[0] > plain_calls[0]  # the student's blocks ran again in the backward pass
+
+
+def _image_folder(root, classes=3, per_split=(4, 2)):
+    """root/{train,val}/<class>/<i>.png: 32×32 images whose colour says the class (plus noise)."""
+    generator = torch.Generator().manual_seed(0)
+    for split, count in zip(("train", "val"), per_split):
+        for c in range(classes):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                pixels = torch.rand(32, 32, 3, generator=generator) * 80 + 60 * c
+                Image.fromarray(pixels.byte().numpy()).save(root / split / f"c{c}" / f"{i}.png")
+    return root
+
+
+def test_both_stages_on_an_image_folder_with_the_teachers_transforms(tmp_path, capsys):
+    kwargs = {**VIT, "img_size": 32, "patch_size": 8, "in_chans": 3, "num_classes": 3}
+    torch.manual_seed(0)
+    teacher = timm.create_model("vit_tiny_patch16_224", **kwargs)
+    torch.save({"model": teacher.state_dict()}, tmp_path / "deit.pth")
+    data = _image_folder(tmp_path / "images")
+    # the teacher's own data config (ViT: mean and std 0.5) at the size it was built for, not pretrained_cfg's 224
+    _, evaluation, shape = model_transforms(teacher)
+    gray = evaluation(Image.new("RGB", (48, 40), (128, 128, 128)))
+    assert shape == (3, 32, 32) and gray.shape == shape and gray.abs().max() < 0.01
+    source = ["--source", "vit_tiny_patch16_224", "--teacher", str(tmp_path / "deit.pth"),
+              *sum((["--source-kwarg", f"{k}={v}"] for k, v in kwargs.items()), []), "--batch-size", "4"]
+    transfer = ["convert", "train", "--stage", "transfer", *source, "--data-path", str(data), "--steps", "6",
+                "--eval-every", "3", "--lr", "1e-2", "--opts", "train.warmup_steps", "0", "data.augment", "false"]
+    assert main([*transfer, "--output", str(tmp_path / "transfer")]) == 0
+    history = json.loads((tmp_path / "transfer" / "metrics.json").read_text())["history"]
+    assert len(history) == 2 and history[1]["train_loss"] < history[0]["train_loss"], history
+    assert all(0 <= h["top1"] <= 100 for h in history)
+    assert main(["convert", "train", "--stage", "finetune", *source, "--data-path", str(data), "--steps", "2",
+                 "--init", str(tmp_path / "transfer" / "last.pth"), "--output", str(tmp_path / "finetune")]) == 0
+    assert "finetune: val top-1" in capsys.readouterr().out
+    plain = timm.create_model("pola_deit_tiny_patch16_224", **kwargs)
+    load_checkpoint(plain, tmp_path / "finetune" / "last.pth", strict=True)
+    # one-line errors: a split missing, a head that does not match the folder's classes
+    (data / "val").rename(tmp_path / "val")
+    assert main([*transfer, "--output", str(tmp_path / "no_val")]) == 2
+    assert re.search(r"missing folder .*val: expected .*/train/<class>/<image>", capsys.readouterr().err)
+    two = _image_folder(tmp_path / "two", classes=2)
+    assert main([*transfer, "--data-path", str(two), "--output", str(tmp_path / "two_out")]) == 2  # the last wins
+    assert capsys.readouterr().err.strip().endswith("has 2 classes, vit_tiny_patch16_224's head 3: convert a teacher "
+                                                    "trained on these classes")
