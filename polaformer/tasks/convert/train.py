@@ -118,6 +118,9 @@ class ConvertTask(StepTask):
 
     def _open_folder(self, data: Config) -> None:
         train_tf, eval_tf, shape = model_transforms(self.teacher, augment=data.augment)
+        channels = getattr(self.teacher, "in_chans", 3)  # timm's attribute; pretrained_cfg keeps 3 regardless
+        if channels != 3:  # folder images are read as RGB
+            raise ConfigError(f"data.name folder gives RGB images; {self.cfg.model.source} takes {channels} channels")
         self.train_set, self.valid_set, classes = open_folder(data.path, train_tf, eval_tf, shape)
         self.train_collate, self.valid_collate = self.train_set.collate_fn, self.valid_set.collate_fn
         heads = self.teacher.num_classes

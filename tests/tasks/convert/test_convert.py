@@ -220,3 +220,9 @@ def test_both_stages_on_an_image_folder_with_the_teachers_transforms(tmp_path, c
     assert main([*transfer, "--data-path", str(two), "--output", str(tmp_path / "two_out")]) == 2  # the last wins
     assert capsys.readouterr().err.strip().endswith("has 2 classes, vit_tiny_patch16_224's head 3: convert a teacher "
                                                     "trained on these classes")
+    gray_kwargs = {**kwargs, "in_chans": 1}
+    torch.save({"model": timm.create_model("vit_tiny_patch16_224", **gray_kwargs).state_dict()}, tmp_path / "gray.pth")
+    gray_source = ["--source", "vit_tiny_patch16_224", "--teacher", str(tmp_path / "gray.pth"),
+                   *sum((["--source-kwarg", f"{k}={v}"] for k, v in gray_kwargs.items()), [])]
+    assert main(["convert", "train", *gray_source, "--data-path", str(two), "--output", str(tmp_path / "gray")]) == 2
+    assert capsys.readouterr().err.strip().endswith("gives RGB images; vit_tiny_patch16_224 takes 1 channels")
