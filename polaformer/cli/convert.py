@@ -52,6 +52,7 @@ def add_convert_parser(commands) -> None:
                                       "scratch; writes OUT/table.md and OUT/results.json.")
     demo.add_argument("--out", required=True, metavar="DIR")
     demo.add_argument("--quick", action="store_true", help="short runs (a smoke check, not the documented table)")
+    add_overwrite(demo, "results and runs in --out")
     demo.set_defaults(handler=cmd_convert_demo)
 
 
@@ -97,7 +98,14 @@ def cmd_convert_train(args: argparse.Namespace) -> int:
 
 def cmd_convert_demo(args: argparse.Namespace) -> int:
     from ..bench.convert import QUICK, DemoSizes, run_convert_demo
+    from ..engine import ConfigError
+    from ..engine.output import claim_outputs
 
+    out = Path(args.out)
+    claim_outputs([out / "results.json", out / "table.md"], args.overwrite, "--out")  # before any training
+    runs = [run for run in (out / "digits", out / "lm") if run.exists()]
+    if runs and not args.overwrite:
+        raise ConfigError(f"{runs[0]} already exists: --overwrite replaces the demo's runs, or choose another --out")
     results = run_convert_demo(args.out, QUICK if args.quick else DemoSizes(), show_progress=True)
     print(results["table"])
     return 0

@@ -226,3 +226,14 @@ def test_both_stages_on_an_image_folder_with_the_teachers_transforms(tmp_path, c
                    *sum((["--source-kwarg", f"{k}={v}"] for k, v in gray_kwargs.items()), [])]
     assert main(["convert", "train", *gray_source, "--data-path", str(two), "--output", str(tmp_path / "gray")]) == 2
     assert capsys.readouterr().err.strip().endswith("gives RGB images; vit_tiny_patch16_224 takes 1 channels")
+
+
+def test_demo_refuses_an_earlier_demo_before_any_training(tmp_path, capsys):
+    (tmp_path / "results.json").write_text("{}")
+    assert main(["convert", "demo", "--out", str(tmp_path), "--quick"]) == 2
+    assert "results.json already exists" in capsys.readouterr().err
+    (tmp_path / "results.json").unlink()
+    (tmp_path / "digits").mkdir()
+    assert main(["convert", "demo", "--out", str(tmp_path), "--quick"]) == 2
+    assert capsys.readouterr().err.strip().endswith("--overwrite replaces the demo's runs, or choose another --out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digits"]  # nothing written, nothing lost
