@@ -20,9 +20,6 @@ from .causal import (
     causal_pola_step,
 )
 from .naive import (
-    causal_linear_attention_weights,
-    naive_causal_pacs_linear_attention,
-    naive_causal_pola_linear_attention,
     linear_attention_weights,
     naive_pacs_linear_attention,
     naive_pola_linear_attention,
@@ -45,7 +42,6 @@ __all__ = [
     "CausalState",
     "apply_rope",
     "causal_linear_attention",
-    "causal_linear_attention_weights",
     "causal_pacs_linear_attention",
     "causal_pacs_step",
     "causal_pola_linear_attention",
@@ -56,8 +52,6 @@ __all__ = [
     "learnable_power",
     "linear_attention",
     "linear_attention_weights",
-    "naive_causal_pacs_linear_attention",
-    "naive_causal_pola_linear_attention",
     "naive_pacs_linear_attention",
     "naive_pola_linear_attention",
     "naive_power_linear_attention",

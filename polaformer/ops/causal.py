@@ -1,7 +1,7 @@
 """Causal polarity-aware linear attention: each query sees the keys up to its own position.
 
-Definition (reference: :func:`.naive.naive_causal_pola_linear_attention` and the PaCS one): the causal masked
-form of the bidirectional op, with the mean over the prefix. Query ``t`` of a stream with features ``φq`` and
+Definition (reference: :func:`.naive.naive_pola_linear_attention` and the PaCS one, ``causal=True``): the causal
+masked form of the bidirectional op, with the mean over the prefix. Query ``t`` of a stream with features ``φq`` and
 value channels ``v`` gives
 
     out_t = Σ_{i≤t} (φq_t·φk_i) v_i / n_t  /  (Σ_{i≤t} φq_t·φk_i / n_t + eps)

@@ -21,10 +21,7 @@ from .feature_maps import pacs_key_features, pacs_query_features, power_feature
 from .rope import apply_rope
 
 __all__ = [
-    "causal_linear_attention_weights",
     "linear_attention_weights",
-    "naive_causal_pacs_linear_attention",
-    "naive_causal_pola_linear_attention",
     "pola_attention_weights",
     "naive_pola_linear_attention",
     "naive_power_linear_attention",
@@ -42,24 +39,21 @@ def linear_attention_weights(
     phi_q_num: torch.Tensor | None = None,
     phi_k_num: torch.Tensor | None = None,
     key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Explicit (B, H, N, M) weights of mean-normalised linear attention.
 
     ``phi_q_num``/``phi_k_num`` replace the features in the numerator only
     (PolaFormer++ rotates them with RoPE but normalises with the plain ones).
     ``key_padding_mask``: (B, M) bool, True at padded keys.
+    ``causal``: query ``t`` sees keys ``0..t`` only (N = M): later keys weigh 0, and
+    ``M`` and the mean count the valid keys of the prefix (at least 1).
     """
-    if key_padding_mask is None:
-        valid = torch.ones(phi_k.shape[0], phi_k.shape[-2], dtype=torch.bool, device=phi_k.device)
-    else:
-        valid = ~key_padding_mask
-    # (B, 1, 1, M) over the weight matrix's key axis
-    return _seen_weights(phi_q, phi_k, eps, phi_q_num, phi_k_num, valid[:, None, None, :])
-
-
-def _seen_weights(phi_q, phi_k, eps, phi_q_num, phi_k_num, seen):
-    """The weights with each query seeing only the keys where the bool ``seen`` (broadcast to (B, H, N, M)) is
-    True: the others weigh 0, and ``M`` and the mean count the seen keys (at least 1)."""
+    seen = torch.ones(phi_q.shape[-2], phi_k.shape[-2], dtype=torch.bool, device=phi_k.device)
+    if causal:
+        seen = seen.tril()
+    if key_padding_mask is not None:
+        seen = seen & ~key_padding_mask[:, None, None, :]  # (B, 1, 1, M) over the key axis
     num_q = phi_q if phi_q_num is None else phi_q_num
     num_k = phi_k if phi_k_num is None else phi_k_num
     m = seen.sum(dim=-1, keepdim=True).clamp_min(1)
@@ -74,39 +68,24 @@ def _two_streams(same: torch.Tensor, opposite: torch.Tensor, v: torch.Tensor) ->
     return torch.cat([same @ v_same, opposite @ v_opposite], dim=-1)
 
 
-def _pola_weights(weights, q, k, power, eps, key_padding_mask):
-    """Both streams' weight matrices as ``weights`` forms them (:func:`linear_attention_weights` or its
-    causal form) from the power-map features; the opposite-sign query is the same-sign one with halves swapped."""
-    phi_q, phi_k = power_feature(q, power), power_feature(k, power)
-    same = weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask)
-    opposite = weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask)
-    return same, opposite
-
-
-def _pacs_weights(weights, q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask):
-    """Both streams' weight matrices as ``weights`` forms them from the PaCS features, RoPE (given the tables)
-    rotating the numerator's features only."""
-    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
-    phi_k = pacs_key_features(k)
-    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
-    k_num = rotate(phi_k)
-    same = weights(q_same, phi_k, eps, rotate(q_same), k_num, key_padding_mask)
-    opposite = weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num, key_padding_mask)
-    return same, opposite
-
-
 def pola_attention_weights(
     q: torch.Tensor,
     k: torch.Tensor,
     power: torch.Tensor,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same-sign and opposite-sign weight matrices of PolaFormer's attention.
 
-    ``q``: (B, H, N, d), ``k``: (B, H, M, d), ``power`` broadcastable to (B, H, 1, d).
+    ``q``: (B, H, N, d), ``k``: (B, H, M, d), ``power`` broadcastable to (B, H, 1, d); the opposite-sign
+    query is the same-sign one with its halves swapped.
     """
-    return _pola_weights(linear_attention_weights, q, k, power, eps, key_padding_mask)
+    phi_q, phi_k = power_feature(q, power), power_feature(k, power)
+    same = linear_attention_weights(phi_q, phi_k, eps, key_padding_mask=key_padding_mask, causal=causal)
+    opposite = linear_attention_weights(swap_halves(phi_q), phi_k, eps, key_padding_mask=key_padding_mask,
+                                        causal=causal)
+    return same, opposite
 
 
 def naive_pola_linear_attention(
@@ -116,9 +95,11 @@ def naive_pola_linear_attention(
     power: torch.Tensor,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    """Reference output: ``[W_same @ v_same, W_opp @ v_opp]`` along channels."""
-    return _two_streams(*pola_attention_weights(q, k, power, eps, key_padding_mask), v)
+    """Reference output of :func:`~polaformer.ops.pola_linear_attention` (``causal``: of
+    :func:`~polaformer.ops.causal_pola_linear_attention`): ``[W_same @ v_same, W_opp @ v_opp]`` along channels."""
+    return _two_streams(*pola_attention_weights(q, k, power, eps, key_padding_mask, causal), v)
 
 
 def power_attention_weights(
@@ -170,9 +151,17 @@ def pacs_attention_weights(
     cos: torch.Tensor | None = None,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weight matrices of PolaFormer++'s PaCS attention (RoPE on the numerator only)."""
-    return _pacs_weights(linear_attention_weights, q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask)
+    """Weight matrices of PolaFormer++'s PaCS attention, RoPE (given the tables) rotating the numerator's
+    features only."""
+    q_same, q_opposite = pacs_query_features(q, temp_same, temp_opposite)
+    phi_k = pacs_key_features(k)
+    rotate = (lambda x: apply_rope(x, sin, cos)) if sin is not None else (lambda x: x)
+    k_num = rotate(phi_k)
+    same = linear_attention_weights(q_same, phi_k, eps, rotate(q_same), k_num, key_padding_mask, causal)
+    opposite = linear_attention_weights(q_opposite, phi_k, eps, rotate(q_opposite), k_num, key_padding_mask, causal)
+    return same, opposite
 
 
 def naive_pacs_linear_attention(
@@ -185,8 +174,12 @@ def naive_pacs_linear_attention(
     cos: torch.Tensor | None = None,
     eps: float = 1e-6,
     key_padding_mask: torch.Tensor | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
-    return _two_streams(*pacs_attention_weights(q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask), v)
+    """Reference output of :func:`~polaformer.ops.pacs_linear_attention` (``causal``: of
+    :func:`~polaformer.ops.causal_pacs_linear_attention`)."""
+    weights = pacs_attention_weights(q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, causal)
+    return _two_streams(*weights, v)
 
 
 def softmax_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:
@@ -194,32 +187,3 @@ def softmax_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float | N
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return torch.softmax(q @ k.transpose(-2, -1) * scale, dim=-1)
 
-
-def causal_linear_attention_weights(
-    phi_q: torch.Tensor,
-    phi_k: torch.Tensor,
-    eps: float = 1e-6,
-    phi_q_num: torch.Tensor | None = None,
-    phi_k_num: torch.Tensor | None = None,
-    key_padding_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """:func:`linear_attention_weights` with query ``t`` seeing keys ``0..t`` only: the weights of later keys
-    are 0, and ``M`` and the mean count the valid keys of the prefix (at least 1)."""
-    n = phi_k.shape[-2]
-    seen = torch.ones(n, n, dtype=torch.bool, device=phi_k.device).tril()
-    if key_padding_mask is not None:
-        seen = seen & ~key_padding_mask[:, None, None, :]
-    return _seen_weights(phi_q, phi_k, eps, phi_q_num, phi_k_num, seen)
-
-
-def naive_causal_pola_linear_attention(q, k, v, power, eps: float = 1e-6, key_padding_mask=None) -> torch.Tensor:
-    """Reference of :func:`~polaformer.ops.causal_pola_linear_attention`: masked weights of both streams."""
-    return _two_streams(*_pola_weights(causal_linear_attention_weights, q, k, power, eps, key_padding_mask), v)
-
-
-def naive_causal_pacs_linear_attention(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps: float = 1e-6,
-                                       key_padding_mask=None) -> torch.Tensor:
-    """Reference of :func:`~polaformer.ops.causal_pacs_linear_attention` (RoPE on the numerator only)."""
-    weights = _pacs_weights(causal_linear_attention_weights, q, k, temp_same, temp_opposite, sin, cos, eps,
-                            key_padding_mask)
-    return _two_streams(*weights, v)

@@ -11,13 +11,13 @@ from polaformer.ops import (
     causal_pacs_step,
     causal_pola_linear_attention,
     causal_pola_step,
-    naive_causal_pacs_linear_attention,
-    naive_causal_pola_linear_attention,
+    naive_pacs_linear_attention,
+    naive_pola_linear_attention,
     pacs_linear_attention,
     pola_linear_attention,
     rope_1d,
 )
-from polaformer.ops.naive import causal_linear_attention_weights
+from polaformer.ops.naive import linear_attention_weights
 
 B, H, N, D = 2, 2, 11, 4
 
@@ -68,7 +68,7 @@ def test_pola_three_forms_agree(masked):
     q, k, v, p = inputs = _pola_inputs(dv=5)  # odd value width: ceil/floor split as torch.chunk
     mask = _padding() if masked else None
     _assert_same([
-        lambda: naive_causal_pola_linear_attention(q, k, v, p, key_padding_mask=mask),
+        lambda: naive_pola_linear_attention(q, k, v, p, key_padding_mask=mask, causal=True),
         lambda: causal_pola_linear_attention(q, k, v, p, chunk_size=4, key_padding_mask=mask),
         lambda: causal_pola_linear_attention(q, k, v, p, chunk_size=64, key_padding_mask=mask),
         lambda: causal_pola_step(q, k, v, p, key_padding_mask=mask)[0],
@@ -82,7 +82,7 @@ def test_pacs_three_forms_agree(rope, masked):
     sin, cos = _tables() if rope else (None, None)
     mask = _padding() if masked else None
     _assert_same([
-        lambda: naive_causal_pacs_linear_attention(q, k, v, ts, to, sin, cos, key_padding_mask=mask),
+        lambda: naive_pacs_linear_attention(q, k, v, ts, to, sin, cos, key_padding_mask=mask, causal=True),
         lambda: causal_pacs_linear_attention(q, k, v, ts, to, sin, cos, chunk_size=3, key_padding_mask=mask),
         lambda: causal_pacs_step(q, k, v, ts, to, sin, cos, key_padding_mask=mask)[0],
         lambda: pacs_linear_attention(q, k, v, ts, to, sin, cos, key_padding_mask=mask, causal=True),
@@ -107,7 +107,7 @@ def test_packed_sequences_equal_separate_calls_with_gradients():
     start = 0
     for n in lengths:
         if n:
-            pieces.append(naive_causal_pola_linear_attention(*(t[:, :, start:start + n] for t in packed), p))
+            pieces.append(naive_pola_linear_attention(*(t[:, :, start:start + n] for t in packed), p, causal=True))
         start += n
     _assert_same([
         lambda: torch.cat(pieces, dim=2),
@@ -117,8 +117,8 @@ def test_packed_sequences_equal_separate_calls_with_gradients():
     ts, to = torch.rand(2, 1, H, 1, 2 * D, dtype=torch.float64)
     sin, cos = _tables()
     out = causal_pacs_linear_attention(*packed, ts, to, sin, cos, cu_seqlens=offsets)
-    second = naive_causal_pacs_linear_attention(*(t[:, :, 3:] for t in packed), ts, to, *rope_1d(
-        torch.linspace(0.1, 1.0, D, dtype=torch.float64).repeat_interleave(2), 8, start=3))
+    second = naive_pacs_linear_attention(*(t[:, :, 3:] for t in packed), ts, to, *rope_1d(
+        torch.linspace(0.1, 1.0, D, dtype=torch.float64).repeat_interleave(2), 8, start=3), causal=True)
     torch.testing.assert_close(out[:, :, 3:], second, atol=1e-9, rtol=1e-9)
 
 
@@ -161,7 +161,7 @@ def test_plain_causal_linear_attention_matches_its_weights():
     g = torch.Generator().manual_seed(1)
     phi_q, phi_k = (torch.rand(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(B, H, N, 3, generator=g, dtype=torch.float64)
-    ref = causal_linear_attention_weights(phi_q, phi_k) @ v
+    ref = linear_attention_weights(phi_q, phi_k, causal=True) @ v
     torch.testing.assert_close(causal_linear_attention(phi_q, phi_k, v, chunk_size=5)[0], ref)
     torch.testing.assert_close(causal_linear_attention(phi_q, phi_k, v, recurrent=True)[0], ref)
 

@@ -14,13 +14,13 @@ from polaformer.ops import (
     causal_pacs_linear_attention,
     causal_pola_linear_attention,
     dispatch,
-    naive_causal_pacs_linear_attention,
-    naive_causal_pola_linear_attention,
+    naive_pacs_linear_attention,
+    naive_pola_linear_attention,
     pola_linear_attention,
     rope_1d,
 )
 from polaformer.ops.causal import CausalState
-from polaformer.ops.naive import causal_linear_attention_weights
+from polaformer.ops.naive import linear_attention_weights
 
 D = 5  # odd: RoPE's last pair straddles the two feature halves; 2d = 10 channels padded to 16
 
@@ -67,9 +67,9 @@ def _call(op, q, k, v, params, tables, **kwargs):
 
 def _reference(op, q, k, v, params, tables, mask=None, eps=1e-6):
     if op == "pola":
-        return naive_causal_pola_linear_attention(q, k, v, params[0], eps, key_padding_mask=mask)
-    return naive_causal_pacs_linear_attention(q, k, v, *params, *(tables or (None, None)), eps=eps,
-                                              key_padding_mask=mask)
+        return naive_pola_linear_attention(q, k, v, params[0], eps, key_padding_mask=mask, causal=True)
+    return naive_pacs_linear_attention(q, k, v, *params, *(tables or (None, None)), eps=eps, key_padding_mask=mask,
+                                       causal=True)
 
 
 def _compare(actual_out, expected_out, leaves):
@@ -190,7 +190,7 @@ def test_initial_and_final_state_equal_the_torch_form(device, op):
     for i, (grad, ref_grad) in enumerate(zip(grads, ref_grads)):
         assert_matches(grad, ref_grad, f"gradient {i}")
     if op == "linear":  # and the definition itself, from an empty state
-        exact = causal_linear_attention_weights(q, k) @ v
+        exact = linear_attention_weights(q, k, causal=True) @ v
         assert_matches(_run("triton", lambda: causal_linear_attention(q, k, v, chunk_size=16)[0]), exact, "weights")
 
 
