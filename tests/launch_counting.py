@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 from dataclasses import dataclass, field
 
-import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 
 # aten operations that allocate or re-view memory without running a kernel

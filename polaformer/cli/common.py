@@ -119,13 +119,35 @@ def add_command_group(commands, name: str, help: str, description: str, **defaul
     return parser.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
 
 
-def add_train_options(parser: argparse.ArgumentParser, flags, *, output: str, opts_example: str) -> None:
-    """The options of a step-based ``train`` subcommand after its own: one ``(flag, type, help)`` row of
-    ``flags`` per option that sets a configuration key (:data:`FLAG_KEYS`), then ``--opts``, ``--output``
-    (default: ``output``), ``--resume``, ``--allow-changed``, ``--overwrite`` and ``--device``, which
-    :func:`run_options` hands on."""
-    for flag, kind, text in flags:
-        parser.add_argument(flag, type=kind, help=text)
+# What the options several step-based train commands share mean: dest -> (type, meaning); FLAG_KEYS names the key
+# each sets, which its help text ends with.
+TRAIN_FLAG_MEANINGS = {
+    "steps": (positive_int, "optimizer steps"),
+    "epochs": (float, "epochs"),
+    "batch_size": (positive_int, "examples per optimizer step"),
+    "lr": (float, "peak learning rate"),
+    "weight_decay": (float, "AdamW weight decay"),
+    "warmup_steps": (int, "warm-up steps"),
+    "eval_every": (positive_int, "evaluate every N steps"),
+    "eval_batches": (int, "validation batches per evaluation, 0 = all"),
+    "save_every": (positive_int, "also write last.pth every N steps"),
+    "seed": (int, "seed of initialisation and data order"),
+    "workers": (int, "data loading processes"),
+}
+
+
+def add_train_options(parser: argparse.ArgumentParser, command: str, own=(), *, output: str, opts_example: str) -> None:
+    """The options of the step-based ``train`` subcommand ``command`` after those it adds itself, in the order of
+    ``FLAG_KEYS[command]``: each its ``own`` ``(dest, type, meaning)`` row or else its row of
+    :data:`TRAIN_FLAG_MEANINGS`, the help text ending with its key; then ``--opts``, ``--output`` (default:
+    ``output``), ``--resume``, ``--allow-changed``, ``--overwrite`` and ``--device``, which :func:`run_options`
+    hands on."""
+    keys = FLAG_KEYS[command]
+    rows = {**TRAIN_FLAG_MEANINGS, **{dest: (kind, meaning) for dest, kind, meaning in own}}
+    for dest, key in keys.items():
+        if dest in rows:
+            kind, meaning = rows[dest]
+            parser.add_argument("--" + dest.replace("_", "-"), type=kind, help=f"{meaning} ({key})")
     parser.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
                         help=f"override any config key, e.g. --opts {opts_example}")
     parser.add_argument("--output", metavar="DIR", help=f"output folder (default: {output})")

@@ -8,7 +8,7 @@ import json
 from pathlib import Path
 
 from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg,
-                     positive_int, print_summary, train_into)
+                     print_summary, train_into)
 
 __all__ = ["add_convert_parser"]
 
@@ -41,10 +41,8 @@ def add_convert_parser(commands) -> None:
     train.add_argument("--data-path", metavar="DIR", help="an ImageNet-layout folder, DIR/train/<class>/<image> "
                                                           "and DIR/val/<class>/<image> (data.path)")
     _kwarg_options(train)
-    add_train_options(train, (
-        ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
-        ("--lr", float, "train.lr"), ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")),
-        output="runs/convert/STAGE", opts_example="transfer.train_qk true finetune.distill 0.7")
+    add_train_options(train, "convert train",
+                      output="runs/convert/STAGE", opts_example="transfer.train_qk true finetune.distill 0.7")
     train.set_defaults(handler=cmd_convert_train)
 
     demo = sub.add_parser("demo", help="the digits ViT and the stdlib LM: softmax -> Pola against Pola from scratch",

@@ -10,28 +10,25 @@ from .common import (add_command_group, add_overwrite, add_train_options, flag_v
 __all__ = ["add_dense_parsers"]
 
 
-def _common_train(parser, task: str) -> None:
+def _task_group(commands, task: str, model: str, help: str, description: str):
+    """``polaformer TASK`` and its ``train`` subcommand with the options detect and segment share; returns the
+    group (for ``eval`` and ``predict``) and the ``train`` parser (for the task's own options)."""
+    sub = add_command_group(commands, task, help, description)
+    parser = sub.add_parser("train", help=f"train a {model}; writes last.pth/best.pth (atomically) and metrics.json")
     parser.add_argument("--config", metavar="FILE", help="YAML recipe (configs/dense/); default: the embedded digits recipe")
     parser.add_argument("--backbone", metavar="NAME", help="timm model name of the backbone (model.backbone)")
     parser.add_argument("--backbone-weights", metavar="FILE",
                         help="ImageNet checkpoint for the backbone (ours or the authors'); position tables resampled")
     parser.add_argument("--backbone-kwarg", dest="backbone_kwargs", action="append", type=parse_model_kwarg,
                         metavar="KEY=VALUE", help="timm.create_model option of the backbone, e.g. img_size=512; repeatable")
-    add_train_options(parser, (
-        ("--steps", positive_int, "optimizer steps (train.steps; overrides train.epochs)"),
-        ("--epochs", float, "epochs (train.epochs)"),
-        ("--batch-size", positive_int, "images per step (data.batch_size)"),
-        ("--lr", float, "peak AdamW learning rate (train.lr)"),
-        ("--weight-decay", float, "AdamW weight decay (train.weight_decay)"),
-        ("--warmup-steps", int, "linear warm-up steps (train.warmup_steps)"),
-        ("--eval-every", positive_int, "evaluate every N steps (train.eval_every; default: at the end)"),
-        ("--save-every", positive_int, "write last.pth every N steps (train.save_every)"),
-        ("--seed", int, "seed of initialisation and data order (train.seed)"),
-        ("--workers", int, "data loading processes (data.workers)"),
-        ("--train-size", positive_int, "digits: number of training canvases (data.train_size)"),
-        ("--val-size", positive_int, "digits: number of validation canvases (data.val_size)"),
+    add_train_options(parser, "dense train", (
+        ("steps", positive_int, "optimizer steps, overriding the epochs"),
+        ("eval_every", positive_int, "evaluate every N steps (default: at the end)"),
+        ("train_size", positive_int, "digits: number of training canvases"),
+        ("val_size", positive_int, "digits: number of validation canvases"),
     ), output=f"runs/{task}/BACKBONE", opts_example="train.lr 1e-4 data.batch_size 4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return sub, parser
 
 
 def _coco_options(parser, train: bool) -> None:
@@ -53,13 +50,12 @@ def _eval_parser(sub, help: str, handler, add_data_options) -> None:
 
 
 def add_dense_parsers(commands) -> None:
-    sub = add_command_group(
-        commands, "detect", "detection / instance segmentation with torchvision detectors on Pola backbones",
+    sub, train = _task_group(
+        commands, "detect", "detector",
+        "detection / instance segmentation with torchvision detectors on Pola backbones",
         "RetinaNet, FCOS, Faster, Mask and Cascade Mask R-CNN on a Pola backbone + FPN (docs/dense.md). Without data "
         "options: the embedded digit scenes.",
     )
-    train = sub.add_parser("train", help="train a detector; writes last.pth/best.pth (atomically) and metrics.json")
-    _common_train(train, "detect")
     train.add_argument("--detector", choices=("retinanet", "fcos", "fasterrcnn", "maskrcnn", "cascade_mask_rcnn"),
                        help="model.detector")
     _coco_options(train, train=True)
@@ -77,13 +73,12 @@ def add_dense_parsers(commands) -> None:
     add_overwrite(predict, "drawings in --out")
     predict.set_defaults(handler=cmd_detect_predict)
 
-    sub = add_command_group(
-        commands, "segment", "semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
+    sub, train = _task_group(
+        commands, "segment", "segmenter",
+        "semantic segmentation with smp decoders (FPN, UPerNet) on Pola encoders",
         "Semantic FPN and UPerNet from segmentation_models_pytorch, or LightHamHead, on a Pola encoder "
         "(docs/dense.md). Without --root: the embedded digit scenes.",
     )
-    train = sub.add_parser("train", help="train a segmenter; writes last.pth/best.pth (atomically) and metrics.json")
-    _common_train(train, "segment")
     train.add_argument("--decoder", choices=("fpn", "upernet", "lightham"), help="model.decoder")
     train.add_argument("--root", metavar="DIR", help="ADE20K-layout folder (images/ and annotations/, training and validation)")
     train.add_argument("--num-classes", type=positive_int, help="ADE layout: number of classes (data.num_classes, 150)")

@@ -25,11 +25,9 @@ def add_diffusion_parser(commands) -> None:
     train.add_argument("--attention", choices=("pacs", "softmax"), help="model.attention")
     train.add_argument("--data", help="'digits' or a root/<class>/<image> folder (data.name)")
     train.add_argument("--vae", metavar="DIR", help="a local AutoencoderKL folder: train on its latents")
-    add_train_options(train, (
-        ("--image-size", positive_int, "data.image_size"), ("--channels", positive_int, "data.channels"),
-        ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
-        ("--lr", float, "train.lr"), ("--eval-every", positive_int, "train.eval_every"),
-        ("--seed", int, "train.seed")), output="runs/diffusion/MODEL-ATTENTION",
+    add_train_options(train, "diffusion train", (
+        ("image_size", positive_int, "image side in pixels"), ("channels", positive_int, "image channels")),
+        output="runs/diffusion/MODEL-ATTENTION",
         opts_example="train.ema_decay 0.99 sample.steps 100")
     train.set_defaults(handler=cmd_diffusion_train)
 

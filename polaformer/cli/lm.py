@@ -19,11 +19,10 @@ def add_lm_parser(commands) -> None:
     train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, train keys)")
     train.add_argument("--model", help="timm name, e.g. pola_lm_tiny (model.name)")
     train.add_argument("--attention", choices=("pola", "pacs", "elu", "softmax"), help="model.attention")
-    add_train_options(train, (
-        ("--steps", positive_int, "train.steps"), ("--batch-size", positive_int, "train.batch_size"),
-        ("--context", positive_int, "model.context"), ("--lr", float, "train.lr"),
-        ("--eval-every", positive_int, "train.eval_every"), ("--max-bytes", int, "data.max_bytes (0: all)"),
-        ("--seed", int, "train.seed")), output="runs/lm/MODEL-ATTENTION", opts_example="train.warmup_steps 100")
+    add_train_options(train, "lm train", (
+        ("context", positive_int, "bytes per training window"),
+        ("max_bytes", int, "bytes of the corpus read, 0 = all")),
+        output="runs/lm/MODEL-ATTENTION", opts_example="train.warmup_steps 100")
     train.set_defaults(handler=cmd_lm_train)
 
     evaluate = sub.add_parser("eval", help="validation bits per byte of a checkpoint")

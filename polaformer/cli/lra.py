@@ -32,19 +32,12 @@ def add_lra_parser(commands) -> None:
     train.add_argument("--attention-option", dest="attention_options", action="append", type=parse_model_kwarg,
                        metavar="KEY=VALUE", help="option of that attention, e.g. alpha=3 or gate_init=zeros; repeatable")
     train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
-    add_train_options(train, (
-        ("--steps", positive_int, "optimizer steps (train.steps)"),
-        ("--batch-size", positive_int, "batch size (train.batch_size)"),
-        ("--lr", float, "peak learning rate (train.lr)"),
-        ("--warmup-steps", int, "one-cycle warm-up steps (train.warmup_steps)"),
-        ("--eval-every", positive_int, "evaluate the dev split every N steps (train.eval_every)"),
-        ("--eval-batches", int, "dev batches per evaluation, 0 = all (train.eval_batches)"),
-        ("--save-every", positive_int, "also write last.pth every N steps (train.save_every)"),
-        ("--seed", int, "seed of initialisation, data order and dropout (train.seed)"),
-        ("--workers", int, "data loading processes (train.num_workers)"),
-        ("--limit-train", positive_int, "use the first N training examples"),
-        ("--limit-dev", positive_int, "use the first N dev examples"),
-        ("--limit-test", positive_int, "use the first N test examples"),
+    add_train_options(train, "lra train", (
+        ("warmup_steps", int, "one-cycle warm-up steps"),
+        ("eval_every", positive_int, "evaluate the dev split every N steps"),
+        ("limit_train", positive_int, "use the first N training examples"),
+        ("limit_dev", positive_int, "use the first N dev examples"),
+        ("limit_test", positive_int, "use the first N test examples"),
     ), output="runs/lra/TASK-ATTENTION", opts_example="train.lr 2e-4 model.num_layers 4")
     train.set_defaults(handler=cmd_lra_train)
 

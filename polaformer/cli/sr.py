@@ -20,13 +20,11 @@ def add_sr_parser(commands) -> None:
 
     train = sub.add_parser("train", help="train a model (step-based, resumable); reports PSNR-Y/SSIM-Y")
     train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, train, eval keys)")
-    add_train_options(train, (
-        ("--scale", positive_int, "model.scale"), ("--train-hr", str, "data.train_hr (folder or 'photos')"),
-        ("--train-lr", str, "data.train_lr (folder; default: bicubic from HR)"),
-        ("--valid-hr", str, "data.valid_hr (folder or 'photos')"), ("--valid-lr", str, "data.valid_lr"),
-        ("--patch-size", positive_int, "data.patch_size (HR pixels)"), ("--steps", positive_int, "train.steps"),
-        ("--batch-size", positive_int, "train.batch_size"), ("--lr", float, "train.lr"),
-        ("--eval-every", positive_int, "train.eval_every"), ("--seed", int, "train.seed")),
+    add_train_options(train, "sr train", (
+        ("scale", positive_int, "upscaling factor"), ("train_hr", str, "HR training images: a folder or 'photos'"),
+        ("train_lr", str, "LR training images: a folder (default: bicubic from HR)"),
+        ("valid_hr", str, "HR validation images: a folder or 'photos'"), ("valid_lr", str, "LR validation images"),
+        ("patch_size", positive_int, "training patch side in HR pixels")),
         output="runs/sr/xSCALE", opts_example="eval.mode tile data.repeats 10")
     train.set_defaults(handler=cmd_sr_train)
 

@@ -58,8 +58,8 @@ from ..checkpoint import CorruptCheckpointError, atomic_write, read_checkpoint
 from .checkpoint import load_task_weights, read_training_state, save_training_state
 from .config import SEED, ConfigError
 from .device import amp_dtype, autocast, place_model, resolve_device
-from .distributed import (DistContext, SampleDraws, TrainSampler, all_gather_object, all_reduce_sum, barrier,
-                          init_distributed, shutdown)
+from .distributed import (SampleDraws, TrainSampler, all_gather_object, all_reduce_sum, barrier, init_distributed,
+                          shutdown)
 from .optim import unwrap
 from .output import OutputLock
 from .parallel import (SHARDED, check_execution, compile_backend, gathered, load_sharded, load_whole_into_sharded,

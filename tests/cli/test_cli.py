@@ -1,4 +1,5 @@
 """The `polaformer` command line: train/eval round trip and one-line errors with exit status 2."""
+import argparse
 import contextlib
 import io
 import json
@@ -10,7 +11,8 @@ import sys
 import pytest
 import torch
 
-from polaformer.cli import main
+from polaformer.cli import build_parser, main
+from polaformer.cli.common import FLAG_KEYS, TRAIN_FLAG_MEANINGS
 from conftest import REPO
 
 TINY = [
@@ -152,3 +154,23 @@ def test_python_dash_m(trained):
     bad = subprocess.run([*command, "train", "--bogus"], capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and bad.stdout == ""
     assert_one_line_error(bad.stderr, "unrecognized arguments: --bogus")
+
+
+def _subparser(parser, path):
+    for name in path:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
+
+
+@pytest.mark.parametrize("command", [c for c in FLAG_KEYS if c != "dense train"] + ["detect train", "segment train"])
+def test_every_flag_of_the_table_is_an_option_of_its_command(command):
+    """FLAG_KEYS is the one flag -> key path: each of a command's options is on its parser, and a step-based
+    command's help names the key the option sets (detect and segment train share 'dense train')."""
+    table = FLAG_KEYS["dense train" if command in ("detect train", "segment train") else command]
+    actions = {a.dest: a for a in _subparser(build_parser(), command.split())._actions}
+    assert set(table) <= set(actions), set(table) - set(actions)
+    if command != "train":  # classification's options predate the table; their help texts are free-form
+        for dest, key in table.items():
+            if dest in TRAIN_FLAG_MEANINGS:
+                assert actions[dest].help.endswith(f"({key})"), (dest, actions[dest].help)

@@ -4,7 +4,6 @@ final configuration once."""
 from __future__ import annotations
 
 import importlib
-import sys
 from pathlib import Path
 
 import pytest

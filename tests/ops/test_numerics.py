@@ -43,7 +43,6 @@ def _weighted_sum(log_q, log_k, v, eps, mixing=None):
 def _pacs_reference(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps=1e-6):
     """float64 PaCS attention: features ``exp(x) − 1``, so ``log φ = x + log(1 − e^-x)``."""
     log_exp_minus_one = lambda x: x + torch.log(-torch.expm1(-x))
-    d = q.shape[-1]
     log_k = _log_features(k, log_exp_minus_one)
     mixing = None
     if sin is not None:  # (R_t a)·(R_j b) = aᵀ R(θ_j − θ_t) b per channel pair

@@ -15,7 +15,6 @@ bit-identical resuming (``resume="auto"`` or a file), AMP and Ctrl-C are the eng
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable

@@ -17,8 +17,8 @@ from torch import nn
 from polaformer.checkpoint import load_checkpoint
 from polaformer.cli import main
 from polaformer.data.folder import model_transforms
-from polaformer.tasks.convert import (AttentionTransfer, ConversionError, build_source, convert_config, convert_model,
-                                      family_of, freeze_for_transfer, save_converted, target_of, train_convert)
+from polaformer.tasks.convert import (AttentionTransfer, ConversionError, build_source, convert_model, family_of,
+                                      freeze_for_transfer, save_converted, target_of)
 from polaformer.tasks.convert.weights import FAMILIES
 
 VIT = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0)

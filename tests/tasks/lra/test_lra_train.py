@@ -5,7 +5,6 @@ import json
 
 import pytest
 import torch
-import yaml
 
 from polaformer.cli import main
 from polaformer.tasks.lra.attention import ATTENTIONS
