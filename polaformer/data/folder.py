@@ -21,7 +21,7 @@ Config keys read (attribute access on the engine's config, nothing else is touch
     DATA.DATA_PATH, DATA.IMG_SIZE, DATA.INTERPOLATION,
     AUG.COLOR_JITTER, AUG.AUTO_AUGMENT, AUG.REPROB, AUG.REMODE, AUG.RECOUNT,
     AUG.MIXUP, AUG.CUTMIX, AUG.CUTMIX_MINMAX, AUG.MIXUP_PROB, AUG.MIXUP_SWITCH_PROB, AUG.MIXUP_MODE,
-    MODEL.LABEL_SMOOTHING, TEST.CROP
+    MODEL.NAME, MODEL.LABEL_SMOOTHING, TEST.CROP
 
 The transforms and Mixup settings follow the official ``data/build.py`` (see ``build_transform``).
 """
@@ -50,6 +50,7 @@ __all__ = [
     "collate_skip_corrupt",
     "eval_data_config",
     "mixup_active",
+    "model_normalisation",
     "model_transforms",
     "open_folder",
 ]
@@ -376,9 +377,12 @@ def eval_data_config(img_size: int, *, interpolation: str = "bicubic", crop: boo
 def build_transform(cfg, is_train: bool):
     """The official training / evaluation transform for ``cfg.DATA.IMG_SIZE``.
 
+    Both normalise with the mean/std of the model ``MODEL.NAME`` (:func:`model_normalisation`: ImageNet's
+    for every Pola model, as in the official code), the values ``polaformer eval`` uses for it.
+
     Training: timm ``create_transform`` (RandomResizedCrop with ``DATA.INTERPOLATION``, horizontal
-    flip, RandAugment ``AUG.AUTO_AUGMENT``, colour jitter ``AUG.COLOR_JITTER``, normalisation with
-    the ImageNet mean/std, random erasing ``AUG.REPROB``/``REMODE``/``RECOUNT``). As in timm (and the
+    flip, RandAugment ``AUG.AUTO_AUGMENT``, colour jitter ``AUG.COLOR_JITTER``, normalisation,
+    random erasing ``AUG.REPROB``/``REMODE``/``RECOUNT``). As in timm (and the
     official runs), colour jitter is not applied while RandAugment is on. For ``IMG_SIZE <= 32`` the
     random resized crop is replaced by ``RandomCrop(IMG_SIZE, padding=4)`` (CIFAR style).
 
@@ -394,6 +398,7 @@ def build_transform(cfg, is_train: bool):
 
     size = _img_size(cfg)
     mode = _interpolation(cfg)
+    normalisation = model_normalisation(cfg.MODEL.NAME)
     if is_train:
         aug = cfg.AUG
         jitter = aug.COLOR_JITTER
@@ -407,11 +412,25 @@ def build_transform(cfg, is_train: bool):
             re_mode=aug.REMODE,
             re_count=aug.RECOUNT,
             interpolation=mode,
+            **normalisation,
         )
         return _small_image_crop(transform, size)
 
-    data_config = resolve_data_config(args=eval_data_config(size, interpolation=mode, crop=bool(cfg.TEST.CROP)))
+    data_config = resolve_data_config(args={**eval_data_config(size, interpolation=mode, crop=bool(cfg.TEST.CROP)),
+                                            **normalisation})
     return create_transform(**data_config, is_training=False)
+
+
+def model_normalisation(name: str) -> dict:
+    """``{'mean', 'std'}`` of the timm model ``name`` (its registered ``pretrained_cfg``, a ``.tag`` included),
+    ImageNet's for a name timm does not know."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    from timm.models import get_pretrained_cfg
+
+    pretrained = get_pretrained_cfg(name) if name else None
+    if pretrained is None:
+        return {"mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD}
+    return {"mean": tuple(pretrained.mean), "std": tuple(pretrained.std)}
 
 
 def _small_image_crop(transform, size: int):

@@ -35,6 +35,7 @@ def quick_run(tmp_path_factory):
     return out, json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow
 def test_quick_run_writes_results_and_plots(quick_run):
     out, res = quick_run
     assert res["plots"] == ["bench_ops.png", "bench_models.png"]

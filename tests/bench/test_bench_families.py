@@ -75,6 +75,7 @@ def test_pacs_fused_against_functional(tmp_path, capsys, torch_ops_only):
     assert "| 1 × 3136 × 32 | fwd |" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_dense_backbones_pola_against_softmax(tmp_path, capsys, torch_ops_only):
     out = tmp_path / "dense.json"
     assert main(["bench", "dense", "--sizes", "64", "--min-run-time", "0.001", "--json", str(out)]) == 0

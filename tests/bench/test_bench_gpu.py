@@ -17,6 +17,7 @@ from polaformer.bench import gpu
 triton = pytest.importorskip("triton")
 
 
+@pytest.mark.slow
 def test_smoke_run_writes_a_row_per_method_and_mode(tmp_path):
     """As a user types it: the command chooses Triton's interpreter itself, before torch imports triton (setting
     it later left triton's own library functions compiled, and every Triton row failed)."""

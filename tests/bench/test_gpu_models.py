@@ -25,6 +25,7 @@ def torch_ops_only(monkeypatch):
     monkeypatch.setenv("POLAFORMER_NATIVE", "0")
 
 
+@pytest.mark.slow
 def test_smoke_writes_a_row_per_model_impl_mode_and_variant(tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("POLAFORMER_OFFICIAL_DIR", raising=False)
     monkeypatch.delenv("POLAFORMERPP_OFFICIAL_DIR", raising=False)

@@ -20,6 +20,7 @@ def tiny_run(tmp_path_factory):
     return out, result, lines
 
 
+@pytest.mark.slow
 def test_writes_the_three_files(tiny_run):
     out, result, lines = tiny_run
     assert result["files"] == ["results.json", "table.md", "bench_lra.png"]
@@ -30,6 +31,7 @@ def test_writes_the_three_files(tiny_run):
     assert lines and any("pola" in line for line in lines)
 
 
+@pytest.mark.slow
 def test_rows_are_ordered_by_length_and_all_measured(tiny_run):
     out, result, _ = tiny_run
     rows = result["rows"]
@@ -41,6 +43,7 @@ def test_rows_are_ordered_by_length_and_all_measured(tiny_run):
         assert r["batch_size"] == 2 and len(r["step_times"]) == 1 and r["loss_finite"]
 
 
+@pytest.mark.slow
 def test_results_json_and_ratios(tiny_run):
     out, result, _ = tiny_run
     res = json.loads((out / "results.json").read_text())
@@ -62,6 +65,7 @@ def test_results_json_and_ratios(tiny_run):
         assert r["memory_ratio"] == pytest.approx(r["peak_memory_mb"] / ref["peak_memory_mb"])
 
 
+@pytest.mark.slow
 def test_markdown_lists_every_attention_and_length(tiny_run):
     out, _, _ = tiny_run
     md = (out / "table.md").read_text()

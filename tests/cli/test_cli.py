@@ -139,6 +139,7 @@ def test_unknown_model(tmp_path, capsys):
     assert_one_line_error(err, "unknown model 'no_such_model'")
 
 
+@pytest.mark.slow
 def test_python_dash_m(trained):
     """The real entry point: exit statuses and streams as a shell sees them."""
     output, _ = trained

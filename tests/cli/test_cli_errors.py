@@ -285,6 +285,7 @@ def _interactive():
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow
 def test_subprocess_ctrl_c_and_a_busy_folder(work, capsys):
     """A real training process: a second training into its folder is refused naming its pid; Ctrl-C
     ends it with status 130 and a one-line note of the last checkpoint it saved. The training is far longer

@@ -453,6 +453,7 @@ print(json.dumps(statuses))
 """
 
 
+@pytest.mark.slow
 def test_subprocess_errors_are_one_short_line(work, tmp_path):
     """Each new command in a process of its own: status 2, one line of at most 500 characters on stderr, nothing
     on stdout, no file changed."""

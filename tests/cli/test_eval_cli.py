@@ -1,4 +1,5 @@
 """`polaformer eval --data-path` on a generated ImageNet-layout folder, and `polaformer throughput`."""
+import json
 import math
 import re
 
@@ -245,3 +246,25 @@ def test_throughput_amp_and_model_kwargs(capsys):
 def test_throughput_user_errors(argv, fragment, capsys):
     code, out, err = run_main(argv, capsys)
     assert_one_line_error(code, out, err, fragment)
+
+
+def test_a_folder_trained_model_evaluates_as_its_training_saw_it(tmp_path, capsys):
+    """`polaformer train --data-path` normalises with the model's own mean/std, as `polaformer eval` does:
+    vit_tiny's pretrained_cfg has 0.5/0.5 (not ImageNet's), and the final validation loss of the run is
+    the loss `eval` prints for its checkpoint."""
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for name, level in (("dark", 60), ("mid", 128), ("light", 200)):
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(2):
+                pixels = np.clip(rng.normal(level, 40, (32, 32, 3)), 0, 255).astype(np.uint8)
+                Image.fromarray(pixels).save(tmp_path / split / name / f"{i}.png")
+    tiny = [a for k, v in dict(patch_size=8, embed_dim=16, depth=1, num_heads=1, img_size=32).items()
+            for a in ("--model-kwarg", f"{k}={v}")]
+    code, _, err = run_main(["train", "--model", "vit_tiny_patch16_224", *tiny, "--data-path", str(tmp_path),
+                             "--epochs", "1", "--batch-size", "3", "--output", str(tmp_path / "run"), "--opts",
+                             "DATA.IMG_SIZE", "32", "DATA.NUM_WORKERS", "0"], capsys)
+    assert code == 0, err
+    trained = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    match, _ = run_eval(capsys, tmp_path / "run" / "last.pth", tmp_path, model_args=[])
+    assert math.isclose(float(match["loss"]), trained["final_test_loss"], abs_tol=1e-4)

@@ -43,7 +43,7 @@ def make_cfg(data_path="", img_size=32, **overrides):
             MIXUP_SWITCH_PROB=0.5,
             MIXUP_MODE="batch",
         ),
-        MODEL=SimpleNamespace(LABEL_SMOOTHING=0.1),
+        MODEL=SimpleNamespace(NAME="pola_pvt_tiny", LABEL_SMOOTHING=0.1),
         TEST=SimpleNamespace(CROP=True),
     )
     for key, value in overrides.items():

@@ -75,6 +75,7 @@ def test_fullgraph_inference_matches_eager_without_recompiles(family):
     assert counter.frame_count == 1
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fullgraph_training_matches_eager_without_recompiles(family):
     """Forward, backward and SGD steps (stochastic depth on) give eager's outputs, gradients and weights."""

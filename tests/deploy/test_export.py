@@ -50,6 +50,7 @@ def _max_diff(model, path, x):
     return float(np.abs(_run(path, x) - expected).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", sorted(set(FAMILIES) - {"deit"}))  # deit: the CLI test below
 def test_dynamo_export_matches_eager(family, tmp_path):
     model = _model(family)

@@ -21,7 +21,7 @@ from polaformer.tasks.classification import build_trainer, load_config, run_trai
 from polaformer.engine.optim import unwrap
 from conftest import REPO
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 PER_PROCESS_BATCH = 16
 OPTS = [

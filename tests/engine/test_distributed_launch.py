@@ -16,7 +16,7 @@ from test_distributed_tasks import (RUN_FILES, assert_rank0_wrote, assert_same_s
                                     history, launch, one_process, torchrun, weights)
 from test_resume import assert_same_tensors
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 # an evaluation (and so a last.pth) after every step, for the kill -9 test
 SR_STEPS = 4

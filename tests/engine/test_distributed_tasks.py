@@ -18,7 +18,7 @@ from conftest import REPO
 from dense_helpers import kwarg_flags
 from test_distributed import free_port
 
-pytestmark = pytest.mark.multiprocess
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 RUN_FILES = ["best.pth", "last.pth", "metrics.json", "metrics.jsonl"]
 

@@ -111,6 +111,7 @@ def test_grad_checkpointing_recomputes_and_trains_the_same_weights(task, data, t
 COMPILED = ("diffusion", "lra", "classification", "segment")
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings(r"ignore:Using `torch\.compile\(module\)` when there are global hooks")
 @pytest.mark.parametrize("task", COMPILED)
 def test_compile_trains_the_compiled_model(task, data, tmp_path_factory, tmp_path):

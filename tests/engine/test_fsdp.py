@@ -51,6 +51,7 @@ def runs(tmp_path_factory):
     return root, written
 
 
+@pytest.mark.slow
 def test_two_processes_write_a_sharded_checkpoint(runs):
     _, written = runs
     folders = [name for name in written["fsdp"] if name.endswith(".dcp")]
@@ -63,6 +64,7 @@ def test_two_processes_write_a_sharded_checkpoint(runs):
     assert last["world_size"] == 1 and last["num_updates"] == 3
 
 
+@pytest.mark.slow
 def test_resumed_on_one_process_it_ends_as_ddp_does_and_consolidates(runs, tmp_path):
     """The two chains differ only in how the gradients are summed: FSDP reduce-scatters each rank's shard of the
     gradient and clips with a norm summed from shards, DDP all-reduces whole buckets, so the float32 sums round
@@ -91,6 +93,7 @@ def test_resumed_on_one_process_it_ends_as_ddp_does_and_consolidates(runs, tmp_p
     assert all(torch.equal(model.state_dict()[k], fsdp["model"][k]) for k in fsdp["model"])
 
 
+@pytest.mark.slow
 def test_consolidated_checkpoint_resumes_and_loaders_refuse_the_sharded_file(runs, tmp_path, capsys):
     root, _ = runs
     single = tmp_path / "run" / "last.pth"

@@ -58,6 +58,7 @@ def assert_same_tensors(a, b, what):
         assert a == b, what
 
 
+@pytest.mark.slow
 def test_killed_mid_epoch_then_resumed_equals_uninterrupted(tmp_path):
     """The resumed run starts while another process burns a CPU: a choice made by timing (once, the
     oneDNN policy) would differ under load and change the rounding between a run and its resume."""

@@ -202,6 +202,7 @@ def _opcheck_pola(**options):
     torch.library.opcheck(pola._pola_backward_op, grad_args)
 
 
+@pytest.mark.slow
 def test_registered_pola_ops_pass_opcheck(triton_backend):
     """Schema, fake tensors (shapes, dtypes, strides) against the real kernels, autograd registration, and
     ahead-of-time tracing, for the options: key mask, packed queries and keys."""
@@ -211,6 +212,7 @@ def test_registered_pola_ops_pass_opcheck(triton_backend):
                   cu_seqlens_k=torch.tensor([0, 4, 12], device=DEVICE))
 
 
+@pytest.mark.slow
 def test_registered_pacs_ops_pass_opcheck(triton_backend):
     q, k, v, ts, to = (t.detach() for t in _pacs_inputs(2, 2, 16, 8))
     sin, cos = _rope(16, 8)

@@ -5,9 +5,12 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import REPO
 
 
+@pytest.mark.slow
 def test_one_launch_kernels_compile_for_sm90():
     environment = {name: value for name, value in os.environ.items() if name != "TRITON_INTERPRET"}
     result = subprocess.run(
