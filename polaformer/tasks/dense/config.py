@@ -53,7 +53,7 @@ DEFAULTS = {
             "test_scale": [2048, 512], "train_size": 800, "val_size": 100, "batch_size": 8, "workers": 0,
         },
         "train": {
-            "steps": None, "epochs": 3, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
+            "steps": None, "epochs": 3.0, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
             "milestones": [], "gamma": 0.1, "power": 0.9, "clip_grad": None, "eval_every": None, "save_every": 50,
             "seed": 0, "head_lr_mult": 1.0, "no_decay_keys": [], "amp": False, **EXECUTION_DEFAULTS,
         },

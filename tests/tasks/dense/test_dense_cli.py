@@ -131,6 +131,13 @@ def test_recipes_take_base_files_opts_and_flags_in_that_order(tmp_path):
         load_recipe("detect", tmp_path / "run.yaml")
 
 
+@pytest.mark.parametrize("task", ["detect", "segment"])
+def test_epochs_flag_takes_whole_and_fractional_epochs(task):
+    """--epochs is parsed as a float, so both recipes hold train.epochs as one (segment's once refused 2.0)."""
+    for epochs in (2.0, 2.5):
+        assert load_recipe(task, None, {"train.epochs": epochs})["train"]["epochs"] == epochs
+
+
 def test_paper_recipes_load():
     recipe = load_recipe("detect", "configs/dense/maskrcnn_pola_swin_t_3x.yaml")
     assert recipe["train"]["epochs"] == 36 and recipe["train"]["lr"] == 1e-4 and recipe["train"]["weight_decay"] == 0.05
