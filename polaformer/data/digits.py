@@ -9,8 +9,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.nn.functional as F
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
 from torch.utils.data import Dataset
 
 NUM_CLASSES = 10
@@ -22,6 +20,10 @@ SPLIT_SEED = 0
 
 def digits_split(test_fraction: float = TEST_FRACTION, seed: int = SPLIT_SEED):
     """Return ``(x_train, y_train, x_test, y_test)`` as numpy arrays; images are (N, 8, 8) floats."""
+    # scikit-learn takes about a second to import: only the commands that read the digits pay for it
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
     digits = load_digits()
     x_train, x_test, y_train, y_test = train_test_split(
         digits.images.astype(np.float32),
