@@ -6,7 +6,9 @@ Standard library only: it runs before torch is imported, which takes seconds. On
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 
 INTERRUPTED = 130  # the shell's status for a command ended by Ctrl-C (128 + SIGINT)
@@ -29,9 +31,23 @@ def prepare_environment(argv: list[str]) -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def _exit_at_once(signum, frame):
+    os.write(2, b"polaformer: interrupted\n")
+    os._exit(INTERRUPTED)
+
+
 @contextmanager
 def interrupt_exits(command: bool):
-    """Inside, Ctrl-C ends the process with status 130 and one line when ``command``; else it propagates."""
+    """Inside, Ctrl-C ends the process with status 130 and one line when ``command``; else it propagates.
+
+    For the command it ends the process at once, not by raising KeyboardInterrupt: raised inside an import, the
+    interrupt can surface in C++ called through pybind11 (which aborts the process) or in class creation (a
+    RuntimeError traceback), and while the command starts nothing has been written. :func:`raise_on_interrupt`
+    hands Ctrl-C back to KeyboardInterrupt when the command's ``main`` starts."""
+    installed = (command and threading.current_thread() is threading.main_thread()
+                 and signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    if installed:
+        signal.signal(signal.SIGINT, _exit_at_once)
     try:
         yield
     except KeyboardInterrupt:
@@ -39,3 +55,12 @@ def interrupt_exits(command: bool):
             raise
         print("polaformer: interrupted", file=sys.stderr)
         sys.exit(INTERRUPTED)
+    finally:
+        if installed:
+            raise_on_interrupt()
+
+
+def raise_on_interrupt() -> None:
+    """Ctrl-C raises KeyboardInterrupt again, as the command's ``main`` expects (it names the last checkpoint)."""
+    if signal.getsignal(signal.SIGINT) is _exit_at_once:
+        signal.signal(signal.SIGINT, signal.default_int_handler)

@@ -27,6 +27,7 @@ import sys
 from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
+from .._startup import raise_on_interrupt
 from ..data import UnknownDatasetError
 from ..data.folder import DatasetError
 from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    raise_on_interrupt()  # the command has started: an interrupt now may have a checkpoint to name
     args = build_parser().parse_args(argv)
     tune_cpu_allocator()  # reuse freed large CPU buffers instead of page-faulting them in again
     with _log_to_stderr():

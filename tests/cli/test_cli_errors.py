@@ -332,6 +332,33 @@ def test_subprocess_ctrl_c_while_starting(tmp_path):
     assert not (tmp_path / "run").exists()
 
 
+def test_ctrl_c_inside_an_import_ends_the_command_at_once(tmp_path):
+    """Ctrl-C while the command imports, landing where Python turns KeyboardInterrupt into another error (here
+    class creation's __set_name__: a RuntimeError traceback; in C++ called through pybind11: an abort): status
+    130 and the one line all the same (the module loaded alone, without the package's seconds of imports)."""
+    script = tmp_path / "start.py"
+    script.write_text(f"""
+import importlib.util, os, signal
+spec = importlib.util.spec_from_file_location("startup", {str(REPO / "polaformer" / "_startup.py")!r})
+startup = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(startup)
+
+class Field:
+    def __set_name__(self, owner, name):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10 ** 6):
+            pass
+
+with startup.interrupt_exits(True):
+    class State:
+        level = Field()
+print("not reached")
+""")
+    result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                            preexec_fn=_interactive)
+    assert (result.returncode, result.stdout, result.stderr) == (130, "", "polaformer: interrupted\n")
+
+
 def test_subprocess_alias_bomb(work):
     """The real entry point on the 335-byte alias bomb: status 2, one short line, nothing changed."""
     before = snapshot(work)
