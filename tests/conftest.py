@@ -1,5 +1,6 @@
 import json
 import os
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 REPO = Path(__file__).resolve().parents[1]  # the repository root
+
+
+def pytest_collection_modifyitems(config, items):
+    """The files with the most slow tests run first (each file's own order kept): xdist hands out whole files
+    (``--dist loadfile``), so with the longest first the two workers finish together."""
+    slow = Counter(item.path for item in items if item.get_closest_marker("slow"))
+    items.sort(key=lambda item: -slow[item.path])
 REFERENCE = REPO.parent / "shared" / "reference"
 
 
