@@ -136,7 +136,8 @@ TRAIN_FLAG_MEANINGS = {
 }
 
 
-def add_train_options(parser: argparse.ArgumentParser, command: str, own=(), *, output: str, opts_example: str) -> None:
+def add_train_options(parser: argparse.ArgumentParser, command: str, own=(), *, output: str,
+                      opts_example: str) -> None:
     """The options of the step-based ``train`` subcommand ``command`` after those it adds itself, in the order of
     ``FLAG_KEYS[command]``: each its ``own`` ``(dest, type, meaning)`` row or else its row of
     :data:`TRAIN_FLAG_MEANINGS`, the help text ending with its key; then ``--opts``, ``--output`` (default:
