@@ -12,8 +12,8 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "program",
-           "sequence_tokens", "share", "unpadded_keys", "warps"]
+__all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "pola_tile",
+           "program", "sequence_tokens", "share", "unpadded_keys", "warps"]
 
 
 def padded_width(n: int) -> int:
@@ -100,6 +100,18 @@ def warps(rows: int, columns: int) -> int:
     """Warps per program: eight for states of 32 × 32 and more, which spill registers with four (ptxas on
     sm_90, ``scripts/triton_compile_check.py``)."""
     return 8 if rows * columns >= 32 * 32 else 4
+
+
+def pola_tile(rows: int, columns: int, on_gpu: bool) -> tuple[int, int]:
+    """(tokens per block, warps) of the Pola kernels for a ``rows × columns`` state. Narrow heads (states of at
+    most 32 × 32) take 64-token blocks with four warps: a sweep on an H200 at the models' shapes measured them
+    fastest, forward and backward (docs/gpu.md, "Tiles"). Wider heads keep 32 tokens and :func:`warps`. The
+    interpreter takes 16 tokens, so that the tests' small shapes cover several blocks."""
+    if not on_gpu:
+        return 16, warps(rows, columns)
+    if rows * columns <= 32 * 32:
+        return 64, 4
+    return 32, warps(rows, columns)
 
 
 @triton.jit

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import (accumulator_dtype, dot_precision, padded_width, plan, program, sequence_tokens, share,
-                     unpadded_keys, warps)
+from .common import (accumulator_dtype, dot_precision, padded_width, plan, pola_tile, program, sequence_tokens,
+                     share, unpadded_keys)
 
 __all__ = ["PolaAttention", "pola_attention", "pola_backward", "pola_forward"]
 
@@ -446,9 +446,7 @@ class _Call:
         self.acc = accumulator_dtype(q, k, v, power)
         self.tl_acc = tl.float64 if self.acc == torch.float64 else tl.float32
         self.precision = dot_precision(q, k, v)
-        # 32 tokens: the fp32 and bf16 kernels keep their tiles in registers on sm_90; 16 in the interpreter,
-        # whose small test shapes then cover several blocks
-        block = 32 if q.is_cuda else 16
+        block, self.warps = pola_tile(self.dp, self.dvp, q.is_cuda)
         per_sequence = max(self.sequences, 1)
         self.plan = plan(self.sequences, self.heads, -(-self.q_len // per_sequence) if self.packed else self.q_len,
                          -(-self.k_len // per_sequence) if self.packed else self.k_len, block, q.device)
@@ -457,7 +455,6 @@ class _Call:
         self.mask = None if key_padding_mask is None else key_padding_mask.view(torch.uint8)
         self.cu_q = cu_seqlens
         self.cu_k = (cu_seqlens if cu_seqlens_k is None else cu_seqlens_k) if self.packed else None
-        self.warps = warps(self.dp, self.dvp)
 
     def grid(self, programs: int):
         return programs, self.heads, self.sequences

@@ -37,9 +37,15 @@ def test_models_shapes_plan_one_launch_each_way(call, batch):
     """On an H100-sized plan (the interpreter's), every model call runs its forward in one program per query
     span and its backward in one program per (sequence, head), from batch 1 to 64."""
     heads, queries, keys, _ = MODEL_CALLS[call]
-    for block in (32, 16):  # Pola's and PaCS's token blocks on a GPU
+    for block in (64, 32, 16):  # Pola's (narrow and wide heads) and PaCS's token blocks on a GPU
         plan = common.plan(batch, heads, queries, keys, block, torch.device("cpu"))
         assert plan.key_splits == 0 and plan.backward_spans == 1, plan
+
+
+def test_narrow_pola_heads_take_64_token_tiles_on_a_gpu_and_16_in_the_interpreter():
+    assert common.pola_tile(32, 32, on_gpu=True) == (64, 4)
+    assert common.pola_tile(64, 64, on_gpu=True) == (32, 8)
+    assert common.pola_tile(32, 32, on_gpu=False)[0] == 16
 
 
 def test_long_sequences_with_few_pairs_split_the_keys():
