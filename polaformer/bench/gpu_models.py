@@ -101,6 +101,7 @@ class Plan:
     modes: tuple = MODES
     variants: tuple = VARIANTS
     dense: bool = False
+    model_rows: bool = True  # False: the dense rows alone
     steps: int = 10
     warmup: int = 3
     batch_scale: float = 1.0
@@ -122,6 +123,10 @@ def check_plan(plan: Plan) -> None:
         raise ValueError(f"--steps must be >= 1, got {plan.steps}")
     if not 0 < plan.batch_scale <= 1:
         raise ValueError(f"--batch-scale must be in (0, 1], got {plan.batch_scale}")
+    if not plan.dense_batch >= 1:
+        raise ValueError(f"--dense-batch must be >= 1, got {plan.dense_batch}")
+    if not (plan.model_rows or plan.dense):
+        raise ValueError("no rows to run: the model rows are off and --dense is not given")
 
 
 # --- models ------------------------------------------------------------------------------------
@@ -308,12 +313,13 @@ def _tasks(plan: Plan):
     chosen = [FAMILIES[name] for name in plan.models]
     images = [f for f in chosen if f.kind == "image"]
     others = [f for f in chosen if f.kind != "image"]
-    for variant in plan.variants:
-        for family in images:
-            yield "model", family, variant
-    for family in others:
+    if plan.model_rows:
         for variant in plan.variants:
-            yield "model", family, variant
+            for family in images:
+                yield "model", family, variant
+        for family in others:
+            for variant in plan.variants:
+                yield "model", family, variant
     if plan.dense:
         for variant in plan.variants:
             for family in (f for f in chosen if f.dense):
@@ -321,14 +327,17 @@ def _tasks(plan: Plan):
 
 
 def run_gpu_models(*, models=tuple(FAMILIES), impls=IMPLS, modes=MODES, variants=VARIANTS, dense: bool = False,
-                   steps: int = 10, warmup: int = 3, batch_scale: float = 1.0, smoke: bool = False,
-                   time_limit: float | None = None, log=print, on_row=None) -> list[dict]:
-    """One row per (family, impl, mode, variant) and, with ``dense``, per (backbone, impl, size, variant); see the
-    module docstring. ``on_row(rows)`` is called after every row (a run stopped early keeps what it measured); past
-    ``time_limit`` seconds no further row starts."""
+                   model_rows: bool = True, dense_batch: int = 2, steps: int = 10, warmup: int = 3,
+                   batch_scale: float = 1.0, smoke: bool = False, time_limit: float | None = None, log=print,
+                   on_row=None) -> list[dict]:
+    """One row per (family, impl, mode, variant) (unless ``model_rows`` is False) and, with ``dense``, per
+    (backbone, impl, size, variant) at ``dense_batch`` images; see the module docstring. ``on_row(rows)`` is called
+    after every row (a run stopped early keeps what it measured); past ``time_limit`` seconds no further row
+    starts."""
     plan = Plan(models=tuple(models), impls=tuple(impls), modes=tuple(modes), variants=tuple(variants), dense=dense,
-                steps=1 if smoke else steps, warmup=0 if smoke else warmup, batch_scale=batch_scale, smoke=smoke,
-                dense_sizes=SMOKE_DENSE_SIZES if smoke else DENSE_SIZES)
+                model_rows=model_rows, steps=1 if smoke else steps, warmup=0 if smoke else warmup,
+                batch_scale=batch_scale, smoke=smoke, dense_sizes=SMOKE_DENSE_SIZES if smoke else DENSE_SIZES,
+                dense_batch=dense_batch)
     check_plan(plan)
     if smoke:
         device = torch.device("cpu")

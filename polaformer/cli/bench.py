@@ -144,10 +144,14 @@ def add_bench_parser(commands) -> None:
     gpu_models.add_argument("--variants", nargs="+", metavar="VARIANT", help="eager compile (default: both)")
     gpu_models.add_argument("--dense", action="store_true",
                             help="also the backbones with features_only at 512 and 1024 px, forward+backward")
+    gpu_models.add_argument("--dense-only", action="store_true",
+                            help="the dense rows alone (implies --dense): no classification, DiT or LM rows")
+    gpu_models.add_argument("--dense-batch", type=positive_int, default=2, metavar="N",
+                            help="images per dense step (default: %(default)s, as detection trains per GPU)")
     gpu_models.add_argument("--steps", type=positive_int, default=10, help="timed steps per row (default: %(default)s)")
     gpu_models.add_argument("--warmup", type=int, default=3, help="untimed steps first (default: %(default)s)")
     gpu_models.add_argument("--batch-scale", type=float, default=1.0, metavar="F",
-                            help="multiply every batch (64 images, DiT 32, LM 8, dense 2) by F in (0, 1]")
+                            help="multiply every batch (64 images, DiT 32, LM 8, --dense-batch) by F in (0, 1]")
     gpu_models.add_argument("--time-limit", type=float, metavar="S",
                             help="start no row after S seconds (the CSV keeps every row finished)")
     gpu_models.add_argument("--smoke", action="store_true",
@@ -344,7 +348,8 @@ def _bench_gpu_models(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     rows = gpu_models.run_gpu_models(
         models=args.models or tuple(gpu_models.FAMILIES), impls=args.impls or gpu_models.IMPLS,
-        modes=args.modes or gpu_models.MODES, variants=args.variants or gpu_models.VARIANTS, dense=args.dense,
+        modes=args.modes or gpu_models.MODES, variants=args.variants or gpu_models.VARIANTS,
+        dense=args.dense or args.dense_only, model_rows=not args.dense_only, dense_batch=args.dense_batch,
         steps=args.steps, warmup=args.warmup, batch_scale=args.batch_scale, smoke=args.smoke,
         time_limit=args.time_limit, log=_print_line, on_row=lambda rows: write_csv(args.gpu_models_csv, rows))
     print(f"{len(rows)} rows -> {args.gpu_models_csv}")

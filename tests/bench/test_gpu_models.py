@@ -108,6 +108,26 @@ def test_a_compiled_row_times_the_compiled_model_and_a_failed_compile_is_its_err
     assert (fields["ms"], fields["error"]) == (None, "inductor: no C++ compiler")
 
 
+def test_dense_only_runs_the_backbone_rows_alone(tmp_path):
+    out = tmp_path / "dense.csv"
+    assert main(["bench", "gpu-models", "--smoke", "--models", "pola_pvt_v2_b0", "pola_lm_small", "--dense-only",
+                 "--variants", "eager", "--out", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["model"], r["impl"], r["mode"], r["resolution"]) for r in rows] == [
+        ("pola_pvt_v2_b0", impl, "fwd_bwd", "64") for impl in ("ours", "softmax")]
+
+
+def test_dense_rows_take_the_dense_batch():
+    plan = gpu_models.Plan(impls=("ours",), dense=True, model_rows=False, dense_batch=3, steps=1, warmup=0,
+                           dense_sizes=(64,))
+    rows = []
+    gpu_models._run_dense(gpu_models.FAMILIES["pola_pvt_v2_b0"], "eager", plan, torch.device("cpu"), rows.append,
+                          print, None)
+    assert [(r["mode"], r["batch"], r["error"]) for r in rows] == [("fwd_bwd", 3, None)]
+    with pytest.raises(ValueError, match="no rows to run"):
+        gpu_models.run_gpu_models(models=["pola_pvt_v2_b0"], model_rows=False, smoke=True)
+
+
 def test_past_the_time_limit_no_row_starts():
     lines, written = [], []
     rows = gpu_models.run_gpu_models(models=["pola_lm_small"], smoke=True, time_limit=1e-9, log=lines.append,
@@ -130,6 +150,7 @@ def error_line(err: str) -> str:
     (["--batch-scale", "2"], "--batch-scale must be in (0, 1], got 2.0"),
     (["--time-limit", "0"], "--time-limit must be > 0, got 0.0"),
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+    (["--dense-batch", "0"], "--dense-batch"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, capsys, args, message):
     out = tmp_path / "rows.csv"
