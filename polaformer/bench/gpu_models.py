@@ -127,6 +127,9 @@ def check_plan(plan: Plan) -> None:
         raise ValueError(f"--dense-batch must be >= 1, got {plan.dense_batch}")
     if not (plan.model_rows or plan.dense):
         raise ValueError("no rows to run: the model rows are off and --dense is not given")
+    if not plan.model_rows and not any(FAMILIES[name].dense for name in plan.models):
+        backbones = " ".join(name for name, family in FAMILIES.items() if family.dense)
+        raise ValueError(f"--dense-only: none of --models is a backbone with dense rows ({backbones})")
 
 
 # --- models ------------------------------------------------------------------------------------

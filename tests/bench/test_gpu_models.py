@@ -151,6 +151,7 @@ def error_line(err: str) -> str:
     (["--time-limit", "0"], "--time-limit must be > 0, got 0.0"),
     (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
     (["--dense-batch", "0"], "--dense-batch"),
+    (["--dense-only", "--models", "pola_lm_small"], "--dense-only: none of --models is a backbone"),
 ])
 def test_bad_options_are_one_line_errors(tmp_path, capsys, args, message):
     out = tmp_path / "rows.csv"
