@@ -422,14 +422,16 @@ def compare_state_dicts(expected: Mapping[str, torch.Tensor], found: Mapping[str
 
 
 def check_weight_values(
-    expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor], path, *, allow_nonfinite: bool = False
+    expected: Mapping[str, torch.Tensor], found: Mapping[str, torch.Tensor], path, *,
+    allow_nonfinite: bool | None = None,
 ) -> None:
     """Refuse weights that would load silently wrong, naming the first such key.
 
     ``load_state_dict`` casts integer or complex tensors into floating-point parameters without a
     word, and NaN/inf weights evaluate to a NaN loss with a plausible-looking accuracy. Only keys
     the model holds as floating point are checked (index buffers are integers by design).
-    ``allow_nonfinite`` lets NaN/inf through (to inspect a diverged run, say), never a cast.
+    ``allow_nonfinite``: True lets NaN/inf through (to inspect a diverged run, say), never a cast;
+    False refuses them and names that switch; None, for a loader without the switch, refuses them.
     """
     for key, value in found.items():
         target = expected.get(key)
@@ -441,10 +443,9 @@ def check_weight_values(
                       f"{str(target.dtype).removeprefix('torch.')}; refusing to cast it"
             )
         if not allow_nonfinite and not bool(torch.isfinite(value).all()):
-            raise CorruptCheckpointError(
-                path, f"weight {key!r} holds NaN or infinite values; --allow-nonfinite (allow_nonfinite=True) "
-                      "loads it anyway"
-            )
+            switch = "" if allow_nonfinite is None else (
+                "; allow_nonfinite=True (--allow-nonfinite of `polaformer eval`) loads it anyway")
+            raise CorruptCheckpointError(path, f"weight {key!r} holds NaN or infinite values{switch}")
 
 
 # --- the loader ------------------------------------------------------------------------------

@@ -113,9 +113,10 @@ def check_arch(checkpoint: dict, arch: str, path: str | os.PathLike) -> None:
 
 
 def load_model_state(
-    model: nn.Module, checkpoint: dict, *, arch: str, path: str | os.PathLike, allow_nonfinite: bool = False
+    model: nn.Module, checkpoint: dict, *, arch: str, path: str | os.PathLike, allow_nonfinite: bool | None = None
 ) -> None:
-    """Load the checkpoint's weights into ``model`` (built as ``arch``), insisting on an exact fit.
+    """Load the checkpoint's weights into ``model`` (built as ``arch``), insisting on an exact fit; NaN/inf weights
+    as :func:`~polaformer.checkpoint.check_weight_values` says.
 
     Key and shape differences are reported up front, in one line naming both architectures,
     instead of ``load_state_dict``'s multi-line error.

@@ -22,7 +22,7 @@ from .loop import Engine, LoopSettings, Task
 from .parallel import check_execution
 
 __all__ = ["EXECUTION_DEFAULTS", "EXECUTION_KEYS", "OPTIONAL_TRAIN_KEYS", "StepTask", "check_execution_keys",
-           "load_task_model", "saved_config", "step_settings"]
+           "load_task_model", "saved_config", "step_settings", "train_defaults"]
 
 # How the engine runs the model (engine/parallel.py), in every step task's ``train`` section and the dense
 # recipes': 'ddp' or 'fsdp' under torchrun; torch.compile (null/false: off, true: inductor, or a backend name such
@@ -35,6 +35,15 @@ OPTIONAL_TRAIN_KEYS = {"clip_grad_norm": "clip_grad_norm", "clip_grad_value": "c
                        "ema_decay": "ema_decay", "amp": "amp", "save_every": "save_every_steps",
                        **{key: key for key in EXECUTION_DEFAULTS}}
 _ZERO_IS_OFF = ("clip_grad_norm", "clip_grad_value", "ema_decay")
+
+
+def train_defaults(*, steps: int, batch_size: int, eval_every: int, seed: int = 0, **task_keys: Any) -> dict:
+    """A step task's default ``train`` section: what :func:`step_settings` reads (``steps``, ``batch_size``,
+    ``eval_every``, ``seed``; no loader workers; ``amp`` off, which when on is bfloat16 on the CPU and float16 with a
+    GradScaler on CUDA; :data:`EXECUTION_DEFAULTS`) around the task's own keys (its optimiser, schedule and
+    evaluation size)."""
+    return {"steps": steps, "batch_size": batch_size, **task_keys, "eval_every": eval_every, "seed": seed,
+            "num_workers": 0, "amp": False, **EXECUTION_DEFAULTS}
 
 
 def check_execution_keys(train: Config | dict, error: type[Exception] = ConfigError, *,

@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 import timm
 import torch
+from torch import nn
 from PIL import Image
 
 import polaformer.models  # noqa: F401  (registers the zoo with timm)
-from polaformer.checkpoint import CorruptCheckpointError, check_weight_values
+from polaformer.checkpoint import CorruptCheckpointError, check_weight_values, load_checkpoint
 from polaformer.data.folder import ImageFolderDataset, to_rgb
 from polaformer.engine import ModelBuildError, create_model, create_model_from_checkpoint
+from polaformer.finetune import load_for_finetune
 from polaformer.ops import pacs_linear_attention, pola_linear_attention
 
 
@@ -189,6 +191,18 @@ def test_checkpoint_with_wrong_metadata_via_the_api(tmp_path):
 def test_non_finite_weights_are_refused_unless_allowed():
     expected = {"w": torch.zeros(3), "index": torch.zeros(3, dtype=torch.long)}
     found = {"w": torch.tensor([0.0, float("inf"), 1.0]), "index": torch.tensor([0, 1, 2])}  # int index: fine
-    with pytest.raises(CorruptCheckpointError, match="weight 'w' holds NaN or infinite values"):
-        check_weight_values(expected, found, "x.pth")
+    with pytest.raises(CorruptCheckpointError, match="weight 'w' holds NaN or infinite values; allow_nonfinite=True "
+                                                     r"\(--allow-nonfinite of `polaformer eval`\) loads it anyway\)$"):
+        check_weight_values(expected, found, "x.pth", allow_nonfinite=False)
     check_weight_values(expected, found, "x.pth", allow_nonfinite=True)
+
+
+def test_a_loader_without_the_nonfinite_switch_names_none(tmp_path):
+    # fine-tuning and task checkpoints have no allow_nonfinite: their refusal must not point to one
+    model = nn.Linear(3, 2)
+    path = tmp_path / "inf.pth"
+    torch.save({"model": {"weight": torch.full((2, 3), float("inf")), "bias": torch.zeros(2)}}, path)
+    with pytest.raises(CorruptCheckpointError, match=r"weight 'weight' holds NaN or infinite values\)$"):
+        load_for_finetune(model, path)
+    with pytest.raises(CorruptCheckpointError, match="allow_nonfinite=True"):
+        load_checkpoint(model, path)

@@ -30,7 +30,7 @@ from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED,
                               check_settings, configure, fraction, unit)
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import warmup_cosine
-from ...engine.steps import EXECUTION_DEFAULTS, StepTask, check_execution_keys, step_settings
+from ...engine.steps import StepTask, check_execution_keys, step_settings, train_defaults
 from .build import build_source, convert_model, target_of
 from .transfer import AttentionTransfer, freeze_for_transfer
 from .weights import FAMILIES, family_of
@@ -61,9 +61,8 @@ def convert_config(path=None, opts=(), overrides=None, *, check: bool = True) ->
         "init": "",
         "transfer": {"train_qk": False},
         "finetune": {"distill": 0.5, "temperature": 2.0},
-        "train": {"steps": 200, "batch_size": 32, "lr": 1e-3, "warmup_steps": 10, "weight_decay": 0.0,
-                  "clip_grad_norm": 1.0, "eval_every": 100, "eval_batches": 0, "seed": 0, "num_workers": 0,
-                  "amp": False, **EXECUTION_DEFAULTS},
+        "train": train_defaults(steps=200, batch_size=32, eval_every=100, lr=1e-3, warmup_steps=10, weight_decay=0.0,
+                                clip_grad_norm=1.0, eval_batches=0),
     })
     return configure(cfg, path, opts, overrides, check=check_convert_config if check else None)
 

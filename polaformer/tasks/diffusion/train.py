@@ -20,8 +20,8 @@ from ...engine.device import resolve_device
 from ...engine.distributed import all_reduce_sum
 from ...engine.limits import check_batch_memory
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import (EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config,
-                             step_settings)
+from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
+                             train_defaults)
 from .data import LATENT_SCALE, NoisedImages, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
@@ -58,9 +58,8 @@ def diffusion_config(path=None, opts=(), overrides=None, *, check: bool = True) 
         "data": {"name": "digits", "image_size": 16, "channels": 1, "latent": False, "vae": "",
                  "valid_fraction": 0.1, "seed": 0},
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
-        "train": {"steps": 2000, "batch_size": 64, "lr": 1e-3, "weight_decay": 0.0, "ema_decay": 0.999,
-                  "clip_grad_norm": 1.0, "eval_every": 500, "eval_samples": 256, "seed": 0, "num_workers": 0,
-                  "amp": False, **EXECUTION_DEFAULTS},
+        "train": train_defaults(steps=2000, batch_size=64, eval_every=500, lr=1e-3, weight_decay=0.0, ema_decay=0.999,
+                                clip_grad_norm=1.0, eval_samples=256),
         # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
         # the official first three output channels
         "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",

@@ -21,8 +21,8 @@ from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import warmup_cosine
 from ...data.text import ByteWindows, stdlib_corpus
-from ...engine.steps import (EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config,
-                             step_settings)
+from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
+                             train_defaults)
 
 __all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
            "train_lm", "unigram_bits_per_byte"]
@@ -54,9 +54,8 @@ def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         "model": {"name": "pola_lm_tiny", "attention": "pola", "context": 128, "drop_rate": 0.0},
         "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
         # a few minutes on a laptop CPU, well under the unigram baseline (docs/causal.md)
-        "train": {"steps": 600, "batch_size": 16, "lr": 3e-3, "warmup_steps": 50, "weight_decay": 0.01,
-                  "clip_grad_norm": 1.0, "eval_every": 200, "eval_batches": 25, "seed": 0, "num_workers": 0,
-                  "amp": False, **EXECUTION_DEFAULTS},
+        "train": train_defaults(steps=600, batch_size=16, eval_every=200, lr=3e-3, warmup_steps=50, weight_decay=0.01,
+                                clip_grad_norm=1.0, eval_batches=25),
     })
     return configure(cfg, path, opts, overrides, check=check_lm_config if check else None)
 

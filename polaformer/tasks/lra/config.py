@@ -19,7 +19,7 @@ from typing import Any
 
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, unit)
-from ...engine.steps import EXECUTION_DEFAULTS, check_execution_keys
+from ...engine.steps import check_execution_keys, train_defaults
 
 __all__ = ["LRAConfigError", "MODEL_DEFAULTS", "RECIPES", "RULES", "TRAIN_DEFAULTS", "check_lra_config", "lra_config",
            "load_lra_config"]
@@ -34,22 +34,19 @@ MODEL_DEFAULTS = dict(dim=64, hidden_dim=128, num_heads=2, head_dim=32, num_laye
                       attention_dropout=0.1)
 
 # The optimisation recipe (Skyformer's protocol: AdamW, one-cycle linear schedule, clipping).
-TRAIN_DEFAULTS = dict(
+TRAIN_DEFAULTS = train_defaults(
+    steps=50_000,
     batch_size=32,
+    eval_every=500,
+    seed=42,
     lr=1e-4,
     warmup_steps=1000,
-    steps=50_000,
     weight_decay=0.0,
     adam_eps=1e-6,
     betas=(0.9, 0.999),
     clip_grad_value=1.0,  # element-wise gradient clipping, as the Skyformer code; 0 disables
-    eval_every=500,
     eval_batches=0,  # dev batches per evaluation; 0 = the whole dev split
     save_every=500,  # also write last.pth every N steps (evaluations always write it)
-    seed=42,
-    amp=False,  # bfloat16 on the CPU, float16 with a GradScaler on CUDA
-    num_workers=0,
-    **EXECUTION_DEFAULTS,
     limit_train=None,  # keep the first N examples of a split (quick runs)
     limit_dev=None,
     limit_test=None,

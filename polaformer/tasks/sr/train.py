@@ -20,8 +20,8 @@ from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, Confi
 from ...engine.distributed import all_gather_object
 from ...engine.limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import (EXECUTION_DEFAULTS, StepTask, check_execution_keys, load_task_model, saved_config,
-                             step_settings)
+from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
+                             train_defaults)
 from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
@@ -58,8 +58,8 @@ def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         # train_hr/valid_hr: a folder of HR images or 'photos'; *_lr: a folder of LR images ('' = bicubic from HR)
         "data": {"train_hr": PHOTOS, "train_lr": "", "valid_hr": PHOTOS, "valid_lr": "", "patch_size": 192,
                  "repeats": 100},
-        "train": {"steps": 500000, "batch_size": 16, "lr": 2e-4, "milestones": [0.5, 0.8, 0.9, 0.95],
-                  "gamma": 0.5, "eval_every": 5000, "seed": 0, "num_workers": 0, "amp": False, **EXECUTION_DEFAULTS},
+        "train": train_defaults(steps=500000, batch_size=16, eval_every=5000, lr=2e-4,
+                                milestones=[0.5, 0.8, 0.9, 0.95], gamma=0.5),
         # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
         "eval": {"mode": "chop", "tile": 192, "overlap": 16},
     })
