@@ -29,14 +29,19 @@ class quiet:
 
 
 def snapshot(root: Path) -> dict:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    """Each file's digest, and each folder (``NAME/``)."""
+    return {f"{p.relative_to(root)}/" if p.is_dir() else str(p.relative_to(root)):
+            "folder" if p.is_dir() else hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_dir() or p.is_file()}
 
 
 def assert_unchanged(before: dict, root: Path) -> None:
+    """No file or folder of ``before`` changed or removed, and no empty folder left by the failed command."""
     after = snapshot(root)
     changed = [name for name, digest in before.items() if after.get(name) != digest]
     assert not changed, f"existing files changed or removed: {changed}"
+    left = [name for name in after if name not in before and name.endswith("/") and not any((root / name).iterdir())]
+    assert not left, f"empty folders left behind: {left}"
 
 
 def error_line(err: str, *, logs_allowed: bool = False) -> str:

@@ -40,6 +40,7 @@ import timm
 import torch
 
 import polaformer.models  # noqa: F401  (registers the models)
+from polaformer.engine.output import make_folder
 from polaformer.runtime import tune_cpu_allocator
 
 from .harness import interleaved, loadavg, machine_info, medians, write_json, write_text
@@ -162,7 +163,7 @@ def run_deploy(out, *, models=DEFAULT_MODELS, batches=(1, 8), img_size: int = 22
     threads = threads or torch.get_num_threads()
     torch.set_num_threads(threads)
     out_dir = Path(out)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_folder(out_dir)
     with _inductor_cache(warm_cache) as cache, tempfile.TemporaryDirectory(prefix="bench_deploy_onnx_") as workdir:
         env = {**machine_info(allocator_reuse=tune_cpu_allocator()), "timm": timm.__version__, "img_size": img_size,
                "rounds": rounds, "min_run_time": min_run_time, "inductor_cache": cache, "load1_at_start": loadavg()}

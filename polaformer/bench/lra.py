@@ -32,6 +32,7 @@ from typing import Callable
 
 import torch
 
+from ..engine.output import make_folder
 from ..runtime import tune_cpu_allocator
 from .harness import (check_device, loadavg, log_log_axes, machine_info, markdown_table as table, peak_rss_bytes,
                       pyplot, release_freed_buffers, reset_peak_rss, rss_now_bytes, run_child, save_figure, write_json,
@@ -309,7 +310,7 @@ def run_lra_bench(out, *, attentions=None, lengths=None, batch_size=None, steps=
     if timeout <= 0:
         raise ValueError(f"timeout_s must be positive, got {timeout_s!r}")
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
 
     started = time.perf_counter()
     threads = torch.get_num_threads()

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..ops import (elu_feature, focused_feature, learnable_power, linear_attention, official_pola_linear_attention,
                    pola_linear_attention)
+from ..engine.output import make_folder
 from ..runtime import tune_cpu_allocator
 from .harness import (log_log_axes, machine_info, markdown_table, peak_rss_bytes, pyplot, release_freed_buffers,
                       reset_peak_rss, rss_now_bytes, run_child, save_figure, time_call, write_json)
@@ -346,7 +347,7 @@ def run_models(cfg: BenchConfig, log=None) -> list[dict]:
 def run_bench(cfg: BenchConfig, log=print) -> dict:
     """Run everything, write ``results.json`` and the plots into ``cfg.out``; returns the results."""
     out = Path(cfg.out)
-    out.mkdir(parents=True, exist_ok=True)
+    make_folder(out)
     allocator = tune_cpu_allocator()
     started = time.time()
     mm = matmul_gflops(cfg.matmul_size, cfg.min_run_time)

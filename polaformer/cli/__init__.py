@@ -31,6 +31,7 @@ from .._startup import raise_on_interrupt
 from ..data import UnknownDatasetError
 from ..data.folder import DatasetError
 from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
+from ..engine.output import forget_made_folders, remove_empty_made_folders
 from ..files import UnreadableFileError
 from ..tasks.classification.evaluation import EvalError
 from ..runtime import tune_cpu_allocator
@@ -72,6 +73,17 @@ def main(argv: list[str] | None = None) -> int:
     raise_on_interrupt()  # the command has started: an interrupt now may have a checkpoint to name
     args = build_parser().parse_args(argv)
     tune_cpu_allocator()  # reuse freed large CPU buffers instead of page-faulting them in again
+    forget_made_folders()
+    code = 1
+    try:
+        code = _run(args)
+        return code
+    finally:
+        if code != 0:  # a failed command leaves no empty output folder behind
+            remove_empty_made_folders()
+
+
+def _run(args) -> int:
     with _log_to_stderr():
         try:
             return args.handler(args)

@@ -21,23 +21,51 @@ from typing import Any, BinaryIO
 from ..checkpoint import atomic_write
 from .config import ConfigError
 
-__all__ = ["LOCK_NAME", "OutputLock", "claim_outputs", "distinct_names", "write_image", "write_output"]
+__all__ = ["LOCK_NAME", "OutputLock", "claim_outputs", "distinct_names", "forget_made_folders", "make_folder",
+           "remove_empty_made_folders", "write_image", "write_output"]
 
 LOCK_NAME = ".polaformer.lock"
 
+_made: list[Path] = []  # the folders make_folder created since forget_made_folders
+
+
+def make_folder(folder: Path) -> None:
+    """``mkdir -p folder``, remembering the folders it created so that a command that fails can remove those it
+    left empty (:func:`remove_empty_made_folders`)."""
+    new = [f for f in (folder, *folder.parents) if not os.path.lexists(f)]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"cannot create the output folder {folder}: {_reason(e)}") from None
+    _made.extend(new)
+
+
+def forget_made_folders() -> None:
+    """Start a command's record of the folders it made."""
+    _made.clear()
+
+
+def remove_empty_made_folders() -> None:
+    """Remove the folders made since :func:`forget_made_folders` that hold nothing, deepest first: a command that
+    failed before writing leaves no empty output folder behind."""
+    for folder in sorted(set(_made), key=lambda f: len(f.parts), reverse=True):
+        try:
+            folder.rmdir()  # refuses a folder that holds anything
+        except OSError:
+            pass
+    _made.clear()
+
 
 class OutputLock:
-    """An exclusive lock on an output folder (created if needed); :meth:`release` gives it back."""
+    """An exclusive lock on an output folder (created if needed, :func:`make_folder`); :meth:`release` gives it
+    back."""
 
     def __init__(self, folder: str | os.PathLike):
         import fcntl
 
         self.folder = Path(folder)
         self.path = self.folder / LOCK_NAME
-        try:
-            self.folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"cannot create the output folder {self.folder}: {_reason(e)}") from None
+        make_folder(self.folder)
         while True:
             try:
                 fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -120,10 +148,7 @@ def claim_outputs(paths: Iterable[str | os.PathLike], overwrite: bool = False, o
         more = f" (and {len(existing) - 1} more)" if len(existing) > 1 else ""
         raise ConfigError(f"{existing[0]} already exists{more}: --overwrite replaces it, or choose another {option}")
     for folder in {p.parent for p in paths}:
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise ConfigError(f"cannot create the output folder {folder}: {_reason(e)}") from None
+        make_folder(folder)
     return paths
 
 
