@@ -10,6 +10,9 @@ The other commands' files (pictures, samples, exported models, tables, benchmark
 refused in one line unless ``overwrite`` (``--overwrite``), several outputs that would share a name get
 distinct ones (:func:`distinct_names`: ``x.png``, ``x-2.png``...), and each is written atomically
 (:func:`polaformer.checkpoint.atomic_write`: a reader, or a crash, sees the old file or the new one whole).
+
+Both make their folders through :func:`make_folder`, which records what it created: ``polaformer.cli.main``
+removes those a failed command left empty (:func:`remove_empty_made_folders`).
 """
 from __future__ import annotations
 
