@@ -48,7 +48,7 @@ from ._common import (
     swap_halves,
 )
 from .causal import causal_pola_linear_attention
-from .dispatch import capturing, cpu_kernels, triton_kernels
+from .dispatch import capturing, cpu_kernels, exporting, triton_kernels
 from .feature_maps import check_power_values
 
 __all__ = ["linear_attention", "pola_linear_attention", "power_linear_attention"]
@@ -200,6 +200,50 @@ def _pola_attention_graph(q, k, v, power, eps, keep, m):
                      dim=-1)
 
 
+def _pola_attention_export(q, k, v, power, eps, keep, m):
+    """:func:`_pola_attention_graph`'s math in few and cheap graph operators, for export: ONNX Runtime runs
+    each operator as its own kernel, and its ``Log``, ``Pow``, ``Sign`` and ``Where`` are scalar loops while
+    ``Exp``, ``Relu`` and arithmetic are vectorised.
+
+    One ``log`` and one ``exp`` per element of q and k (d wide, not 2d): with ``z = x·|x|^(p−1)``, the
+    features are ``relu([z ; −z])``. The graph form's shifts keep every exponent ≤ 0: ``s``, each key
+    channel's largest ``p·ln|k|`` (``p`` times the largest ``ln|k|``), and ``c``, each query row's largest
+    ``p·ln|q| + s``, at least 0; numerators and normalisers are then ``e^-c`` times the plain ones and
+    ``eps`` is scaled with them. ``|x|`` is floored at the smallest normal float inside the logarithm (an
+    exact 0 still gives 0 features), so a subnormal element contributes ``|x|·tiny^(p−1)`` for ``|x|ᵖ``,
+    both below ``tiny``. The ``1/m`` of ``kᵀv`` and of the key mean cancels between numerator and
+    normaliser (``eps`` is multiplied by ``m`` instead), and one product with ``φq`` gives both streams'
+    numerators and normalisers.
+    """
+    d, dv = q.shape[-1], v.shape[-1]
+    half = _same_sign_width(v)
+    if dv % 2:  # a zero column makes the streams equally wide; its output column is dropped
+        v = torch.nn.functional.pad(v, (0, 1))
+    tiny = torch.finfo(q.dtype).tiny
+
+    log_k = torch.log(torch.clamp(k.abs(), min=tiny))
+    top = log_k if keep is None else torch.where(keep != 0, log_k, torch.finfo(q.dtype).min)
+    shift = top.amax(dim=-2, keepdim=True) * power  # (B, H, 1, d)
+    z_k = k * torch.exp(log_k * (power - 1) - shift)
+    phi_k = torch.relu(torch.cat([z_k, -z_k], dim=-1))
+    if keep is not None:
+        phi_k = phi_k * keep
+    log_q = torch.log(torch.clamp(q.abs(), min=tiny))
+    top = log_q * power + shift
+    row_shift = torch.clamp(top.amax(dim=-1, keepdim=True), min=0)  # (B, H, N, 1)
+    z_q = q * torch.exp(top - log_q - row_shift)
+    phi_q = torch.relu(torch.cat([z_q, -z_q], dim=-1))
+
+    # rows (B, H, 2, d, ·): the feature halves; the opposite stream pairs each with the other one
+    kv = torch.matmul(phi_k.transpose(-2, -1), v).unflatten(-2, (2, d))
+    k_sum = phi_k.sum(dim=-2).unflatten(-1, (2, d)).unsqueeze(-1)
+    rhs = torch.cat([kv[..., :half], k_sum, kv[..., half:].flip(-3), k_sum.flip(-3)], dim=-1).flatten(-3, -2)
+    res = torch.matmul(phi_q, rhs).unflatten(-1, (2, half + 1))  # (B, H, N, 2, half + 1)
+    eps_rows = (eps * m) * torch.exp(-row_shift)
+    out = (res[..., :half] / (res[..., half:] + eps_rows.unsqueeze(-1))).flatten(-2)
+    return out[..., :dv]
+
+
 def _may_overflow(q, k, v, power, dtype) -> bool:
     """Whether the plain power-map products could leave ``dtype``'s range: each term is at most
     ``max(1, |q|)ᵖ·max(1, |k|)ᵖ·max(1, |v|)``, summed over M keys and 2d channels (reads q, k and v once)."""
@@ -302,6 +346,8 @@ def _pola_attention_no_grad(q, k, v, power, eps, keep, m):
 def _formulation(q, k, v, power, key_padding_mask, graph: bool, dtype: torch.dtype):
     """The formulation of an unpacked call that the Triton kernels do not take: the first that applies."""
     # Off the CPU the overflow bound would wait for the device: there the log domain always runs.
+    if graph and exporting():
+        return _pola_attention_export  # the log domain in the operators other runtimes run fastest
     if graph or q.device.type != "cpu" or _may_overflow(q, k, v, power, dtype):
         return _pola_attention_graph  # the log domain; autograd derives the backward
     if needs_grad(q, k, v, power):
