@@ -16,7 +16,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .causal import causal_pacs_linear_attention
-from .dispatch import capturing, cpu_kernels, triton_kernels
+from .dispatch import capturing, cpu_kernels, exporting, triton_kernels
 from .feature_maps import _expm1
 from ._common import (
     block_tokens,
@@ -434,6 +434,49 @@ def _pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep
     return torch.cat([out[:, :, 0], out[:, :, 1]], dim=-1)
 
 
+def _pacs_attention_export(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
+    """:func:`_pacs_attention_graph`'s math in few and cheap graph operators, for export (ONNX Runtime's
+    ``Where`` and ``expm1``-free forms; see :func:`.pola_attention._pola_attention_export`).
+
+    The same shifts: ``s``, each key channel's largest pre-activation (shared by a RoPE pair), and ``c``,
+    each query row's largest ``x + s`` per stream; a feature ``e^(x+s−c)·(1 − e^-x)`` is formed as
+    ``e^(x+s−c) − e^(s−c)`` (exact to a rounding of the row's largest feature; 0 where ``x = 0``). Unlike the
+    graph form, ``c`` also counts channels where ``x = 0``: that only matters once a key exceeds the query
+    row's other terms by about 80 (features beyond ``e^80``), where smaller channels' terms underflow.
+    Both streams are one batched product along a stream axis; without RoPE numerators and normalisers
+    come from one product (the ``1/m`` cancels, ``eps`` is multiplied by ``m``).
+    """
+    half = v.shape[-1] // 2
+    y = torch.relu(torch.cat([k, -k], -1))  # (B, H, M, 2d) key pre-activations; a padded key's are 0
+    if keep is not None:
+        y = y * keep
+    shift = y.amax(dim=-2, keepdim=True) if y.shape[-2] else torch.zeros_like(y[..., :1, :])
+    if sin is not None:
+        shift = shift.unflatten(-1, (-1, 2)).amax(-1, keepdim=True).expand(*shift.shape[:-1], -1, 2).flatten(-2)
+    phi_k = torch.exp(y - shift) - torch.exp(-shift)  # e^-s·(e^y − 1)
+
+    signed = torch.cat([q, -q], -1)
+    temps = torch.stack([temp_same.expand_as(temp_opposite), temp_opposite.expand_as(temp_same)], dim=-3)
+    x = torch.relu(torch.stack([signed, -signed], dim=-3)) * temps  # (B, H, 2, N, 2d): same-, opposite-sign
+    top = x + shift.unsqueeze(-3)
+    row_shift = top.amax(dim=-1, keepdim=True)  # (B, H, 2, N, 1), ≥ 0
+    exponent = top - row_shift
+    phi_q = torch.exp(exponent) - torch.exp(exponent - x)
+    eps_rows = (eps * m.unsqueeze(-3) if isinstance(m, torch.Tensor) else eps * m) * torch.exp(-row_shift)
+
+    values = v.unflatten(-1, (2, half)).transpose(-3, -2)  # (B, H, 2, M, half)
+    k_sum = phi_k.sum(dim=-2).unsqueeze(-1).unsqueeze(-3)  # (B, H, 1, 2d, 1)
+    if sin is None:
+        rhs = torch.cat([torch.matmul(phi_k.unsqueeze(-3).transpose(-2, -1), values), k_sum.expand(
+            *values.shape[:-2], -1, 1)], dim=-1)
+        res = torch.matmul(phi_q, rhs)  # (B, H, 2, N, half + 1)
+        out = res[..., :half] / (res[..., half:] + eps_rows)
+    else:
+        kv = torch.matmul(apply_rope(phi_k, sin, cos).unsqueeze(-3).transpose(-2, -1), values)
+        out = torch.matmul(apply_rope(phi_q, sin, cos), kv) / (torch.matmul(phi_q, k_sum) + eps_rows)
+    return out.transpose(-3, -2).flatten(-2)  # (B, H, N, dv)
+
+
 def _check_packed(q, k, cu_seqlens, cu_seqlens_k, rope: bool) -> None:
     """Arguments of a packed batch. The offsets' values are read (a host sync) only where they are on the CPU;
     the torch formulation reads them anyway (:func:`_pacs_packed`)."""
@@ -560,7 +603,9 @@ def pacs_linear_attention(
     keep, m = key_keep(key_padding_mask, k, dtype)
     out_dtype = v.dtype
     # Off the CPU a finiteness test would wait for the device: there the log domain always runs.
-    if capturing() or not pairs or q.device.type != "cpu":
+    if capturing() and pairs and exporting():
+        attention = _pacs_attention_export  # the log domain in the operators other runtimes run fastest
+    elif capturing() or not pairs or q.device.type != "cpu":
         attention = _pacs_attention_graph
     elif needs_grad(q, k, v, temp_same, temp_opposite):
         attention = _PacsAttention.apply
@@ -573,6 +618,6 @@ def pacs_linear_attention(
     with full_precision(q.device.type):
         out = attention(*args)
         # the sum is finite only if every entry is; a fast path that overflowed is redone in the log domain
-        if attention is not _pacs_attention_graph and not bool(torch.isfinite(out.sum())):
+        if attention not in (_pacs_attention_graph, _pacs_attention_export) and not bool(torch.isfinite(out.sum())):
             out = _pacs_attention_graph(*args)
     return out.to(out_dtype)
