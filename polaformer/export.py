@@ -20,6 +20,13 @@ What can be symbolic in the exported graph:
   other sizes and compute nonsense or fail inside onnxruntime. Here those models are refused with
   ``dynamic_size=True``; export one file per input size instead (any size the model accepts).
 
+With ``int8=True`` the verified graph is written with its linear layers (``MatMul``/``Gemm`` with a
+constant weight) quantized dynamically to int8 by onnxruntime's quantizer (int8 weights, activations
+quantized per call); :func:`quantize_int8` does the same for the eager model with ``torch.ao``.
+Convolutions and the attention's own products stay float32. An int8 file is compared with the float32
+eager model and the difference reported, not held to the float32 tolerance. With ``speed=True`` the
+written file is timed in onnxruntime beside the eager model (:class:`SpeedCheck`).
+
 Only the dynamo exporter is used. The TorchScript-based one (``torch.onnx.export(...,
 dynamo=False)``) is exact too for every family at the traced input size, but it never checks
 that a traced branch holds at other sizes.
@@ -29,10 +36,15 @@ onnxruntime, onnxscript).
 """
 from __future__ import annotations
 
+import copy
+import logging
 import math
 import os
 import re
+import statistics
+import tempfile
 import time
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -47,8 +59,11 @@ __all__ = [
     "ExportResult",
     "ExportVerificationError",
     "OnnxCheck",
+    "SpeedCheck",
     "export_model",
     "export_onnx",
+    "measure_speed",
+    "quantize_int8",
     "verify_onnx",
 ]
 
@@ -80,6 +95,22 @@ class OnnxCheck:
 
 
 @dataclass
+class SpeedCheck:
+    """Seconds per call of the written file in onnxruntime and of the eager model, on one batch, interleaved."""
+
+    batch: int
+    threads: int
+    onnxruntime_s: float
+    eager_s: float
+    eager: str = "float32"
+
+    def describe(self) -> str:
+        return (f"onnxruntime {self.onnxruntime_s * 1e3:.1f} ms vs eager PyTorch ({self.eager}) "
+                f"{self.eager_s * 1e3:.1f} ms per batch of {self.batch} on {self.threads} thread(s) "
+                f"({self.eager_s / self.onnxruntime_s:.2f}x)")
+
+
+@dataclass
 class ExportResult:
     path: Path
     opset: int
@@ -90,6 +121,8 @@ class ExportResult:
     verify_s: float
     size_bytes: int
     weights: str = "random initialisation"
+    int8_checks: list[OnnxCheck] | None = None  # the int8 file against the float32 eager model
+    speed: SpeedCheck | None = None
 
     @property
     def max_abs_diff(self) -> float:
@@ -98,11 +131,18 @@ class ExportResult:
     def summary(self, model: str) -> str:
         shape = "x".join(str(d) for d in self.input_shape)
         checks = ", ".join(check.describe() for check in self.checks)
-        return (
+        text = (
             f"exported {model} ({self.weights}) -> {self.path}: ONNX opset {self.opset}, input {INPUT_NAME} "
             f"{shape}, {self.size_bytes / 1e6:.1f} MB; onnxruntime vs eager max abs diff {checks} "
-            f"(tolerance {self.atol:.0e}); export {self.export_s:.1f} s, verification {self.verify_s:.1f} s"
+            f"(tolerance {self.atol:.0e})"
         )
+        if self.int8_checks is not None:
+            text += ("; linear layers quantized to int8, whose output differs from eager float32 by "
+                     + ", ".join(check.describe() for check in self.int8_checks))
+        text += f"; export {self.export_s:.1f} s, verification {self.verify_s:.1f} s"
+        if self.speed is not None:
+            text += f"; speed: {self.speed.describe()}"
+        return text
 
 
 def _require_onnx():
@@ -164,6 +204,62 @@ def verify_onnx(path: str | os.PathLike, model: nn.Module, inputs: list[torch.Te
                 diff = math.inf
         checks.append(OnnxCheck(x.shape[0], x.shape[2], x.shape[3], diff))
     return checks
+
+
+def quantize_int8(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` in eval mode with every ``nn.Linear`` quantized dynamically to int8
+    (``torch.ao.quantization.quantize_dynamic``: int8 weights, activations quantized per call; CPU only).
+
+    Convolutions, norms and the attention's own products stay float32. The copy runs inference only.
+    """
+    quantized = copy.deepcopy(model).eval()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r".*(deprecated|torch\.ao\.quantization).*")
+        return torch.ao.quantization.quantize_dynamic(quantized, {nn.Linear}, dtype=torch.qint8)
+
+
+def _quantize_onnx(source: Path, target: Path) -> None:
+    """onnxruntime's dynamic quantizer on the linear layers only: ``MatMul``/``Gemm`` with a constant weight."""
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    previous = logging.root.manager.disable
+    logging.disable(logging.WARNING)  # it logs an advice to pre-process the model through the root logger
+    try:
+        quantize_dynamic(source, target, op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
+                         extra_options={"MatMulConstBOnly": True})
+    finally:
+        logging.disable(previous)
+
+
+def measure_speed(path: str | os.PathLike, model: nn.Module, x: torch.Tensor, *, threads: int | None = None,
+                  rounds: int = 5, eager: str = "float32") -> SpeedCheck:
+    """Seconds per call of the ONNX file at ``path`` in onnxruntime (CPU, default session options but
+    ``threads`` intra-op threads, default torch's) and of ``model`` on the batch ``x``: one warm-up call each,
+    then ``rounds`` calls taken in turn, medians."""
+    import onnxruntime as ort
+
+    threads = threads or torch.get_num_threads()
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    feed = {session.get_inputs()[0].name: x.numpy()}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    times = {"onnxruntime": [], "eager": []}
+    calls = {"onnxruntime": lambda: session.run(None, feed), "eager": lambda: model(x)}
+    try:
+        with torch.inference_mode():
+            for call in calls.values():
+                call()
+            for _ in range(rounds):
+                for key, call in calls.items():
+                    start = time.perf_counter()
+                    call()
+                    times[key].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(previous)
+    return SpeedCheck(x.shape[0], threads, statistics.median(times["onnxruntime"]), statistics.median(times["eager"]),
+                      eager)
 
 
 def _check_shapes(input_size, batch_size: int, dynamic_batch: bool, dynamic_size: bool, step: int):
@@ -235,6 +331,8 @@ def export_onnx(
     opset: int | None = None,
     atol: float = DEFAULT_ATOL,
     seed: int = 0,
+    int8: bool = False,
+    speed: bool = False,
 ) -> ExportResult:
     """Export ``model`` (put in eval mode) to ONNX at ``path``, verified in onnxruntime first.
 
@@ -246,6 +344,10 @@ def export_onnx(
             :class:`ExportError` for models whose code depends on the size (see the module docstring).
         opset: ONNX opset (default: the exporter's).
         atol: largest allowed ``max |onnxruntime - eager|``.
+        int8: write the verified graph with its linear layers quantized to int8 (the module docstring);
+            its difference from the float32 eager model is reported in ``int8_checks``.
+        speed: time the written file in onnxruntime beside the eager model (``int8``: beside
+            :func:`quantize_int8`'s model) on the first verification batch (:func:`measure_speed`).
 
     Raises :class:`ExportError` (one line) when the model cannot be exported as asked, and
     :class:`ExportVerificationError` when the file does not reproduce the model; in both cases
@@ -308,30 +410,51 @@ def export_onnx(
     inputs = _random_inputs(check_shapes, seed + 1)
     timing = {}
 
-    def write_and_verify(f):
-        f.write(data)
-        f.flush()
+    def verify(file: str, eager: nn.Module, limit: float) -> list[OnnxCheck]:
         t0 = time.perf_counter()
         try:
-            checks = verify_onnx(f.name, model, inputs)  # the bytes on disk, read back
+            checks = verify_onnx(file, eager, inputs)  # the bytes on disk, read back
         except Exception as e:  # onnxruntime refuses the file or fails running it
             raise ExportVerificationError(
                 f"onnxruntime cannot run the exported file: {_one_line(e)}; the file was deleted ({path} was not "
                 "written)"
             ) from e
-        timing["verify_s"] = time.perf_counter() - t0
-        timing["checks"] = checks
+        timing["verify_s"] = timing.get("verify_s", 0.0) + time.perf_counter() - t0
         worst = max(checks, key=lambda check: check.max_abs_diff)
-        if not worst.max_abs_diff <= atol:
+        if not worst.max_abs_diff <= limit:
             raise ExportVerificationError(
                 f"onnxruntime output differs from eager PyTorch by {worst.describe()}, above the tolerance "
-                f"{atol:.0e}; the file was deleted ({path} was not written)"
+                f"{limit:.0e}; the file was deleted ({path} was not written)"
             )
+        return checks
 
-    atomic_write(path, write_and_verify)
+    def write_and_verify(f):
+        f.write(data)
+        f.flush()
+        timing["checks"] = verify(f.name, model, atol)
+
+    if int8:
+        with tempfile.TemporaryDirectory(prefix="polaformer_export_") as folder:
+            fp32, quantized = Path(folder) / "float32.onnx", Path(folder) / "int8.onnx"
+            fp32.write_bytes(data)
+            timing["checks"] = verify(str(fp32), model, atol)
+            try:
+                _quantize_onnx(fp32, quantized)
+            except Exception as e:
+                raise ExportError(f"int8 quantization failed: {_one_line(e)}") from e
+            timing["int8_checks"] = verify(str(quantized), model, math.inf)
+            data = quantized.read_bytes()
+        atomic_write(path, lambda f: f.write(data))
+    else:
+        atomic_write(path, write_and_verify)
+    speed_check = None
+    if speed:
+        eager = quantize_int8(model) if int8 else model
+        speed_check = measure_speed(path, eager, inputs[0], eager="int8" if int8 else "float32")
     return ExportResult(
         path=path, opset=opset_used, input_shape=input_shape, checks=timing["checks"], atol=atol,
-        export_s=export_s, verify_s=timing["verify_s"], size_bytes=len(data),
+        export_s=export_s, verify_s=timing["verify_s"], size_bytes=len(data), int8_checks=timing.get("int8_checks"),
+        speed=speed_check,
     )
 
 

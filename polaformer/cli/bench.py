@@ -195,6 +195,29 @@ def add_bench_parser(commands) -> None:
     deploy.set_defaults(handler=cmd_bench_family, run_family=_bench_deploy,
                         seconds_flags=("--min-run-time", "--row-budget"), out_files=("results.json", "table.md"))
 
+    onnx = families.add_parser(
+        "onnx", help="ours in onnxruntime against the softmax models in onnxruntime and against eager PyTorch (CPU)",
+        description="Each family (ours and its softmax counterpart) exported with 'polaformer export' (dynamo "
+                    "exporter, verified to 1e-4), run in onnxruntime with default session options and --threads "
+                    "intra-op threads, and eagerly, plus ours with int8 linear layers in both; every variant of a "
+                    "row timed in interleaved rounds. --accuracy scores a 'polaformer train' checkpoint in the four "
+                    "forms of ours. See docs/deployment.md.",
+    )
+    onnx.add_argument("--families", nargs="+", metavar="NAME",
+                      help="our model of each family (default: pola_deit_tiny_patch16_224 pola_pvt_tiny "
+                           "pola_pvt_v2_b0 pola_swin_t POLA_b0)")
+    onnx.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8], metavar="B")
+    onnx.add_argument("--threads", type=positive_int, default=2, help="torch and onnxruntime intra-op threads")
+    onnx.add_argument("--rounds", type=positive_int, default=5, help="interleaved rounds (default: %(default)s)")
+    onnx.add_argument("--min-time", type=float, default=0.5, metavar="S",
+                      help="seconds of back-to-back calls per sample (default: %(default)s)")
+    onnx.add_argument("--no-int8", action="store_true", help="skip the int8 variants")
+    onnx.add_argument("--accuracy", metavar="CHECKPOINT",
+                      help="also score this 'polaformer train' checkpoint on its test split: eager and onnxruntime, "
+                           "float32 and int8 (with --families none: only that)")
+    rows_files(onnx, markdown=True)
+    onnx.set_defaults(handler=cmd_bench_family, run_family=_bench_onnx, seconds_flags=("--min-time",))
+
     lra = families.add_parser(
         "lra", help="the paper's Table 6: LRA training throughput and peak memory of every attention, vs softmax",
         description="Also 'polaformer lra bench'. See docs/lra.md.",
@@ -384,6 +407,23 @@ def _bench_deploy(args: argparse.Namespace) -> int:
                         min_run_time=args.min_run_time, row_budget=args.row_budget, warm_cache=args.warm_cache,
                         log=_print_line)
     print(result["table"], end="")
+    return 0
+
+
+def _bench_onnx(args: argparse.Namespace) -> int:
+    from ..bench.onnx_speed import FAMILIES, accuracy_rows, accuracy_table, run_onnx_speed, speed_table
+
+    families = tuple(FAMILIES) if args.families is None else tuple(f for f in args.families if f != "none")
+    result, table = {"rows": []}, ""
+    if families:
+        result = run_onnx_speed(families=families, batches=args.batches, threads=args.threads, rounds=args.rounds,
+                                min_time=args.min_time, int8=not args.no_int8, log=_print_line)
+        table = speed_table(result)
+    if args.accuracy:
+        result["accuracy"] = accuracy_rows(args.accuracy, threads=args.threads, log=_print_line)
+        table += ("\n" if table else "") + accuracy_table(result["accuracy"])
+    print(table, end="")
+    _write_bench_rows(args, result["rows"] + result.get("accuracy", []), result, table)
     return 0
 
 

@@ -217,6 +217,16 @@ def add_classification_parsers(commands) -> None:
         "--atol", type=float, metavar="TOL",
         help="largest allowed max |onnxruntime - eager| (default: 1e-4)",
     )
+    export.add_argument(
+        "--int8", action="store_true",
+        help="write the verified graph with its linear layers quantized to int8 (onnxruntime's dynamic quantizer); "
+             "its difference from the float32 model is reported",
+    )
+    export.add_argument(
+        "--speed", action=argparse.BooleanOptionalAction, default=True,
+        help="time the written file in onnxruntime beside eager PyTorch on the first verification batch "
+             "(default: on; --no-speed skips it)",
+    )
     export.set_defaults(handler=cmd_export)
 
 
@@ -372,7 +382,7 @@ def cmd_export(args: argparse.Namespace) -> int:
             args.model, args.out, checkpoint=args.checkpoint, weights=args.weights,
             model_kwargs=dict(args.model_kwargs or []), img_size=args.img_size, batch_size=args.batch_size,
             dynamic_batch=args.dynamic_batch, dynamic_size=args.dynamic_size, opset=args.opset,
-            atol=DEFAULT_ATOL if args.atol is None else args.atol,
+            atol=DEFAULT_ATOL if args.atol is None else args.atol, int8=args.int8, speed=args.speed,
         )
     except ExportVerificationError as e:
         print(one_line(f"polaformer export: error: {e}"), file=sys.stderr)

@@ -431,13 +431,14 @@ def evaluate_checkpoint(
     """
     checkpoint = read_run_checkpoint(path)
     model = create_model_from_checkpoint(checkpoint, path, arch=arch, allow_nonfinite=allow_nonfinite)
-    data = data or _trained_on(checkpoint.get("config"))
+    data = data or trained_on(checkpoint.get("config"))
     _, test_set = get_data_spec(data).build(augment=False)
     device = resolve_device(device)
     return evaluate(place_model(model, device, inference=True), make_test_loader(test_set), device), checkpoint
 
 
-def _trained_on(config: Any) -> str:
+def trained_on(config: Any) -> str:
+    """The data set a checkpoint's config names (the default data set when it names none)."""
     if not isinstance(config, dict):
         return DEFAULT_DATA
     if isinstance(config.get("DATA"), dict):  # the official key tree
