@@ -1,0 +1,121 @@
+"""What deployment in onnxruntime gets: the attention ops' exported graphs in onnxruntime's cheap operators,
+int8 linear layers (eager and exported) within their rounding bound, `polaformer export --int8` and its speed
+line, and `polaformer bench onnx`."""
+import numpy as np
+import onnx
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("onnxruntime")
+pytest.importorskip("onnxscript")
+
+import onnxruntime as ort  # noqa: E402
+
+import polaformer.export as export_module  # noqa: E402
+import polaformer.models  # noqa: E402,F401
+from polaformer.cli import main  # noqa: E402
+from polaformer.export import export_onnx, quantize_int8  # noqa: E402
+from polaformer.ops import (  # noqa: E402
+    learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention, rope_2d, rope_angles,
+)
+
+SLOW_ORT_OPS = {"Where", "Pow", "Sign", "Softplus"}  # scalar loops in onnxruntime's CPU provider
+
+
+class _Ops(nn.Module):
+    """Both bidirectional ops on (B, 2 heads, 3x4 tokens, 8) inputs, PaCS with RoPE."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(1, 2, 1, 8))
+        self.s = nn.Parameter(torch.randn(2, 1, 2, 1, 16))
+        self.register_buffer("sin", rope_2d(rope_angles(32, 2), 3, 4)[0])
+        self.register_buffer("cos", rope_2d(rope_angles(32, 2), 3, 4)[1])
+
+    def forward(self, q, k, v):
+        temps = pacs_temperature(self.s)
+        return (pola_linear_attention(q, k, v, learnable_power(self.w, 4.0)),
+                pacs_linear_attention(q, k, v, temps[0], temps[1], self.sin, self.cos))
+
+
+def test_exported_attention_uses_one_log_per_element_and_no_scalar_loop_operators(tmp_path):
+    torch.manual_seed(0)
+    model, inputs = _Ops().eval(), tuple(torch.randn(2, 2, 12, 8) for _ in range(3))
+    path = tmp_path / "ops.onnx"
+    torch.onnx.export(model, inputs, str(path), dynamo=True, verbose=False)
+    ops = [node.op_type for node in onnx.load(str(path)).graph.node]
+    assert not SLOW_ORT_OPS & set(ops), sorted(SLOW_ORT_OPS & set(ops))
+    assert ops.count("Log") == 2  # ln|q| and ln|k| of the power map; PaCS needs none
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {i.name: x.numpy() for i, x in zip(session.get_inputs(), inputs)})
+    with torch.no_grad():
+        for a, b in zip(got, model(*inputs)):
+            assert np.abs(a - b.numpy()).max() <= 1e-5
+
+
+class _Linear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(12, 5)
+
+    def forward(self, x):
+        return self.fc(x.flatten(1))
+
+
+def _int8_bound(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """Per output, the most that rounding the activations (per tensor, at least 7 bits: torch's x86 kernels use 7,
+    onnxruntime 8) and the weights (per tensor, symmetric int8) to their grids can move ``x @ W.T``:
+    ``Σ_j |W_ij|·s_x/2 + |x_j|·s_w/2 + s_x·s_w/4``, plus float32 rounding."""
+    w = layer.weight.detach().double()
+    x = x.double().flatten(1)
+    s_x = (x.max().clamp_min(0) - x.min().clamp_max(0)) / 127
+    s_w = w.abs().max() / 127
+    bound = w.abs().sum(1) * s_x / 2 + x.abs() @ torch.ones_like(w.T) * s_w / 2 + w.shape[1] * s_x * s_w / 4
+    return bound * (1 + 1e-5) + 1e-6
+
+
+def test_int8_linear_layers_stay_within_their_rounding_bound(tmp_path):
+    torch.manual_seed(0)
+    model, x = _Linear().eval(), torch.randn(4, 3, 2, 2)
+    with torch.no_grad():
+        ref, bound = model(x), _int8_bound(model.fc, x)
+        eager = quantize_int8(model)
+        assert type(eager.fc).__module__.startswith("torch.ao.nn.quantized")
+        assert isinstance(model.fc, nn.Linear)  # the model itself is left as it was
+        assert ((eager(x) - ref).abs() <= bound).all()
+    path = tmp_path / "int8.onnx"
+    result = export_onnx(model, path, input_size=(3, 2, 2), batch_size=4, int8=True)
+    ops = {node.op_type for node in onnx.load(str(path)).graph.node}
+    assert ops & {"DynamicQuantizeMatMul", "MatMulInteger"}, ops
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"images": x.numpy()})[0]
+    assert (torch.from_numpy(got).double() - ref.double()).abs().le(bound).all()
+    assert [c.batch for c in result.int8_checks] == [4, 1] and all(c.max_abs_diff > 0 for c in result.int8_checks)
+    assert result.checks[0].max_abs_diff <= 1e-4  # the float32 graph was verified before quantizing
+
+
+def test_export_int8_quantizes_only_the_linear_layers_and_reports_speed(tmp_path, capsys):
+    out = tmp_path / "digits_int8.onnx"
+    assert main(["export", "--model", "pola_deit_digits", "--model-kwarg", "depth=1", "--int8", "--batch-size", "2",
+                 "--out", str(out)]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "linear layers quantized to int8" in line and "speed: onnxruntime" in line and "(int8)" in line
+    ops = [node.op_type for node in onnx.load(str(out)).graph.node]
+    assert "ConvInteger" not in ops and "Conv" in ops  # the patch embedding and depthwise conv stay float32
+    # q/k/v/gate, output projection, two MLP layers, head; the attention's own products stay float32
+    assert ops.count("DynamicQuantizeMatMul") + ops.count("MatMulInteger") == 5
+    x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
+    assert np.isfinite(ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]).all()
+
+
+def test_export_int8_failure_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
+    def broken(source, target):
+        raise RuntimeError("no quantizer here\nsecond line")
+
+    monkeypatch.setattr(export_module, "_quantize_onnx", broken)
+    out = tmp_path / "digits_int8.onnx"
+    assert main(["export", "--model", "pola_deit_digits", "--model-kwarg", "depth=1", "--int8", "--no-speed",
+                 "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "int8 quantization failed: RuntimeError: no quantizer here" in err
+    assert not out.exists() and not list(tmp_path.iterdir())
