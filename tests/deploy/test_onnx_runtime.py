@@ -119,3 +119,31 @@ def test_export_int8_failure_is_one_line_and_writes_nothing(tmp_path, capsys, mo
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and "int8 quantization failed: RuntimeError: no quantizer here" in err
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+@pytest.mark.slow
+def test_bench_onnx_times_every_form_and_scores_a_trained_checkpoint(tmp_path, capsys, monkeypatch):
+    from polaformer.bench import onnx_speed
+
+    tiny = onnx_speed.Family("pola_deit_digits", "pola_deit_digits", (("depth", 1),))
+    monkeypatch.setattr(onnx_speed, "FAMILIES", {tiny.ours: tiny})
+    run = tmp_path / "run"
+    assert main(["train", "--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg",
+                 "embed_dim=16", "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1", "--epochs", "1",
+                 "--output", str(run)]) == 0
+    checkpoint = next(run.glob("*.pt*"))
+    files = {kind: tmp_path / f"onnx.{kind}" for kind in ("json", "md")}
+    assert main(["bench", "onnx", "--batches", "2", "--threads", "1", "--rounds", "1", "--min-time", "0.001",
+                 "--no-int8", "--accuracy", str(checkpoint), "--json", str(files["json"]),
+                 "--markdown", str(files["md"])]) == 0
+    result = __import__("json").loads(files["json"].read_text())
+    (row,) = result["rows"]
+    assert row["family"] == "pola_deit_digits" and row["softmax"] == "pola_deit_digits(depth=1)"
+    assert row["onnxruntime_vs_eager"] == pytest.approx(row["eager_ms"] / row["onnxruntime_ms"])
+    assert row["onnxruntime_max_abs_diff"] <= 1e-4 and "eager_int8_ms" not in row
+    forms = {r["form"]: r for r in result["accuracy"]}
+    assert list(forms) == ["eager", "eager_int8", "onnxruntime", "onnxruntime_int8"]
+    assert forms["onnxruntime"]["max_logit_change"] <= 1e-4 and forms["eager"]["max_logit_change"] == 0
+    assert forms["onnxruntime"]["top1"] == forms["eager"]["top1"] and forms["eager"]["images"] > 0
+    table = files["md"].read_text()
+    assert "| `pola_deit_digits` | `pola_deit_digits(depth=1)` | 2 |" in table and "| onnxruntime_int8 |" in table
