@@ -1,4 +1,5 @@
-"""``polaformer data shard``: an ImageNet-layout folder written as tar shards (:mod:`polaformer.data.shards`)."""
+"""``polaformer data shard|index``: an ImageNet-layout folder written as tar shards, or shards written elsewhere
+counted into an info file (:mod:`polaformer.data.shards`)."""
 from __future__ import annotations
 
 import argparse
@@ -25,6 +26,18 @@ def add_data_parser(commands) -> None:
     add_overwrite(shard, "shards and info file in OUT")
     shard.set_defaults(handler=cmd_shard)
 
+    index = data.add_parser(
+        "index", help="count the samples of shards written without an info file (DIR/train/*.tar, DIR/val/*.tar) "
+                      "into DIR/_info.json",
+        description="For shards written by webdataset's ShardWriter or other tools: reads every shard once "
+                    "(member headers and .cls labels) and writes DIR/_info.json with each split's shards, their "
+                    "sample counts and the number of classes (the largest label + 1). `polaformer train --data-path "
+                    "DIR` counts the same on its own when the file is missing; with it, later runs skip the pass.",
+    )
+    index.add_argument("root", metavar="DIR", help="folder with train/*.tar and val/*.tar (or validation/*.tar)")
+    add_overwrite(index, "an info file in DIR")
+    index.set_defaults(handler=cmd_index)
+
 
 def cmd_shard(args: argparse.Namespace) -> int:
     from ..data.shards import write_shards
@@ -34,4 +47,14 @@ def cmd_shard(args: argparse.Namespace) -> int:
     parts = [f"{split['num_samples']} {name} samples in {len(split['filenames'])} shards"
              for name, split in info["splits"].items()]
     print(f"wrote {' and '.join(parts)}, {len(info['classes'])} classes -> {args.out}")
+    return 0
+
+
+def cmd_index(args: argparse.Namespace) -> int:
+    from ..data.shards import INFO_NAMES, write_index
+
+    info = write_index(args.root, overwrite=args.overwrite)
+    parts = [f"{split['num_samples']} {name} samples in {len(split['filenames'])} shards"
+             for name, split in info["splits"].items()]
+    print(f"counted {' and '.join(parts)}, {info['num_classes']} classes -> {args.root}/{INFO_NAMES[0]}")
     return 0

@@ -11,8 +11,14 @@ Layout (as timm's ``create_dataset("wds/...", root=DIR)``, ``--data-dir DIR``)::
 :func:`write_shards` wrote it, ``"classes"``: the class names in label order. The members of one sample lie
 next to each other and share their name up to the first dot (the sample's key).
 
-Nothing is scanned up front: the sample counts come from the info file, which is trusted (a shard holding
-another number of samples than it says stops the run when it is read). The training split is streamed:
+Shards written without an info file, as ``webdataset.ShardWriter`` leaves them (``DIR/train/*.tar`` and
+``DIR/val/*.tar`` or ``DIR/validation/*.tar``, any names, read in sorted order), are counted instead: one pass
+over every shard reads the member headers and the labels (:func:`index_shards`; ``polaformer data index DIR``
+writes the result as ``DIR/_info.json`` so that later runs skip the pass). Their classes are ``0 .. L``, ``L`` the
+largest label found.
+
+Otherwise nothing is scanned up front: the sample counts come from the info file, which is trusted (a shard
+holding another number of samples than it says stops the run when it is read). The training split is streamed:
 
 - every epoch the shards are shuffled with ``(seed, epoch)``, the same order on every process, and dealt out
   to the ``processes x loader workers`` readers in turn; each reader opens only its own shards, one at a time,
@@ -55,13 +61,15 @@ from .folder import (IMG_EXTENSIONS, DatasetError, ImageFolderDataset, build_tra
                      mixup_active, to_rgb)
 
 __all__ = ["INFO_NAMES", "ShardError", "ShardStream", "SplitInfo", "build_shard_datasets", "find_info",
-           "open_eval_split", "read_info", "read_split", "write_shards"]
+           "index_shards", "is_shard_folder", "open_eval_split", "read_info", "read_split", "write_index",
+           "write_shards"]
 
 logger = logging.getLogger(__name__)
 
 INFO_NAMES = ("_info.json", "info.json")  # timm's names, looked for in this order
 TRAIN_SPLIT = "train"
 VAL_SPLITS = ("validation", "val")
+SPLIT_FOLDERS = {TRAIN_SPLIT: ("train",), "validation": ("validation", "val")}  # webdataset's usual layout
 IMAGE_EXTS = tuple(e.lstrip(".") for e in IMG_EXTENSIONS)  # the member names' extensions that hold the image
 LABEL_EXT = "cls"
 
@@ -99,11 +107,78 @@ def find_info(root: str | os.PathLike) -> Optional[Path]:
     return next((Path(root) / name for name in INFO_NAMES if (Path(root) / name).is_file()), None)
 
 
+def _split_shards(root: str | os.PathLike) -> dict[str, list[Path]]:
+    """The ``.tar`` files of each split folder of ``root`` (``train/``, ``val/`` or ``validation/``), sorted."""
+    found = {}
+    for split, folders in SPLIT_FOLDERS.items():
+        for folder in folders:
+            tars = sorted(p for p in (Path(root) / folder).glob("*.tar") if p.is_file())
+            if tars:
+                found[split] = tars
+                break
+    return found
+
+
+def is_shard_folder(root: str | os.PathLike) -> bool:
+    """Whether ``root`` holds shards: an info file, or ``train/*.tar`` (shards written without one)."""
+    return find_info(root) is not None or TRAIN_SPLIT in _split_shards(root)
+
+
+def index_shards(root: str | os.PathLike) -> dict:
+    """The info of shards written without one (the module docstring), counted in one pass: per split the shard
+    names (relative to ``root``) and their sample counts, and ``num_classes``, the largest label + 1."""
+    root = Path(root)
+    shards = _split_shards(root)
+    for split, folders in SPLIT_FOLDERS.items():
+        if split not in shards:
+            raise ShardError(f"no shard info file in {root} and no {split} shards to count: expected "
+                             f"{' or '.join(INFO_NAMES)}, or {' or '.join(f'{root}/{f}/*.tar' for f in folders)}")
+    info, top = {"name": root.resolve().name, "splits": {}}, -1
+    for split, paths in shards.items():
+        lengths = []
+        for path in paths:
+            count = 0
+            for key, members in _members(str(path), read=(LABEL_EXT,)):
+                text = members.get(LABEL_EXT, b"").decode("ascii", "replace").strip()
+                if not text.isdigit():
+                    raise ShardError(f"{path}: sample {key!r} has label {text!r}, not a class index (a .{LABEL_EXT} "
+                                     "member holding a number >= 0)")
+                top, count = max(top, int(text)), count + 1
+            lengths.append(count)
+        info["splits"][split] = {"name": split, "num_samples": sum(lengths), "shard_lengths": lengths,
+                                 "filenames": [p.relative_to(root).as_posix() for p in paths]}
+    info["num_classes"] = top + 1
+    return info
+
+
+def write_index(root: str | os.PathLike, *, overwrite: bool = False) -> dict:
+    """:func:`index_shards` written as ``root/_info.json`` (atomically); returns the info."""
+    root = Path(root).expanduser()
+    if not root.is_dir():
+        raise DatasetError(f"data folder not found: {root}")
+    existing = find_info(root)
+    if existing is not None and not overwrite:
+        raise DatasetError(f"{existing} already exists: --overwrite counts the shards again and replaces it")
+    info = index_shards(root)
+    text = json.dumps(info, indent=1) + "\n"
+    _write_atomic(root / INFO_NAMES[0], lambda f: f.write(text.encode()))
+    return info
+
+
 def read_info(root: str | os.PathLike) -> tuple[dict, Path]:
+    """The info file of ``root`` and its path; for shards written without one, :func:`index_shards` (the path
+    then names the file it would be)."""
     path = find_info(root)
     if path is None:
-        raise ShardError(f"no shard info file in {root}: expected {' or '.join(INFO_NAMES)} listing the shards of "
-                         "each split (polaformer data shard writes one)")
+        if TRAIN_SPLIT not in _split_shards(root):
+            raise ShardError(f"no shard info file in {root}: expected {' or '.join(INFO_NAMES)} listing the shards of "
+                             "each split (polaformer data shard writes one), or shards in train/ and val/ to count")
+        info = index_shards(root)
+        logger.info("%s: no %s, counted %s in one pass (polaformer data index %s writes the file, and later runs "
+                    "skip the pass)", root, INFO_NAMES[0], " and ".join(
+                        f"{s['num_samples']} {name} samples in {len(s['filenames'])} shards"
+                        for name, s in info["splits"].items()), root)
+        return info, Path(root) / INFO_NAMES[0]
     try:
         info = json.loads(read_text(path, MAX_CONFIG_BYTES))
     except (ValueError, UnreadableFileError) as e:
@@ -138,8 +213,9 @@ def read_split(info: dict, info_path: Path, names: Sequence[str]) -> SplitInfo:
     return SplitInfo(name, paths, tuple(lengths), str(info_path))
 
 
-def _members(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
-    """``(key, {extension: bytes})`` of each sample of the tar file at ``path``, read front to back."""
+def _members(path: str, read: Optional[tuple[str, ...]] = None) -> Iterator[tuple[str, dict[str, bytes]]]:
+    """``(key, {extension: bytes})`` of each sample of the tar file at ``path``, read front to back (with ``read``,
+    only those extensions' bytes; the others are empty)."""
     key, sample = None, {}
     try:
         with open_regular(path) as f, tarfile.open(fileobj=f, mode="r|*") as tar:
@@ -153,7 +229,8 @@ def _members(path: str) -> Iterator[tuple[str, dict[str, bytes]]]:
                     yield key, sample
                     sample = {}
                 key = name
-                sample[ext.lower()] = tar.extractfile(member).read() if member.size <= MAX_IMAGE_BYTES else b""
+                wanted = member.size <= MAX_IMAGE_BYTES and (read is None or ext.lower() in read)
+                sample[ext.lower()] = tar.extractfile(member).read() if wanted else b""
     except (tarfile.TarError, EOFError, OSError, UnreadableFileError) as e:
         raise ShardError(f"{path}: not a readable tar file ({str(e).splitlines()[0] if str(e) else type(e).__name__})"
                          ) from None
@@ -293,14 +370,18 @@ class ShardStream(IterableDataset):
                 f"samples={self.num_samples}, shuffle={self.shuffle})")
 
 
-def _open(root, num_classes: int, source: str):
-    """The info file, its path, its class names (or None) and the number of classes with where it comes from."""
+def _open(root, num_classes: int, source: str, counted: bool = False):
+    """The info file, its path, its class names (or None) and the number of classes with where it comes from;
+    with ``counted``, an info without class names gives its ``num_classes`` (:func:`index_shards`)."""
     info, info_path = read_info(root)
     classes = info.get("classes")
     if classes is not None and not (isinstance(classes, list) and all(isinstance(c, str) for c in classes)):
         raise ShardError(f"{info_path}: 'classes' must be a list of class names")
+    counted_classes = info.get("num_classes")
     if classes:
         num_classes, source = len(classes), "the info file's classes"
+    elif counted and isinstance(counted_classes, int) and not isinstance(counted_classes, bool):
+        num_classes, source = counted_classes, "the shards' largest label + 1"
     if num_classes < 2:
         raise ShardError(f"{info_path}: {num_classes} classes ({source}): a classifier needs at least 2")
     return info, info_path, classes or None, num_classes, source
@@ -317,7 +398,8 @@ def open_eval_split(root: str | os.PathLike, num_classes: int, source: str) -> S
 def build_shard_datasets(cfg, *, is_distributed: bool = False):
     """``(train_set, val_set, num_classes)`` for the shards in ``cfg.DATA.DATA_PATH`` (see the module).
 
-    The classes are the info file's ``classes`` when it lists them, else ``MODEL.NUM_CLASSES`` of them. The
+    The classes are the info file's ``classes`` when it lists them, else the counted ones (shards without an info
+    file, or one ``polaformer data index`` wrote), else ``MODEL.NUM_CLASSES`` of them. The
     transforms and collate functions are the image folders' (:func:`~.folder.build_transform`).
     """
     root = os.path.expanduser(os.fspath(cfg.DATA.DATA_PATH or ""))
@@ -325,7 +407,8 @@ def build_shard_datasets(cfg, *, is_distributed: bool = False):
         raise DatasetError("no data folder given: set DATA.DATA_PATH (polaformer train --data-path DIR)")
     if not os.path.isdir(root):
         raise DatasetError(f"data folder not found: {root}")
-    info, info_path, classes, num_classes, source = _open(root, cfg.MODEL.NUM_CLASSES, "MODEL.NUM_CLASSES")
+    info, info_path, classes, num_classes, source = _open(root, cfg.MODEL.NUM_CLASSES, "MODEL.NUM_CLASSES",
+                                                          counted=True)
     size = cfg.DATA.IMG_SIZE
     shape = (3, size, size)
     splits = (read_split(info, info_path, (TRAIN_SPLIT,)), read_split(info, info_path, VAL_SPLITS))

@@ -43,7 +43,7 @@ from ...checkpoint import (
     strip_wrapper_prefixes,
 )
 from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
-from ...data.shards import INFO_NAMES, find_info, open_eval_split
+from ...data.shards import INFO_NAMES, is_shard_folder, open_eval_split
 from .config import OFFICIAL_MODEL_NAMES
 from ...engine.factory import create_model
 from ...engine.limits import check_batch_memory, check_forward_memory
@@ -242,10 +242,10 @@ def evaluate_folder_checkpoint(
     val_dir = data_path / "val"
     if not data_path.is_dir():
         raise EvalError(f"data folder not found: {data_path}")
-    shards = find_info(data_path) is not None
+    shards = is_shard_folder(data_path)
     if not shards and not val_dir.is_dir():
         raise EvalError(f"no val folder in {data_path}: expected {val_dir}/<class>/<image> (or tar shards listed in "
-                        f"{INFO_NAMES[0]})")
+                        f"{INFO_NAMES[0]}, or in val/*.tar)")
     device = resolve_device(device)
 
     meta = _checkpoint_metadata(checkpoint, weights)

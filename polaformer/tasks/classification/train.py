@@ -123,16 +123,16 @@ class TrainData:
 
 def build_data(cfg: Config, ctx: DistContext | None = None) -> TrainData:
     """The embedded data set named by ``DATA.DATASET`` (digits), else the shards or the folder ``DATA.DATA_PATH``:
-    shards when ``DATA.DATASET`` is ``wds/NAME`` (timm's name) or the folder holds a shard info file."""
+    shards when ``DATA.DATASET`` is ``wds/NAME`` (timm's name) or the folder holds a shard info file or ``train/*.tar``."""
     if cfg.DATA.DATASET in DATASETS:
         spec = get_data_spec(cfg.DATA.DATASET)
         train_set, val_set = spec.build(augment=cfg.AUG.DIGITS_SHIFT)
         return TrainData(train_set, val_set, spec.num_classes, {"in_chans": spec.in_chans, "img_size": spec.img_size})
     from ...data.folder import build_folder_datasets, build_mixup
-    from ...data.shards import build_shard_datasets, find_info
+    from ...data.shards import build_shard_datasets, is_shard_folder
 
     shards = str(cfg.DATA.DATASET).startswith("wds/") or (
-        bool(cfg.DATA.DATA_PATH) and find_info(os.path.expanduser(cfg.DATA.DATA_PATH)) is not None)
+        bool(cfg.DATA.DATA_PATH) and is_shard_folder(os.path.expanduser(cfg.DATA.DATA_PATH)))
     build = build_shard_datasets if shards else build_folder_datasets
     train_set, val_set, num_classes = build(cfg, is_distributed=bool(ctx and ctx.is_distributed))
     return TrainData(
