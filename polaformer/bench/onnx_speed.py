@@ -222,7 +222,7 @@ def accuracy_rows(checkpoint: str, *, threads: int = 2, log: Callable[[str], Non
 def accuracy_table(rows: list[dict]) -> str:
     base = rows[0]["top1"]
     return markdown_table(
-        ["form", "test top-1", "change", "max logit change (of max |logit|)"],
+        ["form", "test top-1", "change", "max logit change (largest logit)"],
         [[r["form"], f"{r['top1']:.2f}%", f"{r['top1'] - base:+.2f}",
           f"{r['max_logit_change']:.2e} ({r['ref_max_abs']:.1f})"] for r in rows],
     ) + "\n"
