@@ -31,12 +31,13 @@ import torch
 from torch import nn
 
 import polaformer.models  # noqa: F401  (registers the models)
-from polaformer.export import export_onnx, quantize_int8
+from polaformer.export import DEFAULT_ATOL, export_onnx, quantize_int8
 from polaformer.runtime import tune_cpu_allocator
 
 from .harness import interleaved, loadavg, machine_info, markdown_table, medians
 
-__all__ = ["FAMILIES", "Family", "accuracy_rows", "accuracy_table", "run_onnx_speed", "speed_table"]
+__all__ = ["FAMILIES", "Family", "accuracy_rows", "accuracy_table", "reference_rows", "reference_table", "run_onnx_speed",
+           "speed_table"]
 
 
 @dataclass(frozen=True)
@@ -225,4 +226,48 @@ def accuracy_table(rows: list[dict]) -> str:
         ["form", "test top-1", "change", "max logit change (largest logit)"],
         [[r["form"], f"{r['top1']:.2f}%", f"{r['top1'] - base:+.2f}",
           f"{r['max_logit_change']:.2e} ({r['ref_max_abs']:.1f})"] for r in rows],
+    ) + "\n"
+
+
+def reference_rows(folder: str, *, threads: int = 2, log: Callable[[str], None] = print) -> list[dict]:
+    """The whole-model reference vectors in ``folder`` (the official code's outputs, ``<case>.json`` +
+    ``.safetensors``): our float32 model, its int8 copy and the exported int8 file against the stored output,
+    the largest difference relative to the output's largest magnitude."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from polaformer.compat import from_official
+
+    torch.set_num_threads(threads)
+    rows = []
+    for record_path in sorted(Path(folder).glob("*.json")):
+        record = json.loads(record_path.read_text())
+        if record.get("forward_args"):  # attention layers (their inputs are tokens and a grid): whole models only
+            continue
+        tensors = load_file(record_path.with_suffix(".safetensors"))
+        model = from_official(record).eval()
+        model.load_state_dict({k[len("state_dict."):]: v for k, v in tensors.items() if k.startswith("state_dict.")})
+        x, expected, scale = tensors["input"].float(), tensors["output"], record["output_abs_max"]
+        row = {"case": record["case"], "output_abs_max": scale}
+        with tempfile.TemporaryDirectory(prefix="bench_onnx_reference_") as tmp:
+            path = Path(tmp) / "int8.onnx"
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                # outputs up to several hundred: float32 rounding alone moves them by more than the default 1e-4
+                export_onnx(model, path, input_size=tuple(x.shape[1:]), batch_size=x.shape[0], int8=True,
+                            atol=DEFAULT_ATOL * max(1.0, scale))
+            forms = {"float32": model, "eager_int8": quantize_int8(model), "onnxruntime_int8": _Session(path, threads)}
+            with torch.inference_mode():
+                for name, form in forms.items():
+                    row[name] = float((form(x).double() - expected).abs().max()) / scale
+        rows.append(row)
+        log(f"{record['case']}: " + ", ".join(f"{k} {row[k]:.2e}" for k in forms))
+    return rows
+
+
+def reference_table(rows: list[dict]) -> str:
+    return markdown_table(
+        ["reference case", "float32", "eager int8", "onnxruntime int8"],
+        [[f"`{r['case']}`", *(f"{r[k]:.1e}" for k in ("float32", "eager_int8", "onnxruntime_int8"))] for r in rows],
     ) + "\n"

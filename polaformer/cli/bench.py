@@ -215,6 +215,9 @@ def add_bench_parser(commands) -> None:
     onnx.add_argument("--accuracy", metavar="CHECKPOINT",
                       help="also score this 'polaformer train' checkpoint on its test split: eager and onnxruntime, "
                            "float32 and int8 (with --families none: only that)")
+    onnx.add_argument("--reference", metavar="DIR",
+                      help="also compare our whole models, float32 and int8, with the official outputs of the reference "
+                           "vectors in DIR (<case>.json + .safetensors)")
     rows_files(onnx, markdown=True)
     onnx.set_defaults(handler=cmd_bench_family, run_family=_bench_onnx, seconds_flags=("--min-time",))
 
@@ -411,7 +414,9 @@ def _bench_deploy(args: argparse.Namespace) -> int:
 
 
 def _bench_onnx(args: argparse.Namespace) -> int:
-    from ..bench.onnx_speed import FAMILIES, accuracy_rows, accuracy_table, run_onnx_speed, speed_table
+    from ..bench.onnx_speed import (
+        FAMILIES, accuracy_rows, accuracy_table, reference_rows, reference_table, run_onnx_speed, speed_table,
+    )
 
     families = tuple(FAMILIES) if args.families is None else tuple(f for f in args.families if f != "none")
     result, table = {"rows": []}, ""
@@ -422,8 +427,11 @@ def _bench_onnx(args: argparse.Namespace) -> int:
     if args.accuracy:
         result["accuracy"] = accuracy_rows(args.accuracy, threads=args.threads, log=_print_line)
         table += ("\n" if table else "") + accuracy_table(result["accuracy"])
+    if args.reference:
+        result["reference"] = reference_rows(args.reference, threads=args.threads, log=_print_line)
+        table += ("\n" if table else "") + reference_table(result["reference"])
     print(table, end="")
-    _write_bench_rows(args, result["rows"] + result.get("accuracy", []), result, table)
+    _write_bench_rows(args, result["rows"] + result.get("accuracy", []) + result.get("reference", []), result, table)
     return 0
 
 

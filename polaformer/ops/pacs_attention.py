@@ -462,7 +462,8 @@ def _pacs_attention_export(q, k, v, temp_same, temp_opposite, sin, cos, eps, kee
     row_shift = top.amax(dim=-1, keepdim=True)  # (B, H, 2, N, 1), ≥ 0
     exponent = top - row_shift
     phi_q = torch.exp(exponent) - torch.exp(exponent - x)
-    eps_rows = (eps * m.unsqueeze(-3) if isinstance(m, torch.Tensor) else eps * m) * torch.exp(-row_shift)
+    scale = eps * m  # a number, or (B, 1, 1, 1) valid keys with padding (also a 0-d tensor under tracing)
+    eps_rows = (scale.unsqueeze(-3) if torch.is_tensor(scale) and scale.dim() == 4 else scale) * torch.exp(-row_shift)
 
     values = v.unflatten(-1, (2, half)).transpose(-3, -2)  # (B, H, 2, M, half)
     k_sum = phi_k.sum(dim=-2).unsqueeze(-1).unsqueeze(-3)  # (B, H, 1, 2d, 1)
