@@ -16,13 +16,14 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from polaformer.backends.triton import pacs, pola
-from polaformer.backends.triton.common import padded_width, warps
+from polaformer.backends.triton.common import dots, padded_width, warps
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ACCUMULATORS = ("part_ptr", "state_ptr", "grad_part_ptr", "grad_power_ptr", "grad_temp_ptr")
@@ -62,12 +63,13 @@ def resources(compiled, arch: int) -> str:
 
 def variants(dtypes, widths):
     """(label, kernel, dtype, constants, warps) of every kernel: one-launch and split plans, with and without a
-    mask, RoPE for PaCS; bf16 with TF32 products, fp32 with exact ones."""
+    mask, RoPE for PaCS; each dtype with the products a call of that dtype takes (``common.dots``)."""
     for dtype in dtypes:
-        precision = "tf32" if dtype in ("bf16", "fp16") else "ieee"
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+        products = dots(torch.empty(0, dtype=half)).constants()
         for d in widths:
             dp = padded_width(d)
-            base = dict(BLOCK=32, DP=dp, DVP=dp, PACKED=False, PRECISION=precision, ACC=tl.float32)
+            base = dict(BLOCK=32, DP=dp, DVP=dp, PACKED=False, ACC=tl.float32, **products)
             w = warps(dp, dp)
             yield f"pola forward d{d}", pola._forward_kernel, dtype, dict(base, SPANS=4, SPLITS=0, HAS_MASK=True,
                                                                          SAVE_STATE=True), w
@@ -81,7 +83,7 @@ def variants(dtypes, widths):
             yield f"pola key gradients d{d}", pola._key_grad_kernel, dtype, dict(base, SPANS=4, SPLITS=4,
                                                                                 POWER_PARTS=8, HAS_MASK=True), w
             p, dvh = padded_width((d + 1) // 2), padded_width(d // 2)
-            base = dict(P=p, DVH=dvh, BLOCK=16, PACKED=False, ROPE=True, ACC=tl.float32, DOT=precision)
+            base = dict(P=p, DVH=dvh, BLOCK=16, PACKED=False, ROPE=True, ACC=tl.float32, **products)
             w = warps(2 * p, 4 * dvh)
             yield f"pacs forward d{d}", pacs._forward_kernel, dtype, dict(base, SPANS=4, SPLITS=0, HAS_MASK=True,
                                                                          SAVE_STATE=True), w

@@ -6,13 +6,14 @@ specialised on (``do_not_specialize``), so a new length compiles nothing."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "pola_tile",
+__all__ = ["FUSED_TOKENS", "Dots", "Plan", "accumulator_dtype", "dot", "dots", "padded_width", "plan", "pola_tile",
            "program", "sequence_tokens", "share", "unpadded_keys", "warps"]
 
 
@@ -27,15 +28,61 @@ def accumulator_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def dot_precision(*tensors: torch.Tensor) -> str:
-    """``tl.dot``'s input precision. Half-precision inputs: TF32 (its 10-bit mantissa holds theirs, and the
-    tensor cores run it). fp32 inputs follow ``torch.get_float32_matmul_precision()``, as torch's own matmuls
-    do: ``"highest"`` (torch's default) exact fp32 products, ``"high"``/``"medium"`` TF32. fp64: exact."""
-    if all(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
-        return "tf32"
-    if any(t.dtype == torch.float64 for t in tensors) or torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
+@dataclass(frozen=True)
+class Dots:
+    """How a call's ``tl.dot`` products are formed (compile-time switches of the kernels).
+
+    ``operands``: the dtype the operands of the bounded products are rounded to (features are at most 1 in the
+    log domain, states at most the largest value); ``grad_operands``: the same for products of gradients, which
+    have no such bound; ``precision``: ``input_precision`` of the products whose operands are fp32."""
+
+    operands: tl.dtype
+    grad_operands: tl.dtype
+    precision: str
+
+    def constants(self) -> dict:
+        return dict(DOT=self.operands, GRAD_DOT=self.grad_operands, PRECISION=self.precision)
+
+
+def dots(*tensors: torch.Tensor, bounded: bool = True) -> Dots:
+    """The products of a call on ``tensors`` (q, k, v), as torch's own matmuls would form them.
+
+    All bf16: every product on bf16 operands (the tensor cores' fastest; bf16 has fp32's range). All fp16:
+    fp16 operands where they are bounded (``bounded=False``: nowhere), TF32 for the gradients', which could
+    leave fp16's range. fp32 follows ``torch.get_float32_matmul_precision()``: ``"highest"`` (torch's default)
+    exact fp32 products (``ieee``), ``"high"``/``"medium"`` TF32; mixed half dtypes TF32 (its 10-bit mantissa
+    holds both); fp64 exact. Products always accumulate in the accumulator dtype (fp32, or fp64)."""
+    kinds = {t.dtype for t in tensors}
+    if kinds == {torch.bfloat16}:
+        return Dots(tl.bfloat16, tl.bfloat16, "tf32")
+    if kinds == {torch.float16}:
+        return Dots(tl.float16 if bounded else tl.float32, tl.float32, "tf32")
+    if torch.float64 in kinds:
+        return Dots(tl.float64, tl.float64, "ieee")
+    if kinds <= {torch.float16, torch.bfloat16} or torch.get_float32_matmul_precision() != "highest":
+        return Dots(tl.float32, tl.float32, "tf32")
+    return Dots(tl.float32, tl.float32, "ieee")
+
+
+# Triton's interpreter multiplies bf16 operands as raw 16-bit integers and truncates fp32 to bf16: under it the
+# kernels round the operands to nearest bf16 themselves (as the GPU's conversion does) and multiply in fp32.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept in fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """``a·b`` accumulated in ``ACC``, the operands rounded to ``DOT`` first (see :func:`dots`)."""
+    if _INTERPRETED and DOT == tl.bfloat16:
+        return tl.dot(_round_to_bf16(a.to(tl.float32)), _round_to_bf16(b.to(tl.float32)), out_dtype=ACC)
+    return tl.dot(a.to(DOT), b.to(DOT), input_precision=PRECISION, out_dtype=ACC)
 
 
 # A sequence's work stays in one launch (each forward program building the key state itself, one backward

@@ -34,7 +34,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import (accumulator_dtype, dot_precision, expm1, padded_width, plan, program, sequence_tokens, share,
+from .common import (accumulator_dtype, dot, dots, expm1, padded_width, plan, program, sequence_tokens, share,
                      unpadded_keys, warps)
 
 __all__ = ["pacs_attention", "pacs_backward", "pacs_forward"]
@@ -92,7 +92,7 @@ def _rotate_transposed(even, odd, cos_even, cos_odd, sin_even, sin_odd):
 def _key_state(k_base, v_base, mask_base, cos_ptr, sin_ptr, lo, hi,
                stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_rt, stride_rc, d, dvh,
                P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
-               ACC: tl.constexpr, DOT: tl.constexpr):
+               ACC: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """Sums over keys ``[lo, hi)`` (not yet divided by M): ``R(φk)ᵀv`` per stream and block (same even, same odd,
     opposite even, opposite odd), ``Σφk`` per block, the per-channel shifts and the valid-key count."""
     positive, channel, even_ok, odd_ok, feature = _columns(d, P)
@@ -132,14 +132,10 @@ def _key_state(k_base, v_base, mask_base, cos_ptr, sin_ptr, lo, hi,
         v_ok = ok[:, None] & (j < dvh)[None, :]
         v_same = tl.load(v_ptr, mask=v_ok, other=0.0).to(ACC)
         v_opp = tl.load(v_ptr + dvh * stride_vc, mask=v_ok, other=0.0).to(ACC)
-        same_even = same_even * rescale_even[:, None] + tl.dot(tl.trans(f_even), v_same, input_precision=DOT,
-                                                               out_dtype=ACC)
-        same_odd = same_odd * rescale_odd[:, None] + tl.dot(tl.trans(f_odd), v_same, input_precision=DOT,
-                                                            out_dtype=ACC)
-        opp_even = opp_even * rescale_even[:, None] + tl.dot(tl.trans(f_even), v_opp, input_precision=DOT,
-                                                             out_dtype=ACC)
-        opp_odd = opp_odd * rescale_odd[:, None] + tl.dot(tl.trans(f_odd), v_opp, input_precision=DOT,
-                                                          out_dtype=ACC)
+        same_even = same_even * rescale_even[:, None] + dot(tl.trans(f_even), v_same, DOT, PRECISION, ACC)
+        same_odd = same_odd * rescale_odd[:, None] + dot(tl.trans(f_odd), v_same, DOT, PRECISION, ACC)
+        opp_even = opp_even * rescale_even[:, None] + dot(tl.trans(f_even), v_opp, DOT, PRECISION, ACC)
+        opp_odd = opp_odd * rescale_odd[:, None] + dot(tl.trans(f_odd), v_opp, DOT, PRECISION, ACC)
         count += ok.to(ACC)
     return (same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd,
             tl.sum(count, 0))
@@ -233,10 +229,10 @@ def _stream_features(x_even, x_odd, shift_even, shift_odd):
 
 @triton.jit
 def _stream_output(f_even, f_odd, n_even, n_odd, row, kv_even, kv_odd, mean_even, mean_odd, eps,
-                   ACC: tl.constexpr, DOT: tl.constexpr):
+                   ACC: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """One stream's ``(R(φ)·kv, φ·k̄ + eps)`` for a block of queries (the shifted ``eps``)."""
-    num = tl.dot(n_even, kv_even, input_precision=DOT, out_dtype=ACC)
-    num += tl.dot(n_odd, kv_odd, input_precision=DOT, out_dtype=ACC)
+    num = dot(n_even, kv_even, DOT, PRECISION, ACC)
+    num += dot(n_odd, kv_odd, DOT, PRECISION, ACC)
     den = tl.sum(f_even * mean_even[None, :], 1) + tl.sum(f_odd * mean_odd[None, :], 1) + eps * tl.exp(-row)
     return num, den
 
@@ -272,7 +268,8 @@ def _state_kernel(
     stride_kb, stride_kh, stride_kt, stride_kc, stride_vb, stride_vh, stride_vt, stride_vc, stride_mb, stride_mt,
     stride_rt, stride_rc, K_LEN, d, dvh,
     SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, PACKED: tl.constexpr,
-    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Partial state of one split of one sequence's keys. Grid: (splits, heads, sequences)."""
     split, head, seq, heads = program()
@@ -280,7 +277,8 @@ def _state_kernel(
     lo, hi = share(first, end, split, SPLITS, BLOCK)
     state = _key_state(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
                        mask_ptr + batch * stride_mb, cos_ptr, sin_ptr, lo, hi, stride_kt, stride_kc, stride_vt,
-                       stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
+                       stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT,
+                       GRAD_DOT, PRECISION)
     width: tl.constexpr = 8 * P * DVH + 8 * P + 1
     _store_state(part_ptr + ((seq * heads + head) * SPLITS + split) * width, *state, P, DVH)
 
@@ -295,7 +293,7 @@ def _forward_kernel(
     Q_LEN, K_LEN, d, dvh, eps,
     SPANS: tl.constexpr, SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr,
     PACKED: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_STATE: tl.constexpr,
-    ACC: tl.constexpr, DOT: tl.constexpr,
+    ACC: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Both streams' output for one span of one sequence's queries, the key state built here (``SPLITS == 0``) or
     merged from the state launch's partials; the first span saves it. Grid: (spans, heads, sequences)."""
@@ -307,7 +305,8 @@ def _forward_kernel(
         state = _key_state(
             k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
             mask_ptr + batch * stride_mb, cos_ptr, sin_ptr, k_first, k_end, stride_kt, stride_kc, stride_vt,
-            stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
+            stride_vc, stride_mt, stride_rt, stride_rc, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT, GRAD_DOT,
+            PRECISION)
     else:
         state = _merge_partials(part_ptr + (seq * heads + head) * SPLITS * width, SPLITS, P, DVH, ACC)
     same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd, count = state
@@ -331,27 +330,28 @@ def _forward_kernel(
                          stride_rt, stride_rc, shift_even, shift_odd, d, P, ROPE, ACC)
         fs_even, fs_odd, ns_even, ns_odd, row_s, fo_even, fo_odd, no_even, no_odd, row_o = block[:10]
         num, den = _stream_output(fs_even, fs_odd, ns_even, ns_odd, row_s, same_even, same_odd, mean_even,
-                                  mean_odd, eps, ACC, DOT)
+                                  mean_odd, eps, ACC, DOT, GRAD_DOT, PRECISION)
         o_ptr = o_base + rows[:, None] * stride_ot + j[None, :] * stride_oc
         o_ok = ok[:, None] & (j < dvh)[None, :]
         tl.store(o_ptr, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=o_ok)
         num, den = _stream_output(fo_even, fo_odd, no_even, no_odd, row_o, opp_even, opp_odd, mean_even,
-                                  mean_odd, eps, ACC, DOT)
+                                  mean_odd, eps, ACC, DOT, GRAD_DOT, PRECISION)
         tl.store(o_ptr + dvh * stride_oc, (num / den[:, None]).to(out_ptr.dtype.element_ty), mask=o_ok)
 
 
 @triton.jit
 def _stream_backward(f_even, f_odd, n_even, n_odd, row, grad, kv_even, kv_odd, mean_even, mean_odd,
                      shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps,
-                     ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr):
+                     ROPE: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr,
+                     PRECISION: tl.constexpr):
     """One stream's backward through ``out = R(φ)·kv / (φ·k̄ + eps)`` for a block of queries: the gradients of
     its pre-activations (even, odd), of the numerator ``g/den`` and of the normaliser."""
     num, den = _stream_output(f_even, f_odd, n_even, n_odd, row, kv_even, kv_odd, mean_even, mean_odd, eps, ACC,
-                              DOT)
+                              DOT, GRAD_DOT, PRECISION)
     g_num = grad / den[:, None]
     g_den = -tl.sum(g_num * (num / den[:, None]), 1)
-    d_even = tl.dot(g_num, tl.trans(kv_even), input_precision=DOT, out_dtype=ACC)
-    d_odd = tl.dot(g_num, tl.trans(kv_odd), input_precision=DOT, out_dtype=ACC)
+    d_even = dot(g_num, tl.trans(kv_even), GRAD_DOT, PRECISION, ACC)
+    d_odd = dot(g_num, tl.trans(kv_odd), GRAD_DOT, PRECISION, ACC)
     if ROPE:
         d_even, d_odd = _rotate_transposed(d_even, d_odd, cos_even, cos_odd, sin_even, sin_odd)
     d_even += g_den[:, None] * mean_even[None, :]
@@ -380,7 +380,7 @@ def _query_grads(q_base, g_base, dq_base, t_same, t_opp, lo, hi, cos_ptr, sin_pt
                  stride_qt, stride_qc, stride_gt, stride_gc, stride_dqt, stride_dqc, stride_tc, stride_rt, stride_rc,
                  same_even, same_odd, opp_even, opp_odd, mean_even, mean_odd, shift_even, shift_odd, d, dvh, eps,
                  P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, ACC: tl.constexpr,
-                 DOT: tl.constexpr):
+                 DOT: tl.constexpr, GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr):
     """``grad_q`` of queries ``[lo, hi)`` (written) and their sums of the gradients of the state (as divided by
     M) and of the temperatures (same even, same odd, opposite even, opposite odd)."""
     positive, channel, even_ok, odd_ok, feature = _columns(d, P)
@@ -410,10 +410,12 @@ def _query_grads(q_base, g_base, dq_base, t_same, t_opp, lo, hi, cos_ptr, sin_pt
         grad_opp = tl.load(g_ptr + dvh * stride_gc, mask=g_ok, other=0.0).to(ACC)
         ds_even, ds_odd, gs_num, gs_den = _stream_backward(
             fs_even, fs_odd, ns_even, ns_odd, row_s, grad_same, same_even, same_odd, mean_even, mean_odd,
-            shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps, ROPE, ACC, DOT)
+            shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps, ROPE, ACC, DOT, GRAD_DOT,
+            PRECISION)
         do_even, do_odd, go_num, go_den = _stream_backward(
             fo_even, fo_odd, no_even, no_odd, row_o, grad_opp, opp_even, opp_odd, mean_even, mean_odd,
-            shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps, ROPE, ACC, DOT)
+            shift_even, shift_odd, cos_even, cos_odd, sin_even, sin_odd, eps, ROPE, ACC, DOT, GRAD_DOT,
+            PRECISION)
         # pre-activations: same stream [a | b]·T_same, opposite stream [b | a]·T_opp
         g_ts_even += tl.sum(ds_even * base_s_even, 0)
         g_ts_odd += tl.sum(ds_odd * base_s_odd, 0)
@@ -428,10 +430,10 @@ def _query_grads(q_base, g_base, dq_base, t_same, t_opp, lo, hi, cos_ptr, sin_pt
         tl.store(dq_ptr, dq_even.to(dq_base.dtype.element_ty), mask=ok[:, None] & (2 * pair < d)[None, :])
         tl.store(dq_ptr + stride_dqc, dq_odd.to(dq_base.dtype.element_ty),
                  mask=ok[:, None] & (2 * pair + 1 < d)[None, :])
-        g_same_even += tl.dot(tl.trans(ns_even), gs_num, input_precision=DOT, out_dtype=ACC)
-        g_same_odd += tl.dot(tl.trans(ns_odd), gs_num, input_precision=DOT, out_dtype=ACC)
-        g_opp_even += tl.dot(tl.trans(no_even), go_num, input_precision=DOT, out_dtype=ACC)
-        g_opp_odd += tl.dot(tl.trans(no_odd), go_num, input_precision=DOT, out_dtype=ACC)
+        g_same_even += dot(tl.trans(ns_even), gs_num, GRAD_DOT, PRECISION, ACC)
+        g_same_odd += dot(tl.trans(ns_odd), gs_num, GRAD_DOT, PRECISION, ACC)
+        g_opp_even += dot(tl.trans(no_even), go_num, GRAD_DOT, PRECISION, ACC)
+        g_opp_odd += dot(tl.trans(no_odd), go_num, GRAD_DOT, PRECISION, ACC)
         g_mean_even += tl.sum(gs_den[:, None] * fs_even + go_den[:, None] * fo_even, 0)
         g_mean_odd += tl.sum(gs_den[:, None] * fs_odd + go_den[:, None] * fo_odd, 0)
     return (g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd,
@@ -444,7 +446,8 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, cos_ptr, sin_ptr, lo
                stride_rt, stride_rc, g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd,
                shift_even, shift_odd, inv_m, d, dvh,
                P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
-               ACC: tl.constexpr, DOT: tl.constexpr):
+               ACC: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr,
+    PRECISION: tl.constexpr):
     """``grad_k`` and ``grad_v`` of keys ``[lo, hi)`` (written; zero at padded keys) from the state's gradient:
     ``dv = R(φk)·G``, ``dφk = Rᵀ(G·v) + G_k̄``. Features are recomputed with the state's shifts."""
     positive, channel, even_ok, odd_ok, feature = _columns(d, P)
@@ -471,18 +474,18 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, cos_ptr, sin_ptr, lo
         v_ok = ok[:, None] & (j < dvh)[None, :]
         v_same = tl.load(v_ptr, mask=v_ok, other=0.0).to(ACC)
         v_opp = tl.load(v_ptr + dvh * stride_vc, mask=v_ok, other=0.0).to(ACC)
-        dv_same = tl.dot(n_even, g_same_even, input_precision=DOT, out_dtype=ACC)
-        dv_same += tl.dot(n_odd, g_same_odd, input_precision=DOT, out_dtype=ACC)
-        dv_opp = tl.dot(n_even, g_opp_even, input_precision=DOT, out_dtype=ACC)
-        dv_opp += tl.dot(n_odd, g_opp_odd, input_precision=DOT, out_dtype=ACC)
+        dv_same = dot(n_even, g_same_even, GRAD_DOT, PRECISION, ACC)
+        dv_same += dot(n_odd, g_same_odd, GRAD_DOT, PRECISION, ACC)
+        dv_opp = dot(n_even, g_opp_even, GRAD_DOT, PRECISION, ACC)
+        dv_opp += dot(n_odd, g_opp_odd, GRAD_DOT, PRECISION, ACC)
         dv_ptr = dv_base + rows[:, None] * stride_dvt + j[None, :] * stride_dvc
         dv_ok = valid[:, None] & (j < dvh)[None, :]
         tl.store(dv_ptr, dv_same.to(dv_base.dtype.element_ty), mask=dv_ok)
         tl.store(dv_ptr + dvh * stride_dvc, dv_opp.to(dv_base.dtype.element_ty), mask=dv_ok)
-        d_even = tl.dot(v_same, tl.trans(g_same_even), input_precision=DOT, out_dtype=ACC)
-        d_even += tl.dot(v_opp, tl.trans(g_opp_even), input_precision=DOT, out_dtype=ACC)
-        d_odd = tl.dot(v_same, tl.trans(g_same_odd), input_precision=DOT, out_dtype=ACC)
-        d_odd += tl.dot(v_opp, tl.trans(g_opp_odd), input_precision=DOT, out_dtype=ACC)
+        d_even = dot(v_same, tl.trans(g_same_even), GRAD_DOT, PRECISION, ACC)
+        d_even += dot(v_opp, tl.trans(g_opp_even), GRAD_DOT, PRECISION, ACC)
+        d_odd = dot(v_same, tl.trans(g_same_odd), GRAD_DOT, PRECISION, ACC)
+        d_odd += dot(v_opp, tl.trans(g_opp_odd), GRAD_DOT, PRECISION, ACC)
         if ROPE:
             d_even, d_odd = _rotate_transposed(d_even, d_odd, cos_even, cos_odd, sin_even, sin_odd)
         # φk = (e^y − 1)·e^-shift: dφk/dy = φk + e^-shift
@@ -517,6 +520,7 @@ def _backward_kernel(
     Q_LEN, K_LEN, d, dvh, eps,
     SPANS: tl.constexpr, TEMP_PARTS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr,
     PACKED: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+    GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The query side of the backward for one span of one sequence's queries; with one span the key side too,
     from the state's gradient in registers, else the span's partial gradient of the state is stored for
@@ -535,7 +539,7 @@ def _backward_kernel(
         to_ptr + batch * stride_tob + head * stride_toh, lo, hi, cos_ptr, sin_ptr, stride_qt, stride_qc, stride_gt,
         stride_gc, stride_dqt, stride_dqc, stride_tsc, stride_rt, stride_rc, same_even, same_odd, opp_even,
         opp_odd, mean_even, mean_odd, shift_even, shift_odd, d, dvh, eps,
-        P, DVH, BLOCK, ROPE, ACC, DOT)
+        P, DVH, BLOCK, ROPE, ACC, DOT, GRAD_DOT, PRECISION)
     g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd = grads[:6]
     _store_temperature_grads(grad_temp_ptr + ((seq * heads + head) * TEMP_PARTS + span) * 4 * d, *grads[6:], d, P)
     if SPANS == 1:
@@ -545,7 +549,8 @@ def _backward_kernel(
                    grad_v_ptr + batch * stride_dvb + head * stride_dvh, cos_ptr, sin_ptr, k_first, k_end,
                    stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt,
                    stride_dvc, stride_rt, stride_rc, g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even,
-                   g_mean_odd, shift_even, shift_odd, inv_m, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
+                   g_mean_odd, shift_even, shift_odd, inv_m, d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT,
+                   GRAD_DOT, PRECISION)
     else:
         grad_width: tl.constexpr = 8 * P * DVH + 4 * P
         _, tile, vectors = _state_offsets(P, DVH)
@@ -568,6 +573,7 @@ def _key_grad_kernel(
     stride_dvc, K_LEN, d, dvh,
     SPANS: tl.constexpr, SPLITS: tl.constexpr, P: tl.constexpr, DVH: tl.constexpr, BLOCK: tl.constexpr,
     PACKED: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr, ACC: tl.constexpr, DOT: tl.constexpr,
+    GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The key side of the backward for one split of one sequence's keys, from the query spans' partial gradients
     of the state (added in span order). Grid: (splits, heads, sequences)."""
@@ -599,7 +605,8 @@ def _key_grad_kernel(
                grad_v_ptr + batch * stride_dvb + head * stride_dvh, cos_ptr, sin_ptr, lo, hi,
                stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc,
                stride_rt, stride_rc, g_same_even, g_same_odd, g_opp_even, g_opp_odd, g_mean_even, g_mean_odd,
-               shift_even, shift_odd, 1.0 / tl.maximum(count, 1.0), d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT)
+               shift_even, shift_odd, 1.0 / tl.maximum(count, 1.0), d, dvh, P, DVH, BLOCK, ROPE, HAS_MASK, ACC, DOT,
+               GRAD_DOT, PRECISION)
 
 
 class _Call:
@@ -613,7 +620,7 @@ class _Call:
         self.p, self.dvh_pad = padded_width((self.d + 1) // 2), padded_width(self.dvh)
         self.width = 8 * self.p * self.dvh_pad + 8 * self.p + 1
         self.acc = accumulator_dtype(q, k, v)
-        self.precision = dot_precision(q, k, v)
+        self.dots = dots(q, k, v)
         block = 16  # the backward's tiles (both streams, both blocks) stay in registers on sm_90 with 16 tokens
         per_sequence = max(self.sequences, 1)
         self.plan = plan(self.sequences, self.heads, -(-self.q_len // per_sequence) if self.packed else self.q_len,
@@ -633,8 +640,8 @@ class _Call:
 
     def constants(self):
         return dict(P=self.p, DVH=self.dvh_pad, BLOCK=self.plan.block, PACKED=self.packed, ROPE=self.rope,
-                    ACC=tl.float64 if self.acc == torch.float64 else tl.float32, DOT=self.precision,
-                    num_warps=self.warps)
+                    ACC=tl.float64 if self.acc == torch.float64 else tl.float32, num_warps=self.warps,
+                    **self.dots.constants())
 
     def pointers(self, like, sin, cos):
         """Stand-ins for absent tensors (never read): mask, offsets, tables, and the tables' strides."""

@@ -32,8 +32,8 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import (accumulator_dtype, dot_precision, padded_width, plan, pola_tile, program, sequence_tokens,
-                     share, unpadded_keys)
+from .common import (accumulator_dtype, dot, dots, padded_width, plan, pola_tile, program, sequence_tokens, share,
+                     unpadded_keys)
 
 __all__ = ["PolaAttention", "pola_attention", "pola_backward", "pola_forward"]
 
@@ -60,7 +60,7 @@ def _halves(x, magnitude, used):
 def _key_state(k_base, v_base, mask_base, p, lo, hi,
                stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, D, DV, HALF,
                BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, HAS_MASK: tl.constexpr,
-               PRECISION: tl.constexpr, ACC: tl.constexpr):
+               DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """The routed state of keys ``[lo, hi)`` (sums, not yet divided by m), its per-channel shift and the number
     of valid keys. The shift is a running maximum; the sums are rescaled whenever it grows."""
     c = tl.arange(0, DP)
@@ -84,8 +84,8 @@ def _key_state(k_base, v_base, mask_base, p, lo, hi,
         rescale = tl.exp2(shift - grown)
         shift = grown
         pos, neg = _halves(x, tl.exp2(exponent - shift[None, :]), used)
-        sum_pos = tl.dot(tl.trans(pos), values, input_precision=PRECISION, out_dtype=ACC)
-        sum_neg = tl.dot(tl.trans(neg), values, input_precision=PRECISION, out_dtype=ACC)
+        sum_pos = dot(tl.trans(pos), values, DOT, PRECISION, ACC)
+        sum_neg = dot(tl.trans(neg), values, DOT, PRECISION, ACC)
         top = top * rescale[:, None] + tl.where(same, sum_pos, sum_neg)
         bottom = bottom * rescale[:, None] + tl.where(same, sum_neg, sum_pos)
         key_pos = key_pos * rescale + tl.sum(pos, 0)
@@ -185,7 +185,7 @@ def _state_kernel(
     stride_pb, stride_ph, stride_pc, stride_mb, stride_mt,
     K_LEN, D, DV, HALF,
     SPLITS: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, PACKED: tl.constexpr,
-    HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    HAS_MASK: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """Partial state of one split of one sequence's keys. Grid: (splits, heads, sequences)."""
     split, head, seq, heads = program()
@@ -194,7 +194,7 @@ def _state_kernel(
     p = _load_power(p_ptr + batch * stride_pb + head * stride_ph, stride_pc, D, DP, ACC)
     state = _key_state(k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
                        mask_ptr + batch * stride_mb, p, lo, hi, stride_kt, stride_kc, stride_vt, stride_vc,
-                       stride_mt, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK, PRECISION, ACC)
+                       stride_mt, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK, DOT, PRECISION, ACC)
     width: tl.constexpr = 2 * DP * DVP + 3 * DP + 1
     _store_state(part_ptr + ((seq * heads + head) * SPLITS + split) * width, *state, DP, DVP)
 
@@ -207,8 +207,8 @@ def _forward_kernel(
     stride_ob, stride_oh, stride_ot, stride_oc,
     Q_LEN, K_LEN, D, DV, HALF, eps,
     SPANS: tl.constexpr, SPLITS: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
-    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_STATE: tl.constexpr, PRECISION: tl.constexpr,
-    ACC: tl.constexpr,
+    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, SAVE_STATE: tl.constexpr, DOT: tl.constexpr,
+    GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The output of one span of one sequence's queries: the key state built here (``SPLITS == 0``) or merged
     from the state launch's partials; the first span saves it for the backward. Grid: (spans, heads, sequences)."""
@@ -221,7 +221,7 @@ def _forward_kernel(
         top, bottom, key_pos, key_neg, shift, count = _key_state(
             k_ptr + batch * stride_kb + head * stride_kh, v_ptr + batch * stride_vb + head * stride_vh,
             mask_ptr + batch * stride_mb, p, k_first, k_end, stride_kt, stride_kc, stride_vt, stride_vc,
-            stride_mt, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK, PRECISION, ACC)
+            stride_mt, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK, DOT, PRECISION, ACC)
     else:
         top, bottom, key_pos, key_neg, shift, count = _merge_partials(
             part_ptr + (seq * heads + head) * SPLITS * width, SPLITS, DP, DVP, ACC)
@@ -242,8 +242,8 @@ def _forward_kernel(
         x = tl.load(q_base + t[:, None] * stride_qt + c[None, :] * stride_qc,
                     mask=valid[:, None] & (c < D)[None, :], other=0.0).to(ACC)
         pos, neg, row_shift = _query_features(x, p[None, :], shift)
-        numerator = tl.dot(pos, top, input_precision=PRECISION, out_dtype=ACC)
-        numerator += tl.dot(neg, bottom, input_precision=PRECISION, out_dtype=ACC)
+        numerator = dot(pos, top, DOT, PRECISION, ACC)
+        numerator += dot(neg, bottom, DOT, PRECISION, ACC)
         denominator = _normalisers(pos, neg, key_pos, key_neg, eps * tl.exp2(-row_shift), j < HALF)
         tl.store(o_base + t[:, None] * stride_ot + j[None, :] * stride_oc,
                  (numerator / denominator).to(out_ptr.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
@@ -252,8 +252,8 @@ def _forward_kernel(
 @triton.jit
 def _query_grads(q_base, g_base, dq_base, p, lo, hi, top, bottom, key_pos, key_neg, shift,
                  stride_qt, stride_qc, stride_gt, stride_gc, stride_dqt, stride_dqc, D, DV, HALF, eps,
-                 BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, PRECISION: tl.constexpr,
-                 ACC: tl.constexpr):
+                 BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, DOT: tl.constexpr,
+                 GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """``grad_q`` of queries ``[lo, hi)`` (written), and their sums of the gradients of the state (top, bottom,
     key_pos, key_neg, as divided by m) and of the exponent. The output is recomputed from the state."""
     c = tl.arange(0, DP)
@@ -270,8 +270,8 @@ def _query_grads(q_base, g_base, dq_base, p, lo, hi, top, bottom, key_pos, key_n
         channels = valid[:, None] & (c < D)[None, :]
         x = tl.load(q_base + t[:, None] * stride_qt + c[None, :] * stride_qc, mask=channels, other=0.0).to(ACC)
         pos, neg, row_shift = _query_features(x, p[None, :], shift)
-        numerator = tl.dot(pos, top, input_precision=PRECISION, out_dtype=ACC)
-        numerator += tl.dot(neg, bottom, input_precision=PRECISION, out_dtype=ACC)
+        numerator = dot(pos, top, DOT, PRECISION, ACC)
+        numerator += dot(neg, bottom, DOT, PRECISION, ACC)
         denominator = _normalisers(pos, neg, key_pos, key_neg, eps * tl.exp2(-row_shift), same_stream)
         grad_out = tl.load(g_base + t[:, None] * stride_gt + j[None, :] * stride_gc,
                            mask=valid[:, None] & (j < DV)[None, :], other=0.0).to(ACC)
@@ -281,16 +281,16 @@ def _query_grads(q_base, g_base, dq_base, p, lo, hi, top, bottom, key_pos, key_n
         grad_den = grad_num * (numerator / denominator)
         grad_same = -tl.sum(tl.where(same_stream[None, :], grad_den, 0.0), 1)
         grad_opposite = -tl.sum(tl.where(same_stream[None, :], 0.0, grad_den), 1)
-        grad_pos = tl.dot(grad_num, tl.trans(top), input_precision=PRECISION, out_dtype=ACC)
+        grad_pos = dot(grad_num, tl.trans(top), GRAD_DOT, PRECISION, ACC)
         grad_pos += grad_same[:, None] * key_pos[None, :] + grad_opposite[:, None] * key_neg[None, :]
-        grad_neg = tl.dot(grad_num, tl.trans(bottom), input_precision=PRECISION, out_dtype=ACC)
+        grad_neg = dot(grad_num, tl.trans(bottom), GRAD_DOT, PRECISION, ACC)
         grad_neg += grad_same[:, None] * key_neg[None, :] + grad_opposite[:, None] * key_pos[None, :]
         grad_x, grad_p = _power_map_backward(x, p[None, :], grad_pos * pos + grad_neg * neg)
         tl.store(dq_base + t[:, None] * stride_dqt + c[None, :] * stride_dqc,
                  grad_x.to(dq_base.dtype.element_ty), mask=channels)
         grad_power += tl.sum(grad_p, 0)
-        grad_top += tl.dot(tl.trans(pos), grad_num, input_precision=PRECISION, out_dtype=ACC)
-        grad_bottom += tl.dot(tl.trans(neg), grad_num, input_precision=PRECISION, out_dtype=ACC)
+        grad_top += dot(tl.trans(pos), grad_num, GRAD_DOT, PRECISION, ACC)
+        grad_bottom += dot(tl.trans(neg), grad_num, GRAD_DOT, PRECISION, ACC)
         grad_key_pos += tl.sum(pos * grad_same[:, None] + neg * grad_opposite[:, None], 0)
         grad_key_neg += tl.sum(neg * grad_same[:, None] + pos * grad_opposite[:, None], 0)
     return grad_top, grad_bottom, grad_key_pos, grad_key_neg, grad_power
@@ -301,7 +301,7 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, p, lo, hi, shift, in
                grad_top, grad_bottom, grad_key_pos, grad_key_neg,
                stride_kt, stride_kc, stride_vt, stride_vc, stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc,
                D, DV, HALF, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr, HAS_MASK: tl.constexpr,
-               PRECISION: tl.constexpr, ACC: tl.constexpr):
+               GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     """``grad_k`` and ``grad_v`` of keys ``[lo, hi)`` (written; zero at padded keys) from the state's gradient,
     and their sum of the exponent's gradient. Features are recomputed with the state's shift."""
     c = tl.arange(0, DP)
@@ -323,13 +323,13 @@ def _key_grads(k_base, v_base, mask_base, dk_base, dv_base, p, lo, hi, shift, in
                          mask=keep[:, None] & (j < DV)[None, :], other=0.0).to(ACC)
         exponent, used = _log_magnitude(x, p[None, :])
         pos, neg = _halves(x, tl.exp2(exponent - shift[None, :]), used)
-        grad_values = tl.dot(pos, grad_state_pos, input_precision=PRECISION, out_dtype=ACC)
-        grad_values += tl.dot(neg, grad_state_neg, input_precision=PRECISION, out_dtype=ACC)
+        grad_values = dot(pos, grad_state_pos, GRAD_DOT, PRECISION, ACC)
+        grad_values += dot(neg, grad_state_neg, GRAD_DOT, PRECISION, ACC)
         tl.store(dv_base + t[:, None] * stride_dvt + j[None, :] * stride_dvc,
                  grad_values.to(dv_base.dtype.element_ty), mask=valid[:, None] & (j < DV)[None, :])
-        grad_pos = tl.dot(values, tl.trans(grad_state_pos), input_precision=PRECISION, out_dtype=ACC)
+        grad_pos = dot(values, tl.trans(grad_state_pos), GRAD_DOT, PRECISION, ACC)
         grad_pos += grad_key_pos[None, :]
-        grad_neg = tl.dot(values, tl.trans(grad_state_neg), input_precision=PRECISION, out_dtype=ACC)
+        grad_neg = dot(values, tl.trans(grad_state_neg), GRAD_DOT, PRECISION, ACC)
         grad_neg += grad_key_neg[None, :]
         grad_x, grad_p = _power_map_backward(x, p[None, :], grad_pos * pos + grad_neg * neg)
         tl.store(dk_base + t[:, None] * stride_dkt + c[None, :] * stride_dkc,
@@ -349,7 +349,8 @@ def _backward_kernel(
     stride_dvb, stride_dvh, stride_dvt, stride_dvc,
     Q_LEN, K_LEN, D, DV, HALF, eps,
     SPANS: tl.constexpr, POWER_PARTS: tl.constexpr, BLOCK: tl.constexpr, DP: tl.constexpr, DVP: tl.constexpr,
-    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
+    PACKED: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr, GRAD_DOT: tl.constexpr,
+    PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The query side of the backward for one span of one sequence's queries; with one span (``SPANS == 1``)
     the key side too, from the state's gradient held in registers. Otherwise the span's partial gradient of
@@ -364,7 +365,7 @@ def _backward_kernel(
         q_ptr + batch * stride_qb + head * stride_qh, grad_out_ptr + batch * stride_gb + head * stride_gh,
         grad_q_ptr + batch * stride_dqb + head * stride_dqh, p, lo, hi, top, bottom, key_pos, key_neg, shift,
         stride_qt, stride_qc, stride_gt, stride_gc, stride_dqt, stride_dqc, D, DV, HALF, eps,
-        BLOCK, DP, DVP, PRECISION, ACC)
+        BLOCK, DP, DVP, DOT, GRAD_DOT, PRECISION, ACC)
     c = tl.arange(0, DP)
     if SPANS == 1:
         _, k_first, k_end = sequence_tokens(seq, cu_k_ptr, K_LEN, PACKED)
@@ -374,7 +375,7 @@ def _backward_kernel(
             grad_v_ptr + batch * stride_dvb + head * stride_dvh, p, k_first, k_end, shift, inv_m,
             grad_top, grad_bottom, grad_key_pos, grad_key_neg, stride_kt, stride_kc, stride_vt, stride_vc,
             stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK,
-            PRECISION, ACC)
+            GRAD_DOT, PRECISION, ACC)
     else:
         grad_width: tl.constexpr = 2 * DP * DVP + 2 * DP
         base = grad_part_ptr + ((seq * heads + head) * SPANS + span) * grad_width
@@ -394,8 +395,8 @@ def _key_grad_kernel(
     stride_dkb, stride_dkh, stride_dkt, stride_dkc, stride_dvb, stride_dvh, stride_dvt, stride_dvc,
     K_LEN, D, DV, HALF,
     SPANS: tl.constexpr, SPLITS: tl.constexpr, POWER_PARTS: tl.constexpr, BLOCK: tl.constexpr,
-    DP: tl.constexpr, DVP: tl.constexpr, PACKED: tl.constexpr, HAS_MASK: tl.constexpr,
-    PRECISION: tl.constexpr, ACC: tl.constexpr,
+    DP: tl.constexpr, DVP: tl.constexpr, PACKED: tl.constexpr, HAS_MASK: tl.constexpr, DOT: tl.constexpr,
+    GRAD_DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr,
 ):
     """The key side of the backward for one split of one sequence's keys, from the query spans' partial
     gradients of the state (added in span order). Grid: (splits, heads, sequences)."""
@@ -424,7 +425,7 @@ def _key_grad_kernel(
         grad_v_ptr + batch * stride_dvb + head * stride_dvh, p, lo, hi, shift, inv_m,
         grad_top, grad_bottom, grad_key_pos, grad_key_neg, stride_kt, stride_kc, stride_vt, stride_vc,
         stride_mt, stride_dkt, stride_dkc, stride_dvt, stride_dvc, D, DV, HALF, BLOCK, DP, DVP, HAS_MASK,
-        PRECISION, ACC)
+        GRAD_DOT, PRECISION, ACC)
     tl.store(grad_power_ptr + ((seq * heads + head) * POWER_PARTS + SPANS + split) * DP + c, grad_power)
 
 
@@ -445,7 +446,7 @@ class _Call:
         self.width = 2 * self.dp * self.dvp + 3 * self.dp + 1
         self.acc = accumulator_dtype(q, k, v, power)
         self.tl_acc = tl.float64 if self.acc == torch.float64 else tl.float32
-        self.precision = dot_precision(q, k, v)
+        self.dots = dots(q, k, v)
         block, self.warps = pola_tile(self.dp, self.dvp, q.is_cuda)
         per_sequence = max(self.sequences, 1)
         self.plan = plan(self.sequences, self.heads, -(-self.q_len // per_sequence) if self.packed else self.q_len,
@@ -460,8 +461,8 @@ class _Call:
         return programs, self.heads, self.sequences
 
     def constants(self):
-        return dict(BLOCK=self.plan.block, DP=self.dp, DVP=self.dvp, PACKED=self.packed, PRECISION=self.precision,
-                    ACC=self.tl_acc, num_warps=self.warps)
+        return dict(BLOCK=self.plan.block, DP=self.dp, DVP=self.dvp, PACKED=self.packed, ACC=self.tl_acc,
+                    num_warps=self.warps, **self.dots.constants())
 
     def pointers(self, like):
         """Stand-ins for the absent mask and offsets: never read, one dummy pointer each."""
