@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 __all__ = ["FUSED_TOKENS", "Dots", "Plan", "accumulator_dtype", "dot", "dots", "padded_width", "plan", "pola_tile",
-           "program", "sequence_tokens", "share", "unpadded_keys", "warps"]
+           "program", "sequence_tokens", "share", "sigmoid", "softplus", "unpadded_keys", "warps"]
 
 
 def padded_width(n: int) -> int:
@@ -212,3 +212,26 @@ def expm1(x):
     for n in tl.static_range(_EXPM1_TERMS, 1, -1):
         series = 1.0 + small / n * series
     return tl.where(near, small * series, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def sigmoid(x):
+    """``1 / (1 + e^-x)``, exact at both ends (``e^-x`` may be 0 or infinite)."""
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+_ATANH_TERMS = tl.constexpr(17)  # s¹⁹/19 < 4e-19 at s = 1/9: float64's precision
+
+
+@triton.jit
+def softplus(x):
+    """``log(1 + e^x)`` (torch's ``softplus``) to the input's precision for every x: ``max(x, 0) + log1p(e^-|x|)``,
+    where ``log1p(y) = 2·atanh(y / (2 + y))`` by its series below y = 1/4 (a GPU's log is approximate near 1;
+    there ``s = y / (2 + y)`` is at most 1/9), ``log(1 + y)`` above."""
+    y = tl.exp(-tl.abs(x))
+    s = y / (2.0 + y)
+    s2 = s * s
+    series = s2 * 0.0 + 1.0 / _ATANH_TERMS
+    for n in tl.static_range(_ATANH_TERMS - 2, 0, -2):
+        series = 1.0 / n + s2 * series
+    return tl.maximum(x, 0.0) + tl.where(y < 0.25, 2.0 * s * series, tl.log(1.0 + y))

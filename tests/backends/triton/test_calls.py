@@ -12,6 +12,7 @@ from launch_counting import counting
 
 import polaformer.ops.pola_attention as pola_ops
 from polaformer.backends.triton import common, pacs, pola
+from polaformer.layers import PolaLinearAttention
 from polaformer.ops import pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,6 +139,46 @@ def test_pacs_launches_per_call(triton_backend, variant):
     assert forward.total + backward.total <= 3, (forward, backward)
 
 
+def _layer_counts(layer, x, height, width):
+    """(forward counts, backward counts) of one layer call and its backward (every input and parameter)."""
+    leaves = [x, *layer.parameters()]
+    with counting() as forward:
+        out = layer(x, height, width)
+    grad = torch.randn_like(out)
+    with counting() as backward:
+        torch.autograd.grad(out, leaves, grad)
+    return forward, backward
+
+
+@pytest.mark.slow
+@interpreter_only
+def test_a_deit_layer_call_is_one_launch_forward_and_one_backward(triton_backend):
+    """Issue 52's target at Pola-DeiT-T's shape (PolaLinearAttention(192, 3), a class token and 14×14 tokens, two
+    images): the scale, the exponent, the local branch's add and the gate run in the kernels, so around the
+    launch only the layer's own projections, the conv and their gradients remain."""
+    torch.manual_seed(0)
+    layer = PolaLinearAttention(192, 3, fused_qkvg=True, num_prefix_tokens=1).to(DEVICE)
+    forward, backward = _layer_counts(layer, _leaf(torch.randn(2, 197, 192)), 14, 14)
+    assert forward.launches == ["_forward_kernel"] and len(forward.operations) <= 8, forward
+    assert backward.launches == ["_backward_kernel"] and len(backward.operations) <= 20, backward
+    # nothing of the layer's arithmetic around the attention is left to torch
+    assert not {"softplus", "sigmoid", "div", "mul", "cat"} & set(forward.operations), forward
+
+
+@interpreter_only
+def test_a_spatially_reduced_layer_call_adds_only_its_key_reduction(triton_backend):
+    """Pola-PVT's layout (keys and values through a strided conv and a LayerNorm, a key positional table, values
+    stretched back along the tokens for the local branch): the same launches, and beside the DeiT call's work only
+    the reduction's ops, the stretch, and the positions' gradient summed over the batch."""
+    torch.manual_seed(0)
+    layer = PolaLinearAttention(64, 1, sr_ratio=2, key_pos_tokens=16).to(DEVICE)
+    forward, backward = _layer_counts(layer, _leaf(torch.randn(2, 64, 64)), 8, 8)
+    reduction = {"convolution", "native_layer_norm", "upsample_linear1d"}
+    assert forward.launches == ["_forward_kernel"] and len(forward.operations) <= 8 + len(reduction), forward
+    assert backward.launches == ["_backward_kernel"] and len(backward.operations) <= 20 + len(reduction) + 1, backward
+    assert not {"softplus", "sigmoid", "div", "mul", "cat"} & set(forward.operations), forward
+
+
 class _GraphRecorder:
     """A torch.compile backend that keeps the FX graphs it is given and runs them as they are."""
 
@@ -201,21 +242,26 @@ def _opcheck_pola(**options):
     mask = options.get("mask")
     if options.get("packed"):
         q, k, v = q[:1], k[:1], v[:1]
-    args = (q, k, v, power, 1e-6, mask, options.get("cu_seqlens"), options.get("cu_seqlens_k"), True)
+    layer = (None,) * 4
+    if options.get("layer"):  # raw scale and exponent weights, key positions, local branch (a class token) and gate
+        layer = (torch.randn_like(power), torch.randn_like(k[:1]), torch.randn_like(q[:, :, 1:]), torch.randn_like(q))
+    alpha = 4.0 if options.get("layer") else None
+    args = (q, k, v, power, *layer, 1e-6, alpha, mask, options.get("cu_seqlens"), options.get("cu_seqlens_k"), True)
     torch.library.opcheck(pola._pola_op, args)
     out, state = pola._pola_op(*args)
-    grad_args = (torch.randn_like(out), q, k, v, power, state, 1e-6, *args[5:8])
+    grad_args = (torch.randn_like(out), q, k, v, power, *layer, state, 1e-6, alpha, *args[10:13])
     torch.library.opcheck(pola._pola_backward_op, grad_args)
 
 
 @pytest.mark.slow
 def test_registered_pola_ops_pass_opcheck(triton_backend):
     """Schema, fake tensors (shapes, dtypes, strides) against the real kernels, autograd registration, and
-    ahead-of-time tracing, for the options: key mask, packed queries and keys."""
+    ahead-of-time tracing, for the options: key mask, packed queries and keys, a layer's call."""
     _opcheck_pola()
     _opcheck_pola(mask=(torch.rand(2, 12) < 0.3).to(DEVICE))
     _opcheck_pola(packed=True, cu_seqlens=torch.tensor([0, 5, 20], device=DEVICE),
                   cu_seqlens_k=torch.tensor([0, 4, 12], device=DEVICE))
+    _opcheck_pola(layer=True)
 
 
 @pytest.mark.slow
@@ -224,10 +270,13 @@ def test_registered_pacs_ops_pass_opcheck(triton_backend):
     sin, cos = _rope(16, 8)
     mask = (torch.rand(2, 16) < 0.3).to(DEVICE)
     offsets = torch.tensor([0, 6, 16], device=DEVICE)
-    for tables, mask, packed in (((sin, cos), None, None), ((None, None), mask, None), ((sin, cos), None, offsets)):
+    layer = (torch.randn_like(q), torch.randn_like(q))  # local branch and gate
+    for tables, mask, packed, epilogue in (((sin, cos), None, None, (None, None)), ((None, None), mask, None, layer),
+                                           ((sin, cos), None, offsets, (None, None))):
         inputs = (q[:1], k[:1], v[:1]) if packed is not None else (q, k, v)
-        args = (*inputs, ts, to, *tables, 1e-6, mask, packed, packed, True)
+        raw = epilogue[0] is not None
+        args = (*inputs, ts, to, *epilogue, *tables, 1e-6, raw, mask, packed, packed, True)
         torch.library.opcheck(pacs._pacs_op, args)
         out, state = pacs._pacs_op(*args)
-        torch.library.opcheck(pacs._pacs_backward_op, (torch.randn_like(out), *inputs, ts, to, *tables, state, 1e-6,
-                                                       mask, packed, packed))
+        torch.library.opcheck(pacs._pacs_backward_op, (torch.randn_like(out), *inputs, ts, to, *epilogue, *tables,
+                                                       state, 1e-6, raw, mask, packed, packed))
