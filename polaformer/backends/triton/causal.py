@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot, dots, expm1, padded_width, unpadded_keys
+from .common import accumulator_dtype, dot, dots, expm1, padded_width, traceable, unpadded_keys
 
 __all__ = ["FEATURES", "causal_attention", "kernel_chunk"]
 
@@ -592,6 +592,10 @@ def _grads_kernel(
 # ---------------------------------------------------------------------------------------------------- launches
 
 
+def _as_is(kernel):
+    return kernel
+
+
 def _strides(x: torch.Tensor | None, n: int) -> tuple[int, ...]:
     return (0,) * n if x is None else tuple(x.stride())
 
@@ -706,8 +710,10 @@ def _sum_to(blocks: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, kv0, kv1,
-             key_sum, count):
-    """The forward kernels; returns :meth:`_Call.forward_buffers` filled."""
+             key_sum, count, traced=False):
+    """The forward kernels; returns :meth:`_Call.forward_buffers` filled. ``traced``: launched as a registered op's
+    body (:func:`.common.traceable`)."""
+    launch = traceable if traced else _as_is
     call = _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size)
     buffers = call.forward_buffers(v)
     out, final0, final1, final_key, final_count, stats, states, keys, counts = buffers
@@ -715,13 +721,13 @@ def _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_pa
     initial_strides = (*_strides(kv0, 4), *_strides(kv1, 4), *_strides(key_sum, 3), *_strides(count, 3)[:1])
     a = call.shared_args(q, param0, param1, sin, cos, key_padding_mask, cu_seqlens)
     kv0, kv1, key_sum, count = (a.dummy if t is None else t for t in (kv0, kv1, key_sum, count))
-    _walk_kernel[call.walk_grid](
+    launch(_walk_kernel)[call.walk_grid](
         k, v, a.p0, a.sin, a.cos, a.mask, a.cu, kv0, kv1, key_sum, count, states, keys, counts, final0, final1,
         final_key, final_count, *k.stride(), *v.stride(), *a.param_strides[:3], *a.table_strides, *a.mask_strides,
         *initial_strides, **call.sizes, BF=call.bf, BV=call.bv, HAS_MASK=call.has_mask, HAS_INITIAL=has_initial,
         **call.flags,
     )
-    _output_kernel[call.item_grid](
+    launch(_output_kernel)[call.item_grid](
         q, k, v, a.p0, a.p1, a.sin, a.cos, a.mask, a.cu, states, keys, counts, out, stats, eps,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *a.param_strides, *a.table_strides, *a.mask_strides,
         **call.sizes, **call.search(), HAS_MASK=call.has_mask, **call.flags, num_warps=_CHUNK_WARPS,
@@ -730,9 +736,11 @@ def _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_pa
 
 
 def _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, out, stats,
-              states, keys, grad_out, grad_final0, grad_final1, grad_final_key):
+              states, keys, grad_out, grad_final0, grad_final1, grad_final_key, traced=False):
     """The backward kernels: (grad_q, grad_k, grad_v, grad kv₀, grad kv₁, the key sum's gradient per stream,
-    the parameters' per-chunk partial gradients); :func:`_finish` reduces the last two."""
+    the parameters' per-chunk partial gradients); :func:`_finish` reduces the last two. ``traced`` as
+    :func:`_forward`'s."""
+    launch = traceable if traced else _as_is
     call = _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size)
     grad_q, grad_k, grad_v, grad_kv0, grad_kv1, grad_key, grad_states, grad_keys, grad_param = \
         call.backward_buffers(q, k, v)
@@ -743,7 +751,7 @@ def _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_p
         grad_final1 = torch.zeros_like(grad_final0) if grad_final1 is None else grad_final1
     a = call.shared_args(q, param0, param1, sin, cos, key_padding_mask, cu_seqlens)
     final_strides = (*_strides(grad_final0, 4), *_strides(grad_final1, 4), *_strides(grad_final_key, 3))
-    _walk_back_kernel[call.walk_grid](
+    launch(_walk_back_kernel)[call.walk_grid](
         q, a.p0, a.p1, a.sin, a.cos, a.cu, out, grad_out, stats,
         *(a.dummy if t is None else t for t in (grad_final0, grad_final1, grad_final_key)),
         grad_states, grad_keys, grad_kv0, grad_kv1, grad_key,
@@ -751,7 +759,7 @@ def _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_p
         **call.sizes, BF=call.bf, BV=call.bv, HAS_FINAL_GRAD=grad_final0 is not None or grad_final1 is not None,
         HAS_FINAL_KEY_GRAD=grad_final_key is not None, **call.flags,
     )
-    _grads_kernel[call.item_grid](
+    launch(_grads_kernel)[call.item_grid](
         q, k, v, a.p0, a.p1, a.sin, a.cos, a.mask, a.cu, states, keys, out, grad_out, stats, grad_states, grad_keys,
         grad_q, grad_k, grad_v, grad_param,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *grad_q.stride(),
@@ -800,7 +808,7 @@ class _CausalAttention(torch.autograd.Function):
         return None, None, None, *_finish(grads, feature, chunk_size, ctx.saved_tensors[:9], ctx.needs_input_grad[3:])
 
 
-@torch.library.custom_op("polaformer::causal_attention", mutates_args=())
+@torch.library.triton_op("polaformer::causal_attention", mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, param0: Optional[torch.Tensor],
     param1: Optional[torch.Tensor], sin: Optional[torch.Tensor], cos: Optional[torch.Tensor],
@@ -812,16 +820,10 @@ def _attention_op(
     """:func:`_forward` as a graph op: (out, final kv₀, kv₁, key sum, count, and the rows and states saved for
     the backward)."""
     return _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, kv0,
-                    kv1, key_sum, count)
+                    kv1, key_sum, count, traced=True)
 
 
-@_attention_op.register_fake
-def _(q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, kv0, kv1, key_sum, count, feature, eps,
-      chunk_size):
-    return _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size).forward_buffers(v)
-
-
-@torch.library.custom_op("polaformer::causal_attention_backward", mutates_args=())
+@torch.library.triton_op("polaformer::causal_attention_backward", mutates_args=())
 def _attention_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, param0: Optional[torch.Tensor],
     param1: Optional[torch.Tensor], sin: Optional[torch.Tensor], cos: Optional[torch.Tensor],
@@ -832,15 +834,7 @@ def _attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_backward` as a graph op."""
     return _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, out,
-                     stats, states, keys, grad_out, grad_final0, grad_final1, grad_final_key)
-
-
-@_attention_backward_op.register_fake
-def _(q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, out, stats, states, keys, grad_out,
-      grad_final0, grad_final1, grad_final_key, feature, eps, chunk_size):
-    call = _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size)
-    grad_q, grad_k, grad_v, grad_kv0, grad_kv1, grad_key, _, _, grad_param = call.backward_buffers(q, k, v)
-    return grad_q, grad_k, grad_v, grad_kv0, grad_kv1, grad_key, grad_param
+                     stats, states, keys, grad_out, grad_final0, grad_final1, grad_final_key, traced=True)
 
 
 def _setup_context(ctx, inputs, output):

@@ -12,9 +12,12 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
 __all__ = ["FUSED_TOKENS", "Dots", "Plan", "accumulator_dtype", "dot", "dots", "padded_width", "plan", "pola_tile",
-           "program", "sequence_tokens", "share", "sigmoid", "softplus", "unpadded_keys", "warps"]
+           "program", "sequence_tokens", "share", "sigmoid", "softplus", "traceable", "unpadded_keys", "warps"]
 
 
 def padded_width(n: int) -> int:
@@ -83,6 +86,33 @@ def dot(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
     if _INTERPRETED and DOT == tl.bfloat16:
         return tl.dot(_round_to_bf16(a.to(tl.float32)), _round_to_bf16(b.to(tl.float32)), out_dtype=ACC)
     return tl.dot(a.to(DOT), b.to(DOT), input_precision=PRECISION, out_dtype=ACC)
+
+
+class _Interpreted(JITFunction):
+    """A kernel of Triton's interpreter as ``wrap_triton`` traces a compiled one (it leaves interpreted kernels
+    untraceable): the JIT's view of the same function, launched in the interpreter."""
+
+    def __init__(self, interpreted):
+        super().__init__(interpreted.fn)
+        self.interpreted = interpreted
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    # by identity: the JIT's hash walks the helpers it calls, which are interpreted functions here
+    __hash__ = object.__hash__
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_view(kernel):
+    return _Interpreted(kernel) if isinstance(kernel, InterpretedFunction) else kernel
+
+
+def traceable(kernel):
+    """``kernel`` as the body of a ``torch.library.triton_op`` launches it: through ``wrap_triton``, so that
+    torch.compile records the launch itself in its graph (inductor sees it, plans its buffers and fuses around
+    it). Under the interpreter the same tracing runs, with CPU tensors (``_Interpreted``)."""
+    return wrap_triton(_jit_view(kernel))
 
 
 # A sequence's work stays in one launch (each forward program building the key state itself, one backward

@@ -35,7 +35,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .common import (accumulator_dtype, dot, dots, expm1, padded_width, plan, program, sequence_tokens, share,
-                     sigmoid, unpadded_keys, warps)
+                     sigmoid, traceable, unpadded_keys, warps)
 
 __all__ = ["pacs_attention", "pacs_backward", "pacs_forward"]
 
@@ -748,16 +748,22 @@ def _check_tables(sin, cos):
         raise ValueError(f"sin and cos must be laid out alike; got strides {sin.stride()} and {cos.stride()}")
 
 
+def _as_is(kernel):
+    return kernel
+
+
 def _strides(t: torch.Tensor | None) -> tuple[int, ...]:
     return (0,) * 4 if t is None else tuple(t.stride())
 
 
 def pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask=None, cu_seqlens=None,
-                 cu_seqlens_k=None, out=None, save_state=True, *, raw=False, local=None, gate=None):
+                 cu_seqlens_k=None, out=None, save_state=True, *, raw=False, local=None, gate=None, traced=False):
     """Run the forward kernel(s); returns ``(out, state, call)``. ``out`` (B, H, N, dv), any strides, is written
     in place when given. ``raw``: the temperatures are given as their raw weights (``sigmoid`` in the kernels);
     ``local`` (B, H, N', dv) and ``gate`` (B, H, N, dv): the output is ``(attention + local) · gate``, the local
-    branch on the last N' queries. Arguments are assumed checked by the op."""
+    branch on the last N' queries. ``traced``: launched as a registered op's body (:func:`.common.traceable`).
+    Arguments are assumed checked by the op."""
+    launch = traceable if traced else _as_is
     _check_tables(sin, cos)
     call = _Call(q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k, raw, local,
                  gate)
@@ -769,10 +775,10 @@ def pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_m
     partials = q.new_empty(0, dtype=call.acc)
     if splits:
         partials = q.new_empty(call.sequences, call.heads, splits, call.width, dtype=call.acc)
-        _state_kernel[call.grid(splits)](
+        launch(_state_kernel)[call.grid(splits)](
             k, v, mask, cu_k, cos_t, sin_t, partials, *k.stride(), *v.stride(), *call.mask_strides(), stride_rt,
             stride_rc, call.k_len, call.d, call.dvh, SPLITS=splits, **call.constants())
-    _forward_kernel[call.grid(call.plan.query_spans)](
+    launch(_forward_kernel)[call.grid(call.plan.query_spans)](
         q, k, v, call.temp_same, call.temp_opposite, q if local is None else local, q if gate is None else gate,
         mask, cu_q, cu_k, cos_t, sin_t, partials, state, out, *q.stride(), *k.stride(), *v.stride(),
         *call.temp_same.stride(), *call.temp_opposite.stride(), *_strides(local), *_strides(gate),
@@ -783,11 +789,12 @@ def pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_m
 
 
 def pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, temp_shapes, grad_q=None, grad_k=None,
-                  grad_v=None):
+                  grad_v=None, *, traced=False):
     """Run the backward kernel(s); returns ``(grad_q, grad_k, grad_v, grad_temp_same, grad_temp_opposite,
     grad_local, grad_gate)`` (the last two None without a local branch or gate), writing into the given
     gradient buffers (any strides) where passed; the temperatures' gradients (their raw weights' for a ``raw``
-    call) have the shapes ``temp_shapes``, in fp32 (fp64)."""
+    call) have the shapes ``temp_shapes``, in fp32 (fp64). ``traced`` as :func:`pacs_forward`'s."""
+    launch = traceable if traced else _as_is
     grad_q = torch.empty_like(q) if grad_q is None else grad_q
     grad_k = torch.empty_like(k) if grad_k is None else grad_k
     grad_v = torch.empty_like(v) if grad_v is None else grad_v
@@ -806,7 +813,7 @@ def pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, temp_shapes, gr
     if spans > 1:
         grad_partials = q.new_empty(call.sequences, call.heads, spans, 8 * call.p * call.dvh_pad + 4 * call.p,
                                     dtype=call.acc)
-    _backward_kernel[call.grid(spans)](
+    launch(_backward_kernel)[call.grid(spans)](
         q, k, v, call.temp_same, call.temp_opposite, q if local is None else local, q if gate is None else gate,
         mask, cu_q, cu_k, cos_t, sin_t, state, grad_out, grad_q, grad_k, grad_v,
         q if grad_local is None else grad_local, q if grad_gate is None else grad_gate, grad_partials, grad_temps,
@@ -816,7 +823,7 @@ def pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, temp_shapes, gr
         call.q_len, call.k_len, call.d, call.dvh, call.prefix, eps, SPANS=spans, TEMP_PARTS=spans,
         **call.epilogue(), **call.constants())
     if spans > 1:
-        _key_grad_kernel[call.grid(splits)](
+        launch(_key_grad_kernel)[call.grid(splits)](
             k, v, mask, cu_k, cos_t, sin_t, state, grad_partials, grad_k, grad_v, *k.stride(), *v.stride(),
             *call.mask_strides(), stride_rt, stride_rc, *grad_k.stride(), *grad_v.stride(), call.k_len, call.d,
             call.dvh, SPANS=spans, SPLITS=splits, **call.constants())
@@ -865,29 +872,19 @@ class PacsAttention(torch.autograd.Function):
                 None, None, None, None, None, None, None)
 
 
-# The op as torch.compile sees it (see :mod:`.pola`): eager calls use :class:`PacsAttention` directly.
-@torch.library.custom_op("polaformer::pacs_attention", mutates_args=())
+# The op as torch.compile sees it, the kernels inside its graph (see :mod:`.pola`): eager calls use
+# :class:`PacsAttention` directly.
+@torch.library.triton_op("polaformer::pacs_attention", mutates_args=())
 def _pacs_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, temp_same: torch.Tensor, temp_opposite: torch.Tensor,
              local: torch.Tensor | None, gate: torch.Tensor | None, sin: torch.Tensor | None, cos: torch.Tensor | None,
              eps: float, raw: bool, key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
              cu_seqlens_k: torch.Tensor | None, save_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, state, _ = pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, cu_seqlens,
-                                 cu_seqlens_k, save_state=save_state, raw=raw, local=local, gate=gate)
+                                 cu_seqlens_k, save_state=save_state, raw=raw, local=local, gate=gate, traced=True)
     return out, state
 
 
-@_pacs_op.register_fake
-def _pacs_op_shapes(q, k, v, temp_same, temp_opposite, local, gate, sin, cos, eps, raw, key_padding_mask,
-                    cu_seqlens, cu_seqlens_k, save_state):
-    sequences = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
-    p, dvh = padded_width((q.shape[-1] + 1) // 2), padded_width(v.shape[-1] // 2)
-    out = v.new_empty(v.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
-    state = q.new_empty((sequences, q.shape[1], 8 * p * dvh + 8 * p + 1) if save_state else (0,),
-                        dtype=accumulator_dtype(q, k, v))
-    return out, state
-
-
-@torch.library.custom_op("polaformer::pacs_attention_backward", mutates_args=())
+@torch.library.triton_op("polaformer::pacs_attention_backward", mutates_args=())
 def _pacs_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                       temp_same: torch.Tensor, temp_opposite: torch.Tensor, local: torch.Tensor | None,
                       gate: torch.Tensor | None, sin: torch.Tensor | None, cos: torch.Tensor | None,
@@ -897,21 +894,12 @@ def _pacs_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     given) and of the gate (without one, the caller takes the local branch's from the output's)."""
     call = _Call(q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k, raw, local,
                  gate)
-    grads = pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, (temp_same.shape, temp_opposite.shape))
+    grads = pacs_backward(call, q, k, v, sin, cos, state, eps, grad_out, (temp_same.shape, temp_opposite.shape),
+                          traced=True)
     # an operator's outputs own their memory (the two temperatures' gradients are views of one buffer)
     present = [*grads[:3], grads[3].to(temp_same.dtype, copy=True), grads[4].to(temp_opposite.dtype, copy=True)]
     if gate is not None:
         present += [grad for grad in grads[5:] if grad is not None]
-    return present
-
-
-@_pacs_backward_op.register_fake
-def _pacs_backward_shapes(grad_out, q, k, v, temp_same, temp_opposite, local, gate, sin, cos, state, eps, raw,
-                          key_padding_mask, cu_seqlens, cu_seqlens_k):
-    present = [torch.empty_like(t) for t in (q, k, v, temp_same, temp_opposite)]
-    if gate is not None:
-        present += ([torch.empty_like(local)] if local is not None else [])
-        present.append(gate.new_empty(gate.shape[0], q.shape[2], q.shape[1], gate.shape[-1]).transpose(1, 2))
     return present
 
 

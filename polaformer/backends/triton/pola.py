@@ -33,7 +33,7 @@ import triton.language as tl
 from torch.autograd.function import once_differentiable
 
 from .common import (accumulator_dtype, dot, dots, padded_width, plan, pola_tile, program, sequence_tokens, share,
-                     sigmoid, softplus, unpadded_keys)
+                     sigmoid, softplus, traceable, unpadded_keys)
 
 __all__ = ["PolaAttention", "pola_attention", "pola_backward", "pola_forward"]
 
@@ -545,6 +545,10 @@ def _key_grad_kernel(
                        grad_scale, p_base, s_base, stride_pc, stride_sc, alpha, D, DP, POWER_WEIGHT, HAS_SCALE, ACC)
 
 
+def _as_is(kernel):
+    return kernel
+
+
 def _strides(t: torch.Tensor | None, dims: int = 4) -> tuple[int, ...]:
     return (0,) * dims if t is None else tuple(t.stride())
 
@@ -607,10 +611,12 @@ class _Call:
 
 
 def pola_forward(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu_seqlens_k=None, out=None,
-                 save_state=True, *, alpha=None, scale=None, key_positions=None, local=None, gate=None):
+                 save_state=True, *, alpha=None, scale=None, key_positions=None, local=None, gate=None, traced=False):
     """Run the forward kernel(s); returns ``(out, state, call)``, ``state`` (sequences, heads, width) holding
     each sequence's state for the backward when ``save_state``. ``out`` (B, H, N, dv), any strides, is written
-    in place when given. Arguments are assumed checked by the op (:func:`pola_attention`'s)."""
+    in place when given. ``traced``: launched as a registered op's body (:func:`.common.traceable`). Arguments
+    are assumed checked by the op (:func:`pola_attention`'s)."""
+    launch = traceable if traced else _as_is
     call = _Call(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k, alpha, scale, key_positions, local,
                  gate)
     if out is None:  # (B, H, N, dv) over (B, N, H, dv) memory, as the torch formulation returns it
@@ -622,10 +628,10 @@ def pola_forward(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu
     partials = q.new_empty(0, dtype=call.acc)
     if splits:
         partials = q.new_empty(call.sequences, call.heads, splits, call.width, dtype=call.acc)
-        _state_kernel[call.grid(splits)](
+        launch(_state_kernel)[call.grid(splits)](
             k, v, *params, mask, cu_k, partials, *k.stride(), *v.stride(), *param_strides, *_strides(call.mask, 2),
             call.k_len, call.d, call.dv, call.half, call.alpha, SPLITS=splits, **call.constants())
-    _forward_kernel[call.grid(call.plan.query_spans)](
+    launch(_forward_kernel)[call.grid(call.plan.query_spans)](
         q, k, v, *params, q if local is None else local, q if gate is None else gate, mask, cu_q, cu_k, partials,
         state, out, *q.stride(), *k.stride(), *v.stride(), *param_strides, *_strides(local), *_strides(gate),
         *_strides(call.mask, 2), *out.stride(), call.q_len, call.k_len, call.d, call.dv, call.half, call.prefix, eps,
@@ -634,11 +640,13 @@ def pola_forward(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu
     return out, state, call
 
 
-def pola_backward(call, q, k, v, power, state, eps, grad_out, grad_q=None, grad_k=None, grad_v=None):
+def pola_backward(call, q, k, v, power, state, eps, grad_out, grad_q=None, grad_k=None, grad_v=None, *,
+                  traced=False):
     """Run the backward kernel(s); returns the gradients of ``(q, k, v, power, scale, key_positions, local,
     gate)``, None for the parameters the call did not have, writing into the given gradient buffers (any
     strides) where passed. The exponent's and scale's gradients have their shapes, in fp32 (fp64); with
-    ``alpha`` the exponent's is that of its raw weight."""
+    ``alpha`` the exponent's is that of its raw weight. ``traced`` as :func:`pola_forward`'s."""
+    launch = traceable if traced else _as_is
     grad_q = torch.empty_like(q) if grad_q is None else grad_q
     grad_k = torch.empty_like(k) if grad_k is None else grad_k
     grad_v = torch.empty_like(v) if grad_v is None else grad_v
@@ -660,7 +668,7 @@ def pola_backward(call, q, k, v, power, state, eps, grad_out, grad_q=None, grad_
         grad_partials = q.new_empty(call.sequences, call.heads, spans, 2 * call.dp * call.dvp + 2 * call.dp,
                                     dtype=call.acc)
     slot = grad_param[0].numel()
-    _backward_kernel[call.grid(spans)](
+    launch(_backward_kernel)[call.grid(spans)](
         q, k, v, *params, q if local is None else local, q if gate is None else gate, mask, cu_q, cu_k, state,
         grad_out, grad_q, grad_k, grad_v, q if grad_local is None else grad_local,
         q if grad_gate is None else grad_gate, grad_partials, grad_param, *q.stride(), *k.stride(), *v.stride(),
@@ -669,7 +677,7 @@ def pola_backward(call, q, k, v, power, state, eps, grad_out, grad_q=None, grad_
         call.q_len, call.k_len, call.d, call.dv, call.half, call.prefix, slot, eps, call.alpha, SPANS=spans,
         PARTS=parts, **call.epilogue(), **call.constants())
     if spans > 1:
-        _key_grad_kernel[call.grid(splits)](
+        launch(_key_grad_kernel)[call.grid(splits)](
             k, v, *params, mask, cu_k, state, grad_partials, grad_k, grad_v, grad_param, *k.stride(), *v.stride(),
             *param_strides, *_strides(call.mask, 2), *grad_k.stride(), *grad_v.stride(), call.k_len, call.d,
             call.dv, call.half, slot, call.alpha, SPANS=spans, SPLITS=splits, PARTS=parts, **call.constants())
@@ -730,31 +738,22 @@ class PolaAttention(torch.autograd.Function):
         return (*grads, None, None, None, None, None)
 
 
-# The op as torch.compile sees it: a registered operator with shapes from fake tensors and its backward as a
-# second operator, so the compiled graph calls these kernels. Eager calls skip the operator's dispatch, which
-# costs several times a small launch.
-@torch.library.custom_op("polaformer::pola_attention", mutates_args=())
+# The op as torch.compile sees it: an operator whose body launches the kernels through ``wrap_triton`` (its
+# shapes come from tracing that body with fake tensors) and its backward a second one, so the compiled graph
+# holds the kernels themselves: inductor plans their buffers, fuses the ops around them, and CUDA graphs capture
+# them. Eager calls skip the operator's dispatch, which costs several times a small launch.
+@torch.library.triton_op("polaformer::pola_attention", mutates_args=())
 def _pola_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor, scale: torch.Tensor | None,
              key_positions: torch.Tensor | None, local: torch.Tensor | None, gate: torch.Tensor | None, eps: float,
              alpha: float | None, key_padding_mask: torch.Tensor | None, cu_seqlens: torch.Tensor | None,
              cu_seqlens_k: torch.Tensor | None, save_state: bool) -> tuple[torch.Tensor, torch.Tensor]:
     out, state, _ = pola_forward(q, k, v, power, eps, key_padding_mask, cu_seqlens, cu_seqlens_k,
                                  save_state=save_state, alpha=alpha, scale=scale, key_positions=key_positions,
-                                 local=local, gate=gate)
+                                 local=local, gate=gate, traced=True)
     return out, state
 
 
-@_pola_op.register_fake
-def _pola_op_shapes(q, k, v, power, scale, key_positions, local, gate, eps, alpha, key_padding_mask, cu_seqlens,
-                    cu_seqlens_k, save_state):
-    sequences = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
-    width = 2 * padded_width(q.shape[-1]) * padded_width(v.shape[-1]) + 3 * padded_width(q.shape[-1]) + 1
-    out = v.new_empty(v.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2)
-    state = q.new_empty((sequences, q.shape[1], width) if save_state else (0,), dtype=accumulator_dtype(q, k, v, power))
-    return out, state
-
-
-@torch.library.custom_op("polaformer::pola_attention_backward", mutates_args=())
+@torch.library.triton_op("polaformer::pola_attention_backward", mutates_args=())
 def _pola_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, power: torch.Tensor,
                       scale: torch.Tensor | None, key_positions: torch.Tensor | None, local: torch.Tensor | None,
                       gate: torch.Tensor | None, state: torch.Tensor, eps: float, alpha: float | None,
@@ -764,7 +763,7 @@ def _pola_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
     and the gate where given (without a gate, the caller takes the local branch's from the output's)."""
     call = _Call(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k, alpha, scale, key_positions, local,
                  gate)
-    grads = pola_backward(call, q, k, v, power, state, eps, grad_out)
+    grads = pola_backward(call, q, k, v, power, state, eps, grad_out, traced=True)
     grad_q, grad_k, grad_v, grad_power, grad_scale, grad_positions, grad_local, grad_gate = grads
     # an operator's outputs own their memory (the parameters' gradients may be views of a partial-sum buffer)
     present = [grad_q, grad_k, grad_v, grad_power.to(power.dtype, copy=True)]
@@ -774,20 +773,6 @@ def _pola_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, 
         present.append(grad_positions.to(key_positions.dtype))
     if gate is not None:
         present += ([grad_local] if local is not None else []) + [grad_gate]
-    return present
-
-
-@_pola_backward_op.register_fake
-def _pola_backward_shapes(grad_out, q, k, v, power, scale, key_positions, local, gate, state, eps, alpha,
-                          key_padding_mask, cu_seqlens, cu_seqlens_k):
-    present = [torch.empty_like(t) for t in (q, k, v, power)]
-    if scale is not None:
-        present.append(torch.empty_like(scale))
-    if key_positions is not None:
-        present.append(key_positions.new_empty(key_positions.shape))
-    if gate is not None:
-        present += ([torch.empty_like(local)] if local is not None else [])
-        present.append(gate.new_empty(gate.shape[0], q.shape[2], q.shape[1], v.shape[-1]).transpose(1, 2))
     return present
 
 

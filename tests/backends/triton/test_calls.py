@@ -8,6 +8,8 @@ import os
 
 import pytest
 import torch
+from graph_recording import GraphRecorder
+from interpreted_kernels import kernel_writes
 from launch_counting import counting
 
 import polaformer.ops.pola_attention as pola_ops
@@ -179,26 +181,17 @@ def test_a_spatially_reduced_layer_call_adds_only_its_key_reduction(triton_backe
     assert not {"softplus", "sigmoid", "div", "mul", "cat"} & set(forward.operations), forward
 
 
-class _GraphRecorder:
-    """A torch.compile backend that keeps the FX graphs it is given and runs them as they are."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph_module, example_inputs):
-        self.graphs.append(graph_module)
-        return graph_module.forward
-
-    def calls(self) -> list[str]:
-        return [str(node.target) for graph in self.graphs for node in graph.graph.nodes if node.op == "call_function"]
-
-
-def _compiled_equals_eager(fn, leaves, op_name):
-    recorder = _GraphRecorder()
-    compiled = torch.compile(fn, backend=recorder, fullgraph=True)
-    out = compiled(*leaves)
-    assert any(op_name in call for call in recorder.calls()), recorder.calls()
-    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+def _compiled_equals_eager(fn, leaves, forward_kernel="_forward_kernel", backward_kernel="_backward_kernel"):
+    """``fn`` compiled whole (no graph break) equals eager, forward and backward bit for bit, and its AOT graphs
+    launch our kernels themselves (``wrap_triton``): the forward graph ``forward_kernel``, the backward graph
+    ``backward_kernel``."""
+    recorder = GraphRecorder()
+    with kernel_writes():
+        compiled = torch.compile(fn, backend=recorder.backend(), fullgraph=True)
+        out = compiled(*leaves)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    forward, backward = recorder.kernels
+    assert forward_kernel in forward and backward_kernel in backward, recorder.kernels
     expected = fn(*leaves)
     expected_grads = torch.autograd.grad(expected, leaves, torch.ones_like(expected))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -217,8 +210,7 @@ def test_compiled_pola_calls_the_kernels_op(triton_backend, variant):
         q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
         kwargs = dict(zip(("cu_seqlens", "cu_seqlens_k"), _on_device(torch.tensor([0, 15, 40]),
                                                                      torch.tensor([0, 10, 24]))))
-    _compiled_equals_eager(lambda *x: pola_linear_attention(*x, **kwargs), (q, k, v, power),
-                           "polaformer.pola_attention")
+    _compiled_equals_eager(lambda *x: pola_linear_attention(*x, **kwargs), (q, k, v, power))
 
 
 @pytest.mark.parametrize("variant", ["rope", "mask", "packed"])
@@ -233,8 +225,7 @@ def test_compiled_pacs_calls_the_kernels_op(triton_backend, variant):
     else:
         q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
         kwargs["cu_seqlens"] = torch.tensor([0, 20, 36], device=DEVICE)
-    _compiled_equals_eager(lambda *x: pacs_linear_attention(*x, **kwargs), (q, k, v, ts, to),
-                           "polaformer.pacs_attention")
+    _compiled_equals_eager(lambda *x: pacs_linear_attention(*x, **kwargs), (q, k, v, ts, to))
 
 
 def _opcheck_pola(**options):
