@@ -115,10 +115,17 @@ def traceable(kernel):
     return wrap_triton(_jit_view(kernel))
 
 
-# A sequence's work stays in one launch (each forward program building the key state itself, one backward
-# program per sequence and head) while a program walks at most this many tokens; longer sequences with too few
-# (sequence, head) pairs to fill the GPU split the keys over one more launch per pass and a partial-sum buffer.
+# A sequence's forward stays in one launch (each program building the key state itself) while a program walks at
+# most this many tokens; longer sequences with too few (sequence, head) pairs to fill the GPU split the keys over a
+# state launch and a partial-sum buffer.
 FUSED_TOKENS = 8192
+# The backward of a (sequence, head) pair is one program while the pairs fill the GPU or a pair walks fewer than
+# this many tokens (queries and keys); past it, with too few pairs, it splits into token blocks: a query-side launch
+# (gradients of the queries, partial gradients of the state per span of blocks) and a key-side launch (the partials
+# added in span order, then the keys' and values' gradients, per span of key blocks). On an H200 (docs/gpu.md) the
+# split measured 1.56x faster at 3,185 tokens and 64 pairs (Pola-PVT stage 1, batch 64) and 0.83x at 833 tokens and
+# 128 pairs (stage 2): a tunable, until a card measures where between the two it starts to pay.
+BACKWARD_SPLIT_TOKENS = 2048
 # A forward program may rebuild the whole key state for as few as a quarter as many queries: more programs,
 # at most four times the key work.
 REBUILDS = 4
@@ -144,7 +151,7 @@ class Plan:
     0 when each of them builds the whole key state itself (one launch), else the programs per sequence of a
     separate key-state launch whose partial states the query programs merge. ``backward_spans``: 1 when one
     program per sequence does the whole backward (one launch), else the programs of the query-side pass,
-    followed by ``backward_key_splits`` programs of a key-side pass."""
+    followed by ``backward_key_splits`` programs of a key-side pass (``BACKWARD_SPLIT_TOKENS``)."""
 
     block: int
     query_spans: int
@@ -166,7 +173,7 @@ def plan(sequences: int, heads: int, query_tokens: int, key_tokens: int, block: 
         forward = (spans, 0)
     else:
         forward = (min(wanted, query_blocks, MAX_SPLITS), min(wanted, key_blocks, MAX_SPLITS))
-    if pairs >= target or query_tokens + key_tokens <= FUSED_TOKENS:
+    if pairs >= target or query_tokens + key_tokens < BACKWARD_SPLIT_TOKENS:
         backward = (1, 0)
     else:
         backward = (min(wanted, query_blocks, MAX_SPLITS), min(wanted, key_blocks, MAX_SPLITS))
