@@ -32,7 +32,7 @@ from ..ops import (
     relu_feature,
     softmax_attention_weights,
 )
-from ..engine.limits import check_allocation
+from ..limits import check_allocation
 from ..engine.output import claim_outputs, write_output
 from ..files import read_image_or_raise
 from .rank import layer_ranks

@@ -196,9 +196,9 @@ def test_bad_input_is_one_line_with_status_2(work, name, argv, fragment, capsys)
 def test_throughput_counts_activations_not_only_the_input(capsys, monkeypatch):
     """Batch 20000 of DeiT-tiny: its 11.2 GiB input fits in 16 GiB, the input plus the largest layer's
     activations do not (the kernel killed it at 24 GB). Memory is fixed so the case reads alike anywhere."""
-    import polaformer.engine.limits
+    import polaformer.limits
 
-    monkeypatch.setattr(polaformer.engine.limits, "available_memory", lambda device="cpu": 16 * 2**30)
+    monkeypatch.setattr(polaformer.limits, "available_memory", lambda device="cpu": 16 * 2**30)
     code, out, err = run_main(["throughput", "--model", DEIT, "--batch-size", "20000", "--device", "cpu"], capsys)
     assert (code, out) == (2, ""), err
     assert error_line(err).startswith(

@@ -46,7 +46,7 @@ from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_confi
 from ...data.shards import INFO_NAMES, find_info, open_eval_split
 from .config import OFFICIAL_MODEL_NAMES
 from ...engine.factory import create_model
-from ...engine.limits import check_batch_memory, check_forward_memory
+from ...limits import check_batch_memory, check_forward_memory
 from ...engine.device import amp_dtype, autocast, place_model
 from ...engine.device import resolve_device as resolve_engine_device
 from .train import evaluate

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, fraction, unit)
-from ...engine.limits import check_batch_memory
+from ...limits import check_batch_memory
 from ...engine.steps import EXECUTION_DEFAULTS, check_execution_keys
 
 __all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from ...data.digits import digits_split
 from ...data.folder import DatasetError
 from ...engine.distributed import SampleDraws
-from ...engine.limits import available_memory
+from ...limits import available_memory
 from ...files import UnreadableFileError, read_image, read_text
 
 __all__ = [
