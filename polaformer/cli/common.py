@@ -48,8 +48,8 @@ class OneLineParser(argparse.ArgumentParser):
             if value == "" or (isinstance(value, list) and "" in value):
                 name = "/".join(action.option_strings) or action.dest
                 what = action.metavar or "a value"
-                later = ", or leave the option out" if action.option_strings else ""
-                self.error(f"argument {name}: got an empty value (give {what}{later})")
+                leave_out = ", or leave the option out" if action.option_strings else ""
+                self.error(f"argument {name}: got an empty value (give {what}{leave_out})")
 
 
 def positive_int(text: str) -> int:
