@@ -4,8 +4,9 @@
 weights (the authors' released checkpoints included) into a model without running code
 from the file; :func:`accelerate` swaps a model's modules for their fused CPU versions.
 
-Importing the package imports neither torch nor timm: those three names load them on first use, so the
-``polaformer`` command answers ``--help`` and argument errors at once.
+The ``polaformer`` command imports the package without torch or timm (the three names load them on first
+use), so it answers ``--help`` and argument errors at once; any other import of the package loads them at once,
+which registers the models with timm as before.
 """
 import sys
 
@@ -32,3 +33,9 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *__all__})
+
+
+if not is_command_line():  # a library import: the models registered with timm, as ``import polaformer`` always did
+    from . import models  # noqa: F401
+    from .backends.cpu.accelerate import accelerate
+    from .checkpoint import LoadResult, load_checkpoint

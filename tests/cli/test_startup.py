@@ -55,9 +55,12 @@ def test_help_imports_no_torch_through_the_real_entry_point():
     assert [name for name in imported if name.split(".")[0] in HEAVY or name in HEAVY] == []
 
 
-# Run in one child process: each argv through polaformer.cli.main, then which heavy modules are loaded.
+# Run in one child process that imports the package as the console script does (sys.argv[0] is the command's
+# path; another import of the package loads the runtime at once): each argv through polaformer.cli.main, then
+# which heavy modules are loaded.
 _CHILD = """
 import json, sys
+sys.argv[0] = "/usr/local/bin/polaformer"
 from polaformer.cli import main
 heavy = {heavy!r}
 results = []
@@ -160,3 +163,12 @@ def test_the_package_names_load_on_first_use(name):
     assert name in dir(polaformer)
     with pytest.raises(AttributeError, match="has no attribute 'nope'"):
         polaformer.nope  # noqa: B018
+
+
+def test_a_library_import_registers_the_models_with_timm():
+    """Outside the command, ``import polaformer`` loads the runtime at once: the models are in timm's registry, as
+    they were before the command stopped importing torch."""
+    code = "import polaformer, sys, timm; print('pola_deit_tiny_patch16_224' in timm.list_models('pola_*'))"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.strip() == "True"
