@@ -108,8 +108,8 @@ def assert_same_training(two: dict, one: dict, peak_lr: float, part: str = "mode
 def assert_same_first_step(two: list[dict], one: list[dict], key: str, rtol: float) -> None:
     """The training loss ``key`` of the first update (the first evaluation's, with eval_every 1): both runs
     computed it from the same initial weights on the same examples, so it agrees to the rounding of their sums
-    (``rtol``, from :func:`tolerances.forward_rtol`); a batch split wrongly over the processes moves it by far
-    more (the examples' losses differ by O(1))."""
+    (``rtol``, from :func:`tolerances.forward_rtol`); losses summed rather than averaged over the processes, or
+    averaged with the wrong sample counts, move it by far more."""
     assert two[0]["step"] == one[0]["step"] == 1
     assert two[0][key] == pytest.approx(one[0][key], rel=rtol, abs=0), (key, two[0][key], one[0][key], rtol)
 

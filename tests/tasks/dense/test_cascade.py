@@ -3,7 +3,10 @@ sampling ratio 0 and aligned pixel centres on mmdetection's levels), and ``detec
 on the embedded scenes and on a COCO-format folder.
 
 Tolerances (tests/README.md, tests/tolerances.py): the RoI pooling against the official rule in float64 at 1e-10, far
-above reorder_rtol(n, float64) for bilinear samples of 4 terms."""
+above reorder_rtol(n, float64) for bilinear samples of 4 terms.
+
+The eval command's segm_AP against the training's, as in test_dense_cli.py: the same weights, argmax decisions equal
+unless two scores lie within float32 rounding of each other."""
 import json
 import math
 
