@@ -8,9 +8,10 @@ Super-resolution is in test_distributed_launch.py, whose multi-node and kill -9 
 import json
 
 import pytest
+import torch
 
 from dense_helpers import kwarg_flags
-from distributed_helpers import (ALONE, RUN_FILES, assert_rank0_wrote, assert_same_first_step, assert_same_training,
+from distributed_helpers import (RUN_FILES, assert_rank0_wrote, assert_same_first_step, assert_same_training,
                                  assert_scored_alone, checkpoint, history, metrics, one_process, one_thread,
                                  scored_alone, torchrun)
 from tolerances import forward_rtol
@@ -74,7 +75,6 @@ def test_lra_two_processes_equal_one_with_the_same_global_batch(tmp_path_factory
     the dev batches are counted in global batches and split over the processes, and so is the test split the best
     weights are scored on at the end (after rank 0 wrote best.pth). Accuracies count argmax predictions: rounding
     changes one only where two logits lie within it of each other."""
-    import torch
     from torch.utils.data import DataLoader
 
     from polaformer.engine.device import place_model
