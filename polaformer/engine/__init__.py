@@ -13,7 +13,7 @@ _SOURCES = {
     "ModelBuildError": "factory", "create_model": "factory", "create_model_from_checkpoint": "factory",
     "build_optimizer": "optim", "build_scheduler": "optim",
     "amp_dtype": "device", "autocast": "device", "resolve_device": "device",
-    "Engine": "loop", "LoopSettings": "loop", "StepOutput": "loop", "Task": "loop", "TrainingDivergedError": "loop",
+    "Engine": "loop", "LoopSettings": "task", "StepOutput": "task", "Task": "task", "TrainingDivergedError": "loop",
     "TrainingInterrupted": "loop", "train": "loop",
     "StepTask": "steps", "load_task_model": "steps", "step_settings": "steps",
 }
