@@ -117,8 +117,8 @@ RESUME = ["train", *TINY, "--batch-size", "128", "--output", f"{R}/new", "--epoc
 
 CASES = [
     # settings
-    ("negative lr", [*TRAIN_DIGITS, "--lr", "-1"], "TRAIN.BASE_LR must be a finite number >= 0, got -1.0"),
-    ("NaN lr", [*TRAIN_DIGITS, "--lr", "nan"], "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
+    ("negative lr", [*TRAIN_DIGITS, "--lr", "-1"], "TRAIN.BASE_LR must be a finite number > 0, got -1.0"),
+    ("NaN lr", [*TRAIN_DIGITS, "--lr", "nan"], "TRAIN.BASE_LR must be a finite number > 0, got nan"),
     ("negative weight decay", [*TRAIN_DIGITS, "--weight-decay", "-0.1"], "TRAIN.WEIGHT_DECAY must be a finite"),
     ("label smoothing 1.5", [*TRAIN_DIGITS, "--label-smoothing", "1.5"], "MODEL.LABEL_SMOOTHING must lie in [0, 1)"),
     ("negative NUM_WORKERS", [*TRAIN_FOLDER, "--opts", "DATA.NUM_WORKERS", "-1"],

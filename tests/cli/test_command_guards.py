@@ -191,7 +191,7 @@ CASES = [
     # ablate and bench
     ("ablate, bad learning rate", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                                    f"{R}/new", "--opts", "TRAIN.BASE_LR", ".nan"],
-     "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
+     "TRAIN.BASE_LR must be a finite number > 0, got nan"),
     ("ablate --seeds 2**70", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                               f"{R}/new", "--seeds", BIG_SEED], "ABLATION.SEEDS must be an integer in [-2**63"),
     ("ablate, a row with local: bogus", ["ablate", "--config", f"{R}/bogus_row.yaml", "--output", f"{R}/new"],

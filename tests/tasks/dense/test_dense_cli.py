@@ -115,7 +115,7 @@ def test_one_line_errors(tmp_path, capsys):
         (["segment", "train", "--config", str(tmp_path / "missing.yaml")], "config file not found"),
         (["segment", "train", "--opts", "train.lrr", "1e-3"], "unknown config key 'train.lrr'"),
         (["segment", "train", "--opts", "train.lr", ".nan"], "train.lr must be a finite number > 0"),
-        (["detect", "train", "--opts", "data.batch_size", "two"], "data.batch_size expects int"),
+        (["detect", "train", "--opts", "train.batch_size", "two"], "train.batch_size expects int"),
     ]:
         code, out, err = run(argv, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
