@@ -155,11 +155,13 @@ def _parse_as(option: Option, task: str):
     return parse
 
 
-def _parse_yaml(text: str):
+def _parse_switch(text: str):
+    """A setting that is off (``false``, ``null``), on (``true``) or a name (``torch.compile``'s backend)."""
     try:
-        return load_yaml(text)
+        value = load_yaml(text)
     except yaml.YAMLError:
         return text
+    return False if value is None else value
 
 
 def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
@@ -174,7 +176,7 @@ def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
         elif option.choices:
             kwargs["choices"] = option.choices
         elif option.kind == "any":
-            kwargs.update(type=_parse_yaml, nargs="?", const=True, metavar=option.metavar)
+            kwargs.update(type=_parse_switch, nargs="?", const=True, metavar=option.metavar)
         elif option.kind is str:
             kwargs["metavar"] = option.metavar
         else:

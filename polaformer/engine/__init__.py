@@ -1,7 +1,8 @@
 """Training and evaluation: configuration, the one loop under every task, devices, model creation, checkpoints.
 
 The names below are imported from their modules on first use, so that importing one light module of the engine
-(``polaformer.engine.config``, which the command line's parser reads option values with) does not import torch.
+(``polaformer.engine.config`` and ``polaformer.engine.options``, which the command line's parser reads) does not
+import torch.
 """
 import importlib
 

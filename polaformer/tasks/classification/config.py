@@ -297,7 +297,8 @@ _DIGITS_FIELDS = {"epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "w
 
 def digits_config(model: str, data: str, options: dict, **overrides) -> tuple[TrainConfig, list]:
     """The digits demo's :class:`TrainConfig` (:func:`make_config` with ``overrides``) holding the engine options
-    ``options`` (``{name: value}``) it has fields for, and the others as ``KEY VALUE`` overrides of its official tree."""
+    ``options`` (``{name: value}``) it has fields for, and the others as ``KEY VALUE`` overrides of its official
+    tree."""
     fields = {_DIGITS_FIELDS[name]: value for name, value in options.items() if name in _DIGITS_FIELDS}
     others = {name: value for name, value in options.items() if name not in _DIGITS_FIELDS}
     config = make_config(model, data, **overrides, **fields)

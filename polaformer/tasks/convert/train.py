@@ -57,8 +57,8 @@ def convert_config(path=None, opts=(), overrides=None, *, check: bool = True) ->
         "init": "",
         "transfer": {"train_qk": False},
         "finetune": {"distill": 0.5, "temperature": 2.0},
-        "train": train_defaults("convert", steps=200, batch_size=32, eval_every=100, lr=1e-3, warmup_steps=10, weight_decay=0.0,
-                                clip_grad_norm=1.0, eval_batches=0),
+        "train": train_defaults("convert", steps=200, batch_size=32, eval_every=100, lr=1e-3, warmup_steps=10,
+                                           weight_decay=0.0, clip_grad_norm=1.0, eval_batches=0),
     })
     return configure(cfg, path, opts, overrides, check=check_convert_config if check else None)
 

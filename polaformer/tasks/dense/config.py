@@ -3,9 +3,9 @@ files (configs/dense/), ``--opts`` and flag overrides (:func:`polaformer.engine.
 
 A recipe has sections ``model``, ``data`` and ``train`` (and ``task``, which must match the command); ``train``
 holds the engine options (:mod:`polaformer.engine.options`: ``batch_size``, ``num_workers``, ``clip_grad_norm``...)
-and the schedule. The defaults are the embedded CPU recipes measured in docs/dense.md (150 Mask R-CNN steps, 300 Semantic FPN
-steps); the files in configs/dense/ are the papers' schedules. Unknown keys and wrong types are an error,
-so a typo never silently keeps a default.
+and the schedule. The defaults are the embedded CPU recipes measured in docs/dense.md (150 Mask R-CNN steps, 300
+Semantic FPN steps); the files in configs/dense/ are the papers' schedules. Unknown keys and wrong types are an
+error, so a typo never silently keeps a default.
 
 ``model.decoder_dropout`` (segmentation): the FPN decoder's spatial dropout (smp's default 0.2).
 ``train.no_decay_keys``: empty, weight decay spares norms, biases and position tables; otherwise exactly the

@@ -55,8 +55,8 @@ def diffusion_config(path=None, opts=(), overrides=None, *, check: bool = True) 
         "data": {"name": "digits", "image_size": 16, "channels": 1, "latent": False, "vae": "",
                  "valid_fraction": 0.1, "seed": 0},
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
-        "train": train_defaults("diffusion", steps=2000, batch_size=64, eval_every=500, lr=1e-3, weight_decay=0.0, ema_decay=0.999,
-                                clip_grad_norm=1.0, eval_samples=256),
+        "train": train_defaults("diffusion", steps=2000, batch_size=64, eval_every=500, lr=1e-3, weight_decay=0.0,
+                                             ema_decay=0.999, clip_grad_norm=1.0, eval_samples=256),
         # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
         # the official first three output channels
         "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",

@@ -51,8 +51,8 @@ def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         "model": {"name": "pola_lm_tiny", "attention": "pola", "context": 128, "drop_rate": 0.0},
         "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
         # a few minutes on a laptop CPU, well under the unigram baseline (docs/causal.md)
-        "train": train_defaults("lm", steps=600, batch_size=16, eval_every=200, lr=3e-3, warmup_steps=50, weight_decay=0.01,
-                                clip_grad_norm=1.0, eval_batches=25),
+        "train": train_defaults("lm", steps=600, batch_size=16, eval_every=200, lr=3e-3, warmup_steps=50,
+                                      weight_decay=0.01, clip_grad_norm=1.0, eval_batches=25),
     })
     return configure(cfg, path, opts, overrides, check=check_lm_config if check else None)
 
