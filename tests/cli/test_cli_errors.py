@@ -19,7 +19,7 @@ import pytest
 import torch
 from PIL import Image
 
-import polaformer.checkpoint
+import polaformer.files
 from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
@@ -259,7 +259,7 @@ def test_full_disk_keeps_the_old_checkpoint(work, capsys, monkeypatch):
             return FullDisk(path, mode)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_full_disk, raising=False)
+    monkeypatch.setattr(polaformer.files, "open", open_on_full_disk, raising=False)
     before = snapshot(work)
     code, _, err = run_main(["train", *TINY, "--epochs", "2", "--batch-size", "128", "--output", run,
                              "--resume", "auto"], capsys)
