@@ -89,11 +89,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ..data import UnknownDatasetError
     from ..data.folder import DatasetError
     from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError
-    from ..files import UnreadableFileError
+    from ..files import UnreadableFileError, WriteError
     from ..tasks.classification.evaluation import EvalError
 
     return (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
-            UnreadableFileError, TrainingDivergedError, FloatingPointError)
+            UnreadableFileError, WriteError, TrainingDivergedError, FloatingPointError)
 
 
 def _run(args, errors: tuple[type[Exception], ...]) -> int:

@@ -22,11 +22,9 @@ def _task_group(commands, task: str, model: str, help: str, description: str):
     parser.add_argument("--backbone-kwarg", dest="backbone_kwargs", action="append", type=parse_model_kwarg,
                         metavar="KEY=VALUE", help="timm.create_model option of the backbone, e.g. img_size=512; repeatable")
     add_train_options(parser, "dense train", (
-        ("steps", positive_int, "optimizer steps, overriding the epochs"),
-        ("eval_every", positive_int, "evaluate every N steps (default: at the end)"),
         ("train_size", positive_int, "digits: number of training canvases"),
         ("val_size", positive_int, "digits: number of validation canvases"),
-    ), output=f"runs/{task}/BACKBONE", opts_example="train.lr 1e-4 data.batch_size 4")
+    ), output=f"runs/{task}/BACKBONE", opts_example="train.lr 1e-4 train.batch_size 4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sub, parser
 

@@ -31,10 +31,7 @@ def add_lra_parser(commands) -> None:
     train.add_argument("--attention", metavar="NAME", help="token mixer (default: the config's; see docs/lra.md)")
     train.add_argument("--attention-option", dest="attention_options", action="append", type=parse_model_kwarg,
                        metavar="KEY=VALUE", help="option of that attention, e.g. alpha=3 or gate_init=zeros; repeatable")
-    train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
     add_train_options(train, "lra train", (
-        ("warmup_steps", int, "one-cycle warm-up steps"),
-        ("eval_every", positive_int, "evaluate the dev split every N steps"),
         ("limit_train", positive_int, "use the first N training examples"),
         ("limit_dev", positive_int, "use the first N dev examples"),
         ("limit_test", positive_int, "use the first N test examples"),

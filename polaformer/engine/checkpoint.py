@@ -29,15 +29,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..files import atomic_write
 from .parallel import SHARDED
 
-# The errors, the atomic writer and the safe reader are shared with the public loader.
+# The errors and the safe reader are shared with the public loader.
 from ..checkpoint import (  # noqa: F401  (re-exported)
     ArchitectureMismatchError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    atomic_write,
     check_weight_values,
     compare_state_dicts,
     read_checkpoint,

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import CorruptCheckpointError, atomic_write, read_checkpoint, with_checksum
+from ..checkpoint import CorruptCheckpointError, read_checkpoint, with_checksum
+from ..files import atomic_write
 from .config import ConfigError
 from .distributed import DistContext
 

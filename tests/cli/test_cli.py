@@ -118,8 +118,9 @@ def test_eval_checkpoint_whose_weights_do_not_fit(trained, tmp_path, capsys):
     [
         (["train", "--no-such-option"], "unrecognized arguments: --no-such-option"),
         (["train", "--epoch", "3"], "unrecognized arguments: --epoch 3"),  # no silent abbreviations
-        (["train", "--epochs", "many"], "must be a positive integer, got 'many'"),
-        (["train", "--batch-size", "0"], "must be a positive integer, got '0'"),
+        (["train", "--epochs", "many"], "argument --epochs: must be a finite number > 0, got 'many'"),
+        (["train", "--batch-size", "two"], "argument --batch-size: must be a positive integer, got 'two'"),
+        (["train", "--batch-size", "0"], "DATA.BATCH_SIZE must be a positive integer, got 0"),  # with the config
         (["train", "--model-kwarg", "depth"], "expected KEY=VALUE"),
         (["train", "--data", "imagenet"], "invalid choice: 'imagenet'"),
         (["eval"], "the following arguments are required: --checkpoint"),
@@ -166,8 +167,9 @@ def _subparser(parser, path):
 
 @pytest.mark.parametrize("command", [c for c in FLAG_KEYS if c != "dense train"] + ["detect train", "segment train"])
 def test_every_flag_of_the_table_is_an_option_of_its_command(command):
-    """FLAG_KEYS is the one flag -> key path: each of a command's options is on its parser, and a step-based
-    command's help names the key the option sets (detect and segment train share 'dense train')."""
+    """FLAG_KEYS is the one flag -> key path of a command's own options (its engine options: tests/engine/
+    test_options.py): each is on its parser, and a step-based command's help names the key the option sets (detect
+    and segment train share 'dense train')."""
     table = FLAG_KEYS["dense train" if command in ("detect train", "segment train") else command]
     actions = {a.dest: a for a in _subparser(build_parser(), command.split())._actions}
     assert set(table) <= set(actions), set(table) - set(actions)

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 import polaformer.checkpoint
+import polaformer.files
 from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot, within
 from conftest import REPO
 from polaformer.cli import main
@@ -191,7 +192,7 @@ CASES = [
     # ablate and bench
     ("ablate, bad learning rate", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                                    f"{R}/new", "--opts", "TRAIN.BASE_LR", ".nan"],
-     "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
+     "TRAIN.BASE_LR must be a finite number > 0, got nan"),
     ("ablate --seeds 2**70", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                               f"{R}/new", "--seeds", BIG_SEED], "ABLATION.SEEDS must be an integer in [-2**63"),
     ("ablate, a row with local: bogus", ["ablate", "--config", f"{R}/bogus_row.yaml", "--output", f"{R}/new"],
@@ -389,7 +390,7 @@ def test_lm_train_onto_a_full_disk_is_the_documented_line(work, tmp_path, capsys
             return io.BufferedWriter(FillsUp(path, mode.replace("b", "")))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_a_small_disk, raising=False)
+    monkeypatch.setattr(polaformer.files, "open", open_on_a_small_disk, raising=False)
     code, _, err = run_main(["lm", "train", *LM, "--output", tmp_path / "run"], capsys)
     assert code == 2, err
     assert error_line(err, logs_allowed=True).endswith(

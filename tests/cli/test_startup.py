@@ -82,7 +82,7 @@ def _run_child(argvs):
 
 
 ARGUMENT_ERRORS = [
-    ["train", "--epochs", "0"],  # a type's refusal
+    ["train", "--epochs", "many"],  # a type's refusal
     ["train", "--data", "nope"],  # a choice
     ["train", "--model", ""],  # an empty value
     ["train", "--epoch", "3"],  # no abbreviations

@@ -13,7 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
-import polaformer.checkpoint
+import polaformer.files
 from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
@@ -343,7 +343,7 @@ def test_full_disk_and_a_killed_runs_temporary(runs, task, capsys, tmp_path, mon
             return FullDisk(path, mode)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_full_disk, raising=False)
+    monkeypatch.setattr(polaformer.files, "open", open_on_full_disk, raising=False)
     last = (run / "last.pth").read_bytes()
     code, out, err = run_main([*argv, "--resume", "auto"], capsys)
     assert code == 2, err

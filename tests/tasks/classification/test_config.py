@@ -218,7 +218,7 @@ def test_freeze_and_clone():
 @pytest.mark.parametrize(
     "opts, fragment",
     [
-        (["TRAIN.EPOCHS", "0"], "TRAIN.EPOCHS must be a positive integer"),
+        (["TRAIN.EPOCHS", "0"], "TRAIN.EPOCHS must be a finite number > 0"),
         (["TRAIN.OPTIMIZER.NAME", "lamb"], "TRAIN.OPTIMIZER.NAME must be 'adamw' or 'sgd'"),
         (["TRAIN.LR_SCHEDULER.NAME", "linear"], "TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step'"),
         (["TRAIN.EMA.DECAY", "1.5"], "TRAIN.EMA.DECAY must lie in"),

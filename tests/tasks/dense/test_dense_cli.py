@@ -119,7 +119,7 @@ def test_one_line_errors(tmp_path, capsys):
         (["segment", "train", "--config", str(tmp_path / "missing.yaml")], "config file not found"),
         (["segment", "train", "--opts", "train.lrr", "1e-3"], "unknown config key 'train.lrr'"),
         (["segment", "train", "--opts", "train.lr", ".nan"], "train.lr must be a finite number > 0"),
-        (["detect", "train", "--opts", "data.batch_size", "two"], "data.batch_size expects int"),
+        (["detect", "train", "--opts", "train.batch_size", "two"], "train.batch_size expects int"),
     ]:
         code, out, err = run(argv, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
@@ -176,7 +176,12 @@ def test_run_folder_guarantees_and_checkpoints_of_the_earlier_layout(tmp_path, c
     new = torch.load(out_dir / "last.pth", weights_only=True)
     old_dir = tmp_path / "old"
     old_dir.mkdir()
-    torch.save({"task": "segment", "config": new["config"], "model": new["model"], "step": 1, "metrics": new["metrics"],
+    # the recipe as earlier versions laid it out: batch and workers in data, clipping as train.clip_grad
+    config = {**new["config"], "data": dict(new["config"]["data"]), "train": dict(new["config"]["train"])}
+    config["data"]["batch_size"], config["data"]["workers"] = (config["train"].pop(key) for key in ("batch_size",
+                                                                                                   "num_workers"))
+    config["train"]["clip_grad"] = config["train"].pop("clip_grad_norm")
+    torch.save({"task": "segment", "config": config, "model": new["model"], "step": 1, "metrics": new["metrics"],
                 "best": new["best"]["mIoU"], "optimizer": new["optimizer"]}, old_dir / "last.pth")
     code, out, err = run(["segment", "eval", "--checkpoint", str(old_dir / "last.pth"), "--val-size", "2",
                           "--device", "cpu"], capsys)

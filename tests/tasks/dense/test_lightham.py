@@ -99,7 +99,7 @@ def test_recipes_are_the_official_configs(name):
     official = MANIFEST[name]["recipe"]
     recipe = load_recipe("segment", f"configs/dense/lightham_pola_b{name[-1]}_160k.yaml")
     data, train, model = recipe["data"], recipe["train"], recipe["model"]
-    assert data["batch_size"] == official["images_per_gpu"] * official["gpus"] == 64
+    assert train["batch_size"] == official["images_per_gpu"] * official["gpus"] == 64
     assert (train["lr"], train["weight_decay"], sorted(train["no_decay_keys"]), train["head_lr_mult"]) == (
         official["lr"], official["weight_decay"], official["no_decay_keys"], official["head_lr_mult"])
     assert (train["warmup_steps"], train["power"], train["steps"]) == (
