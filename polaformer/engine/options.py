@@ -155,7 +155,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("parallel", "under torchrun: ddp (each process holds the model) or fsdp (each holds a shard)", kind=str,
            default="ddp", choices=PARALLEL, official="TRAIN.PARALLEL", may_change=True),
     Option("compile", "torch.compile: false or null off, true inductor, an inductor mode (reduce-overhead: CUDA "
-           "graphs), or a backend name", kind="any", default=None, official="TRAIN.COMPILE", may_change=True, metavar="BACKEND"),
+           "graphs), or a backend name", kind="any", default=None, official="TRAIN.COMPILE", may_change=True,
+           metavar="BACKEND"),
     Option("grad_checkpointing", "recompute each block's activations in the backward pass", kind=bool,
            default=False, official="TRAIN.USE_CHECKPOINT", may_change=True,
            flags=("--grad-checkpointing", "--use-checkpoint")),
