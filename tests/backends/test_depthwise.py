@@ -221,7 +221,7 @@ def test_fused_local_branch_is_skipped_with_gradients_or_while_tracing(monkeypat
     layer = accelerate(layer)
     v.requires_grad_()
     assert layer.local_branch_and_gate(out, v, g, 6, 7) is not out
-    import polaformer.backends.cpu.accelerate as accelerated
+    import polaformer.acceleration as accelerated
 
     monkeypatch.setattr(accelerated, "capturing", lambda: True)
     with torch.no_grad():

@@ -155,7 +155,7 @@ def test_the_package_names_load_on_first_use(name):
     """``from polaformer import accelerate, load_checkpoint, LoadResult`` works as before the package stopped
     importing torch."""
     import polaformer
-    from polaformer.backends.cpu.accelerate import accelerate
+    from polaformer.acceleration import accelerate
     from polaformer.checkpoint import LoadResult, load_checkpoint
 
     assert getattr(polaformer, name) is {"accelerate": accelerate, "load_checkpoint": load_checkpoint,

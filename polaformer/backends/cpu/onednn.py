@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...capture import capturing
 from .native import native_kernels
-from ...ops.dispatch import capturing
 
 __all__ = ["Policy", "gelu", "gelu_linear", "linear", "mlp", "onednn_linear_available", "policy"]
 
