@@ -13,8 +13,8 @@ import torch
 
 import polaformer.backends.cpu.native as native_mod
 import polaformer.ops.dispatch as dispatch
-import polaformer.ops.pacs_attention as pacs
-import polaformer.ops.pola_attention as pa
+import polaformer.ops.pacs.autograd as pacs
+import polaformer.ops.pola.autograd as pa
 from polaformer.ops import _common
 from polaformer.ops._common import sum_to
 from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles

@@ -22,7 +22,7 @@ from polaformer.ops import (
     rope_angles,
     tokens_to_map,
 )
-from polaformer.ops.pacs_attention import _ROPE_TABLE_CACHE
+from polaformer.ops.pacs.autograd import _ROPE_TABLE_CACHE
 
 pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 

@@ -247,7 +247,7 @@ def test_bad_shapes_raise_clear_errors(shapes, message):
 
 def test_graph_capture_path_matches_naive_forward_and_backward(monkeypatch):
     """Under torch.compile / export / ONNX the op runs its functional form: it must be as exact."""
-    import polaformer.ops.pola_attention as pola_ops
+    import polaformer.ops.pola.op as pola_ops
 
     monkeypatch.setattr(pola_ops, "capturing", lambda: True)
     q, k, v, w = pola_inputs(2, 3, 11, 7, 4, 6, seed=12)

@@ -19,8 +19,8 @@ from interpreted_kernels import kernel_writes
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from polaformer.backends.triton import causal as triton_causal
-from polaformer.ops import causal as causal_ops
+from polaformer.ops.causal import triton as triton_causal
+from polaformer.ops.causal import op as causal_ops
 from polaformer.ops import causal_pacs_linear_attention, causal_pola_linear_attention, rope_1d
 from polaformer.ops.causal import CausalState
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polaformer.backends.triton import causal as triton_causal
+from polaformer.ops.causal import triton as triton_causal
 from polaformer.ops import (
     causal_linear_attention,
     causal_pacs_linear_attention,
