@@ -200,7 +200,7 @@ def test_each_op_folder_holds_its_forms(op):
     assert any(n.name.startswith("naive_") for n in reference.body if isinstance(n, ast.FunctionDef))
     decorators = list(_decorated(folder / "triton.py"))
     assert any(d.startswith("triton.jit") and name.endswith("_kernel") for name, d in decorators)
-    assert any(d.startswith(f"torch.library.triton_op('polaformer::") for _, d in decorators)
+    assert any(d.startswith("torch.library.triton_op('polaformer::") for _, d in decorators)
 
 
 def test_no_module_outside_an_op_folder_defines_its_kernels():
