@@ -302,7 +302,8 @@ class Config:
 
     def to_dict(self) -> dict:
         """Plain nested dicts (tuples become lists, as YAML and JSON have them)."""
-        return {key: value.to_dict() if isinstance(value, Config) else _plain(value) for key, value in self._values.items()}
+        return {key: value.to_dict() if isinstance(value, Config) else _plain(value)
+                for key, value in self._values.items()}
 
     def dump(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)
