@@ -4,8 +4,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import (FLAG_KEYS, add_allow_changed, add_engine_options, add_overwrite, option_values, print_summary,
-                     one_line, parse_model_kwarg, positive_int, set_flags, usage_error)
+from .common import (
+    FLAG_KEYS,
+    add_allow_changed,
+    add_engine_options,
+    add_overwrite,
+    one_line,
+    option_values,
+    parse_model_kwarg,
+    positive_int,
+    print_summary,
+    set_flags,
+    usage_error,
+)
 
 __all__ = ["add_classification_parsers"]
 

@@ -41,8 +41,7 @@ from .folder import METRICS_JSON, METRICS_JSONL, RunFolder, write_json  # noqa: 
 from .optim import unwrap
 from .parallel import check_execution, gathered
 from .resume import flat_settings  # noqa: F401  (re-exported)
-from .state import Window, rng_state, seed_everything, set_rng_state  # noqa: F401  (re-exported)
-from .state import save as save_state
+from .state import Window, rng_state, save as save_state, seed_everything, set_rng_state  # noqa: F401  (re-exported)
 from .task import LoopSettings, StepOutput, Task  # noqa: F401  (re-exported)
 
 log = logging.getLogger(__name__)

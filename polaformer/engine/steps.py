@@ -1,5 +1,5 @@
-"""What the step-based tasks (language models, super-resolution, diffusion, LRA) share, so that each states only its
-model, data, loss and evaluation.
+"""What the step-based tasks (language models, super-resolution, diffusion, LRA, conversion) share, so that each
+states only its model, data, loss and evaluation.
 
 Each such task is configured by one config tree (:class:`~.config.Config`) whose ``train`` section says how the
 loop runs. Its ``train_*`` function checks the tree once, builds its :class:`StepTask` (the data) and hands both to

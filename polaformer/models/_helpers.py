@@ -140,8 +140,8 @@ def _first_rows(out, rows: int):
     return out
 
 
-def check_architecture(drop_path_rate: float = 0.0, *, rate_name: str = "drop_path_rate", num_classes: int | None = None,
-                       ratios: Mapping[str, object] | None = None, **sizes) -> None:
+def check_architecture(drop_path_rate: float = 0.0, *, rate_name: str = "drop_path_rate",
+                       num_classes: int | None = None, ratios: Mapping[str, object] | None = None, **sizes) -> None:
     """Refuse what a constructor would otherwise build into a broken model (a 0-block model, a division by zero
     heads, 0 input channels, an MLP of no width, NaN stochastic depth, -1 classes), one ValueError naming the
     argument. ``sizes``: counts (depth, num_heads, in_chans, sr_ratios, window_size...), each a positive integer

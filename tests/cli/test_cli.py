@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from conftest import REPO
 from polaformer.cli import build_parser, main
 from polaformer.cli.common import FLAG_KEYS, TRAIN_FLAG_MEANINGS
-from conftest import REPO
 
 TINY = [
     "--model", "vit_tiny_patch16_224",
@@ -77,7 +77,8 @@ def test_eval_reproduces_the_final_top1(trained, capsys):
 
 def test_eval_with_the_right_model_name(trained, capsys):
     output, _ = trained
-    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "vit_tiny_patch16_224"], capsys)
+    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "vit_tiny_patch16_224"],
+                            capsys)
     assert code == 0, err
 
 
@@ -98,7 +99,8 @@ def test_eval_corrupt_checkpoint(tmp_path, capsys):
 
 def test_eval_checkpoint_of_another_architecture(trained, capsys):
     output, _ = trained
-    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "pola_deit_digits"], capsys)
+    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "pola_deit_digits"],
+                            capsys)
     assert code == 2
     assert_one_line_error(err, "'vit_tiny_patch16_224'", "'pola_deit_digits'")
 

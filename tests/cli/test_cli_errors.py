@@ -20,11 +20,11 @@ import torch
 from PIL import Image
 
 import polaformer.files
+from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
+from conftest import REPO
 from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
-from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
-from conftest import REPO
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]

@@ -12,8 +12,7 @@ import sys
 import pytest
 
 from conftest import REPO
-from polaformer.cli import build_parser
-from polaformer.cli import classification as cli_classification
+from polaformer.cli import build_parser, classification as cli_classification
 
 HEAVY = ("torch", "timm", "polaformer.models", "torchvision")
 

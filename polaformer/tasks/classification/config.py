@@ -37,8 +37,17 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from ...data import DEFAULT_DATA
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings,
-                              configure, unit)
+from ...engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    Config,
+    ConfigError,
+    check_settings,
+    configure,
+    unit,
+)
 from ...engine.options import CLASSIFICATION, add_official, check_options, keyed_values
 
 # The model `polaformer train` uses when none is named.

@@ -35,7 +35,6 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
 from ...data import DATASETS, DEFAULT_DATA, get_data_spec
 from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_model_state, read_run_checkpoint
-from ...engine.parallel import SHARDED
 from ...engine.config import Config, ConfigError, merge_opts
 from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
@@ -43,6 +42,7 @@ from ...engine.factory import check_forward, create_model, create_model_from_che
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import build_optimizer, build_scheduler, global_batch_size, lr_scale
 from ...engine.options import CLASSIFICATION, loop_kwargs, official_values, resumable_keys
+from ...engine.parallel import SHARDED
 from .config import DIGITS_EVAL_BATCH_SIZE, TrainConfig, check_config, config_from_train_config, resolve_model_name
 
 log = logging.getLogger(__name__)
@@ -231,7 +231,8 @@ class ClassificationTask(Task):
         return (
             f"training {self.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on "
             f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: "
-            f"{_images(self.data.train)} train / {_images(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
+            f"{_images(self.data.train)} train / {_images(self.data.val)} val images, {self.data.num_classes} classes, "
+            f"{engine.settings.epochs} epochs, "
             f"{engine.ctx.world_size} processes x batch {cfg.DATA.BATCH_SIZE} x {engine.accumulation_steps} "
             f"accumulation = global batch {global_batch_size(cfg, engine.ctx.world_size)}, lr "
             f"{cfg.TRAIN.BASE_LR * lr_scale(cfg):.3e}, device {engine.device}"
@@ -262,7 +263,8 @@ class ClassificationTask(Task):
         return self.cfg.to_dict()
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        missing = [key for key in REQUIRED_KEYS if key not in checkpoint and not (key == "model" and SHARDED in checkpoint)]
+        missing = [key for key in REQUIRED_KEYS
+                   if key not in checkpoint and not (key == "model" and SHARDED in checkpoint)]
         if missing:
             raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
         check_metadata(checkpoint, path)
@@ -392,7 +394,8 @@ def loop_settings(cfg: Config) -> LoopSettings:
     )
 
 
-def _prepare(config: Config | TrainConfig, data: TrainData | None, opts: Sequence) -> tuple[ClassificationTask, LoopSettings]:
+def _prepare(config: Config | TrainConfig, data: TrainData | None,
+             opts: Sequence) -> tuple[ClassificationTask, LoopSettings]:
     cfg = config_from_train_config(config) if isinstance(config, TrainConfig) else config.clone().defrost()
     merge_opts(cfg, opts)
     check_config(cfg)

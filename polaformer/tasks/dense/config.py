@@ -21,8 +21,8 @@ import os
 from collections.abc import Sequence
 
 from ...engine.config import POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings, configure, fraction, unit
-from ...limits import check_allocation, check_batch_memory
 from ...engine.steps import check_train_options, train_defaults
+from ...limits import check_allocation, check_batch_memory
 
 __all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]
 
@@ -110,7 +110,8 @@ def check_recipe(cfg: Config) -> None:
         check_batch_memory(cfg.train.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
                            what=f"a batch of data.crop_size {data.crop_size} crops")
     if not all(isinstance(key, str) and key for key in cfg.train.no_decay_keys):
-        raise ConfigError(f"train.no_decay_keys must be a list of parameter-name parts, got {cfg.train.no_decay_keys!r}")
+        raise ConfigError(
+            f"train.no_decay_keys must be a list of parameter-name parts, got {cfg.train.no_decay_keys!r}")
     if cfg.task == "segment":
         if data.format == "ade":  # the evaluation's int64 confusion matrix, before a class is counted
             classes = data.num_classes

@@ -25,8 +25,8 @@ from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.distributed import ShardSampler
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
-from ...engine.options import loop_kwargs, resumable_keys, section_values
 from ...engine.optim import param_groups, unwrap
+from ...engine.options import loop_kwargs, resumable_keys, section_values
 from ...engine.output import claim_outputs, distinct_names, write_image
 from .config import DEFAULTS
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
@@ -47,7 +47,8 @@ SEGMENT_DIGIT_CLASSES = ("background",) + DigitScenes.classes
 def detection_data(data: dict, *, train: bool = True):
     """``(train set or None, validation set)``."""
     if data["format"] == "digits":
-        return DigitScenes("train", size=data["train_size"]) if train else None, DigitScenes("val", size=data["val_size"])
+        train_set = DigitScenes("train", size=data["train_size"]) if train else None
+        return train_set, DigitScenes("val", size=data["val_size"])
     if data["format"] == "coco":
         for key in ("train_images", "train_annotations", "val_images", "val_annotations")[0 if train else 2:]:
             if not data.get(key):

@@ -14,14 +14,23 @@ from torch import nn
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_dit_*)
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
-                              fraction, unit)
+from ...engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE_INT,
+    SEED,
+    Config,
+    ConfigError,
+    check_settings,
+    configure,
+    fraction,
+    unit,
+)
 from ...engine.device import resolve_device
 from ...engine.distributed import all_reduce_sum
-from ...limits import check_batch_memory
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import (StepTask, check_train_options, load_task_model, saved_config, step_settings,
-                             train_defaults)
+from ...engine.steps import StepTask, check_train_options, load_task_model, saved_config, step_settings, train_defaults
+from ...limits import check_batch_memory
 from .data import LATENT_SCALE, NoisedImages, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 

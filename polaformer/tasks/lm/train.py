@@ -14,15 +14,25 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_lm_*)
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE_INT, SEED, Config, ConfigError, Range, check_settings,
-                              configure, fraction, unit)
+from ...data.text import ByteWindows, stdlib_corpus
+from ...engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE_INT,
+    SEED,
+    Config,
+    ConfigError,
+    Range,
+    check_settings,
+    configure,
+    fraction,
+    unit,
+)
 from ...engine.distributed import all_reduce_sum, shard
-from ...limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import warmup_cosine
-from ...data.text import ByteWindows, stdlib_corpus
-from ...engine.steps import (StepTask, check_train_options, load_task_model, saved_config, step_settings,
-                             train_defaults)
+from ...engine.steps import StepTask, check_train_options, load_task_model, saved_config, step_settings, train_defaults
+from ...limits import check_allocation
 
 __all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
            "train_lm", "unigram_bits_per_byte"]

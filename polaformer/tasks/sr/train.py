@@ -15,19 +15,18 @@ from tqdm import tqdm
 
 from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights
-from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings, configure,
-                              fraction)
+from ...engine.config import COUNT, POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings, configure, fraction
 from ...engine.distributed import all_gather_object
-from ...limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import (StepTask, check_train_options, load_task_model, saved_config, step_settings,
-                             train_defaults)
+from ...engine.steps import StepTask, check_train_options, load_task_model, saved_config, step_settings, train_defaults
+from ...limits import check_allocation
 from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
 
-__all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upscale", "build_sr_model", "check_sr_config",
-           "evaluate_sr", "load_sr_model", "model_upscaler", "official_state_dict", "sr_config", "sr_pairs", "train_sr"]
+__all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upscale", "build_sr_model",
+           "check_sr_config", "evaluate_sr", "load_sr_model", "model_upscaler", "official_state_dict", "sr_config",
+           "sr_pairs", "train_sr"]
 
 log = logging.getLogger(__name__)
 
