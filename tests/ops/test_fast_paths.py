@@ -1,4 +1,5 @@
-"""Shortcuts of the fast paths (layouts, cached tables, the blocked no-gradient forward): same values as the plain forms, never stale.
+"""Shortcuts of the fast paths (layouts, cached tables, the blocked no-gradient forward): same values as the plain
+forms, never stale.
 
 Tolerances (tests/README.md, tests/tolerances.py): float64 forms of one computation added in other orders agree to
 reorder_rtol(n, float64)·κ = 2.2e-16·n·κ; the sums here have at most 64 terms (24 channels x a 3x3 conv, 23 keys x 4

@@ -24,7 +24,8 @@ F64 = torch.float64
 
 def _inputs(b, h, n, d, dv, seed):
     gen = torch.Generator().manual_seed(seed)
-    make = lambda *s: torch.randn(*s, generator=gen, dtype=F64).requires_grad_()
+    def make(*s):
+        return torch.randn(*s, generator=gen, dtype=F64).requires_grad_()
     return make(b, h, n, d), make(b, h, n, d), make(b, h, n, dv)
 
 

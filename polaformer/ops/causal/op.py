@@ -255,7 +255,8 @@ def causal_pola_linear_attention(
         eps: added to each stream's normaliser (over the prefix mean, as in the bidirectional op).
         chunk_size: tokens per chunk (the results do not depend on it beyond rounding).
         key_padding_mask: (B, N) bool, True at padding: those keys count for no query.
-        cu_seqlens: packed sequences (1, H, T, ·) with (S + 1,) offsets (:mod:`polaformer.ops.varlen`); excludes the mask.
+        cu_seqlens: packed sequences (1, H, T, ·) with (S + 1,) offsets (:mod:`polaformer.ops.varlen`); excludes the
+            mask.
         cu_seqlens_k: accepted only equal to ``cu_seqlens`` (keys are the queries' own tokens).
         initial_state: the state after earlier tokens (a prompt), as :func:`causal_pola_step` returns it.
         return_state: also return the :class:`CausalState` after the last token.

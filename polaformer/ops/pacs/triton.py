@@ -23,9 +23,10 @@ the two channels of a RoPE pair share theirs), each query row of each stream by 
 that shift, ``eps`` with it. A feature is formed as ``e^(x+s−c)·(1 − e^-x)``, exact near 0 too; every exponent
 is ≤ 0, so the result is finite wherever the exact one is, with no host synchronisation.
 
-Launches and determinism as in :mod:`.pola` (:func:`polaformer.backends.triton.common.plan`): one forward launch and one backward launch
-at the models' shapes; long sequences with few (sequence, head) pairs split the keys over a state launch and
-the backward over a query-side and a key-side launch, partial sums added in a fixed order, no atomics.
+Launches and determinism as in :mod:`.pola` (:func:`polaformer.backends.triton.common.plan`): one forward launch
+and one backward launch at the models' shapes; long sequences with few (sequence, head) pairs split the keys
+over a state launch and the backward over a query-side and a key-side launch, partial sums added in a fixed order,
+no atomics.
 """
 from __future__ import annotations
 
@@ -774,8 +775,8 @@ def pacs_forward(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_m
     """Run the forward kernel(s); returns ``(out, state, call)``. ``out`` (B, H, N, dv), any strides, is written
     in place when given. ``raw``: the temperatures are given as their raw weights (``sigmoid`` in the kernels);
     ``local`` (B, H, N', dv) and ``gate`` (B, H, N, dv): the output is ``(attention + local) · gate``, the local
-    branch on the last N' queries. ``traced``: launched as a registered op's body (:func:`polaformer.backends.triton.common.traceable`).
-    Arguments are assumed checked by the op."""
+    branch on the last N' queries. ``traced``: launched as a registered op's body
+    (:func:`polaformer.backends.triton.common.traceable`). Arguments are assumed checked by the op."""
     launch = traceable if traced else _as_is
     _check_tables(sin, cos)
     call = _Call(q, k, v, temp_same, temp_opposite, sin, key_padding_mask, cu_seqlens, cu_seqlens_k, raw, local,

@@ -19,8 +19,8 @@ and ``eps`` with it. The shifts cancel between numerator and normaliser, no feat
 is finite wherever the exact one is, with no host synchronisation; the same formulation as the op's torch
 path (``formulation.pola_attention_graph``).
 
-Launches (:func:`polaformer.backends.triton.common.plan`): at the models' shapes one program per (query span, head, sequence) builds
-the key state itself and writes its queries' output, one launch; the backward is one program per (head,
+Launches (:func:`polaformer.backends.triton.common.plan`): at the models' shapes one program per (query span, head,
+sequence) builds the key state itself and writes its queries' output, one launch; the backward is one program per (head,
 sequence) for the query side then the key side, one launch (plus one torch sum for the exponent's gradient
 over the sequences). Long sequences with few (sequence, head) pairs split the keys over a state launch and the
 backward over a query-side and a key-side launch; partial sums are added in a fixed order, no atomics.
@@ -627,8 +627,9 @@ def pola_forward(q, k, v, power, eps, key_padding_mask=None, cu_seqlens=None, cu
                  save_state=True, *, alpha=None, scale=None, key_positions=None, local=None, gate=None, traced=False):
     """Run the forward kernel(s); returns ``(out, state, call)``, ``state`` (sequences, heads, width) holding
     each sequence's state for the backward when ``save_state``. ``out`` (B, H, N, dv), any strides, is written
-    in place when given. ``traced``: launched as a registered op's body (:func:`polaformer.backends.triton.common.traceable`). Arguments
-    are assumed checked by the op (:func:`pola_attention`'s)."""
+    in place when given. ``traced``: launched as a registered op's body
+    (:func:`polaformer.backends.triton.common.traceable`). Arguments are assumed checked by the op
+    (:func:`pola_attention`'s)."""
     launch = traceable if traced else _as_is
     call = _Call(q, k, v, power, key_padding_mask, cu_seqlens, cu_seqlens_k, alpha, scale, key_positions, local,
                  gate)

@@ -22,8 +22,7 @@ from polaformer.ops import (
     pola_linear_attention,
     rope_1d,
 )
-from polaformer.ops.causal import CausalState, naive_causal_linear_attention
-from polaformer.ops.causal import triton as triton_causal
+from polaformer.ops.causal import CausalState, naive_causal_linear_attention, triton as triton_causal
 
 D = 5  # odd: RoPE's last pair straddles the two feature halves; 2d = 10 channels padded to 16
 

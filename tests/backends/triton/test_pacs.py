@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from precision import half_tolerance
 
 from polaformer.ops import pacs_linear_attention, rope_2d, rope_angles
 from polaformer.ops.naive import naive_pacs_linear_attention
+from precision import half_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOLERANCE = {torch.float32: 1e-5, torch.float16: half_tolerance(torch.float16),

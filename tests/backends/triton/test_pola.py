@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from precision import half_tolerance
 
 from polaformer.ops import dispatch, naive_pola_linear_attention, pola_linear_attention
+from precision import half_tolerance
 
 SENTINEL = 1234.5
 
