@@ -36,8 +36,8 @@ from polaformer.runtime import tune_cpu_allocator
 
 from .harness import interleaved, loadavg, machine_info, markdown_table, medians
 
-__all__ = ["FAMILIES", "Family", "accuracy_rows", "accuracy_table", "reference_rows", "reference_table", "run_onnx_speed",
-           "speed_table"]
+__all__ = ["FAMILIES", "Family", "accuracy_rows", "accuracy_table", "reference_rows", "reference_table",
+           "run_onnx_speed", "speed_table"]
 
 
 @dataclass(frozen=True)
@@ -147,7 +147,8 @@ def run_onnx_speed(*, families=tuple(FAMILIES), batches=(1, 8), threads: int = 2
                        **{f"{key}_images_per_s": batch / s for key, s in seconds.items()},
                        "onnxruntime_vs_softmax_onnxruntime": seconds["softmax_onnxruntime"] / seconds["onnxruntime"],
                        "onnxruntime_vs_eager": seconds["eager"] / seconds["onnxruntime"],
-                       "softmax_onnxruntime_vs_softmax_eager": seconds["softmax_eager"] / seconds["softmax_onnxruntime"],
+                       "softmax_onnxruntime_vs_softmax_eager":
+                           seconds["softmax_eager"] / seconds["softmax_onnxruntime"],
                        **{f"{key}_max_abs_diff": d for key, d in diffs.items() if key != "eager"},
                        "ref_max_abs": float(ref.abs().max()), "load1_start": loads[0], "load1_end": loads[1]}
                 if int8:

@@ -188,11 +188,13 @@ def add_bench_parser(commands) -> None:
     deploy.add_argument("--img-size", type=positive_int, default=224)
     deploy.add_argument("--variants", nargs="+", metavar="NAME",
                         help="eager_fp32 eager_channels_last eager_bf16 compile_fp32 onnxruntime_fp32 (default: all)")
-    deploy.add_argument("--threads", type=int, default=0, help="torch and onnxruntime intra-op threads (0: torch's default)")
+    deploy.add_argument("--threads", type=int, default=0,
+                        help="torch and onnxruntime intra-op threads (0: torch's default)")
     deploy.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds per row")
     deploy.add_argument("--min-run-time", type=float, default=1.0, metavar="S", help="seconds per variant and round")
     deploy.add_argument("--row-budget", type=float, default=240.0, metavar="S",
-                        help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take longer")
+                        help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take "
+                             "longer")
     deploy.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
     add_overwrite(deploy, "results in --out")
@@ -220,8 +222,8 @@ def add_bench_parser(commands) -> None:
                       help="also score this 'polaformer train' checkpoint on its test split: eager and onnxruntime, "
                            "float32 and int8 (with --families none: only that)")
     onnx.add_argument("--reference", metavar="DIR",
-                      help="also compare our whole models, float32 and int8, with the official outputs of the reference "
-                           "vectors in DIR (<case>.json + .safetensors)")
+                      help="also compare our whole models, float32 and int8, with the official outputs of the "
+                           "reference vectors in DIR (<case>.json + .safetensors)")
     rows_files(onnx, markdown=True)
     onnx.set_defaults(handler=cmd_bench_family, run_family=_bench_onnx, seconds_flags=("--min-time",))
 
@@ -251,8 +253,15 @@ def _print_line(msg: str) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.scaling import (
-        DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SIZES, DEFAULT_TOKENS, OP_METHODS, QUICK_SIZES, QUICK_TOKENS,
-        BenchConfig, run_bench,
+        DEFAULT_METHODS,
+        DEFAULT_MODELS,
+        DEFAULT_SIZES,
+        DEFAULT_TOKENS,
+        OP_METHODS,
+        QUICK_SIZES,
+        QUICK_TOKENS,
+        BenchConfig,
+        run_bench,
     )
     from ..engine.output import claim_outputs
 
@@ -431,7 +440,13 @@ def _bench_deploy(args: argparse.Namespace) -> int:
 
 def _bench_onnx(args: argparse.Namespace) -> int:
     from ..bench.onnx_speed import (
-        FAMILIES, accuracy_rows, accuracy_table, reference_rows, reference_table, run_onnx_speed, speed_table,
+        FAMILIES,
+        accuracy_rows,
+        accuracy_table,
+        reference_rows,
+        reference_table,
+        run_onnx_speed,
+        speed_table,
     )
 
     families = tuple(FAMILIES) if args.families is None else tuple(f for f in args.families if f != "none")

@@ -17,7 +17,12 @@ import polaformer.models  # noqa: E402,F401
 from polaformer.cli import main  # noqa: E402
 from polaformer.export import export_onnx, quantize_int8  # noqa: E402
 from polaformer.ops import (  # noqa: E402
-    learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention, rope_2d, rope_angles,
+    learnable_power,
+    pacs_linear_attention,
+    pacs_temperature,
+    pola_linear_attention,
+    rope_2d,
+    rope_angles,
 )
 
 SLOW_ORT_OPS = {"Where", "Pow", "Sign", "Softplus"}  # scalar loops in onnxruntime's CPU provider
@@ -105,7 +110,8 @@ def test_export_int8_quantizes_only_the_linear_layers_and_reports_speed(tmp_path
     # q/k/v/gate, output projection, two MLP layers, head; the attention's own products stay float32
     assert ops.count("DynamicQuantizeMatMul") + ops.count("MatMulInteger") == 5
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
-    assert np.isfinite(ort.InferenceSession(str(out), providers=["CPUExecutionProvider"]).run(None, {"images": x})[0]).all()
+    session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    assert np.isfinite(session.run(None, {"images": x})[0]).all()
 
 
 def test_export_int8_failure_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):

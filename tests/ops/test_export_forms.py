@@ -4,8 +4,8 @@ equal to the log-domain graph form. Export is for inference: forward only."""
 import pytest
 import torch
 
-import polaformer.ops.pacs_attention as pacs_ops
-import polaformer.ops.pola_attention as pola_ops
+import polaformer.ops.pacs.op as pacs_op
+import polaformer.ops.pola.op as pola_op
 from polaformer.ops import (
     learnable_power,
     naive_pacs_linear_attention,
@@ -16,6 +16,8 @@ from polaformer.ops import (
     rope_2d,
     rope_angles,
 )
+from polaformer.ops.pacs.formulation import pacs_attention_graph
+from polaformer.ops.pola.formulation import pola_attention_graph
 
 F64 = torch.float64
 
@@ -24,11 +26,15 @@ F64 = torch.float64
 def exported(monkeypatch):
     """The ops as torch.export sees them, with the export forms counted."""
     calls = []
-    for module, name in ((pola_ops, "_pola_attention_export"), (pacs_ops, "_pacs_attention_export")):
-        form = getattr(module, name)
+    for module, name in ((pola_op, "pola_attention_export"), (pacs_op, "pacs_attention_export")):
+        form = module._FORMS["export"]
         monkeypatch.setattr(module, "capturing", lambda: True)
         monkeypatch.setattr(module, "exporting", lambda: True)
-        monkeypatch.setattr(module, name, lambda *a, _form=form, _name=name: calls.append(_name) or _form(*a))
+        def counted(*args, _form=form, _name=name):
+            calls.append(_name)
+            return _form(*args)
+
+        monkeypatch.setitem(module._FORMS, "export", counted)
     return calls
 
 
@@ -55,7 +61,7 @@ def test_pola_export_form_equals_the_reference(exported, n, m, d, dv):
     mask[1, m // 2:] = True
     _close(pola_linear_attention(q, k, v, power, key_padding_mask=mask),
            naive_pola_linear_attention(q, k, v, power, key_padding_mask=mask), 1e-12)
-    assert exported == ["_pola_attention_export"] * 2
+    assert exported == ["pola_attention_export"] * 2
 
 
 @pytest.mark.parametrize("magnitude", [1e2, 1e8, 1e30])
@@ -64,7 +70,7 @@ def test_pola_export_form_stays_finite_and_exact_at_large_magnitudes(exported, m
     q, k, v, power = _pola_inputs(13, 13, 4, 4, seed=3, dtype=torch.float32)
     q, k = q * magnitude, k * magnitude
     out = pola_linear_attention(q, k, v, power)
-    ref = pola_ops._pola_attention_graph(q.double(), k.double(), v.double(), power.double(), 1e-6, None, 13)
+    ref = pola_attention_graph(q.double(), k.double(), v.double(), power.double(), 1e-6, None, 13)
     assert torch.isfinite(out).all()
     _close(out.double(), ref, 1e-5)  # float32 rounding of the exponents, times p
 
@@ -89,7 +95,7 @@ def test_pacs_export_form_equals_the_reference(exported, rope):
     mask[1, 5:] = True
     _close(pacs_linear_attention(q, k, v, *temps, key_padding_mask=mask),
            naive_pacs_linear_attention(q, k, v, *temps, key_padding_mask=mask), 1e-12)
-    assert exported == ["_pacs_attention_export"] * 2
+    assert exported == ["pacs_attention_export"] * 2
 
 
 @pytest.mark.parametrize("magnitude", [10.0, 60.0])
@@ -99,7 +105,7 @@ def test_pacs_export_form_is_finite_where_plain_features_overflow(exported, magn
     q, k, v, temps, sin, cos = _pacs_inputs(3, 4, 4, seed=7, dtype=torch.float32)
     q, k = q * magnitude, k * magnitude
     out = pacs_linear_attention(q, k, v, *temps)
-    ref = pacs_ops._pacs_attention_graph(q.double(), k.double(), v.double(), *(t.double() for t in temps), None, None,
+    ref = pacs_attention_graph(q.double(), k.double(), v.double(), *(t.double() for t in temps), None, None,
                                          1e-6, None, 9)
     assert torch.isfinite(out).all()
     _close(out.double(), ref, 1e-4)  # float32 rounding of exponents up to 60·3.5, relative
