@@ -88,7 +88,8 @@ FLAG_KEYS = {
     },
     "convert train": {
         "stage": "stage", "source": "model.source", "teacher": "model.teacher", "target": "model.target",
-        "init": "init", "data": "data.name", "data_path": "data.path", "steps": "train.steps",
+        "init": "init", "data": "data.name", "data_path": "data.path", "pretrained": "model.pretrained",
+        "lora": "finetune.lora", "attention_weight": "transfer.attention_weight", "steps": "train.steps",
         "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
     },
     "diffusion train": {

@@ -21,7 +21,8 @@ def add_convert_parser(commands) -> None:
     weights = sub.add_parser("weights", help="copy every weight that has a counterpart; report what is new")
     weights.add_argument("--source", required=True, help="the softmax model: a timm name (deit_small_patch16_224, "
                                                          "swin_tiny_patch4_window7_224, pvt_v2_b2) or ours")
-    weights.add_argument("--weights", required=True, metavar="FILE", help="its trained weights")
+    weights.add_argument("--weights", metavar="FILE", help="its trained weights")
+    _pretrained_option(weights)
     weights.add_argument("--target", default="", help="the Pola model (default: the source's counterpart)")
     _kwarg_options(weights)
     weights.add_argument("--output", required=True, metavar="FILE", help="the converted weights (.pth)")
@@ -34,12 +35,19 @@ def add_convert_parser(commands) -> None:
     train.add_argument("--stage", choices=("transfer", "finetune"), help="stage")
     train.add_argument("--source", help="model.source")
     train.add_argument("--teacher", metavar="FILE", help="the softmax model's trained weights (model.teacher)")
+    _pretrained_option(train)
     train.add_argument("--target", help="model.target (default: the source's counterpart)")
     train.add_argument("--init", metavar="FILE", help="finetune: start from these weights (the transfer run's)")
     train.add_argument("--data", choices=("digits", "folder", "stdlib"), help="data.name (default: folder with "
                                                                              "--data-path, else digits)")
     train.add_argument("--data-path", metavar="DIR", help="an ImageNet-layout folder, DIR/train/<class>/<image> "
                                                           "and DIR/val/<class>/<image> (data.path)")
+    train.add_argument("--lora", type=int, metavar="RANK", help="finetune: LoRA adapters of this rank on the "
+                                                                "attention projections, merged into OUTPUT/merged.pth "
+                                                                "at the end (finetune.lora)")
+    train.add_argument("--attention-weight", type=float, metavar="W",
+                       help="transfer: add W x the attention weights' cross-entropy to the output loss "
+                            "(transfer.attention_weight)")
     _kwarg_options(train)
     add_train_options(train, "convert train",
                       output="runs/convert/STAGE", opts_example="transfer.train_qk true finetune.distill 0.7")
@@ -54,6 +62,11 @@ def add_convert_parser(commands) -> None:
     demo.set_defaults(handler=cmd_convert_demo)
 
 
+def _pretrained_option(parser) -> None:
+    parser.add_argument("--pretrained", action="store_const", const=True,
+                        help="timm's own weights of the source's name (huggingface_hub: its cache, HF_HUB_OFFLINE)")
+
+
 def _kwarg_options(parser) -> None:
     parser.add_argument("--source-kwarg", type=parse_model_kwarg, action="append", default=[], metavar="KEY=VALUE",
                         help="keyword argument of the source model (repeatable)")
@@ -63,10 +76,13 @@ def _kwarg_options(parser) -> None:
 
 def cmd_convert_weights(args: argparse.Namespace) -> int:
     from ..engine.output import claim_outputs
-    from ..tasks.convert import build_source, convert_model, save_converted, target_of
+    from ..tasks.convert import ConversionError, build_source, convert_model, save_converted, target_of
 
+    if bool(args.weights) == bool(args.pretrained):
+        raise ConversionError("give the source's trained weights: --weights FILE or --pretrained (timm's own), one "
+                              "of them")
     claim_outputs([Path(args.output)], args.overwrite)
-    source = build_source(args.source, dict(args.source_kwarg), args.weights)
+    source = build_source(args.source, dict(args.source_kwarg), args.weights, pretrained=bool(args.pretrained))
     target, target_kwargs = target_of(source, args.source, dict(args.source_kwarg), args.target,
                                       dict(args.target_kwarg))
     model, report = convert_model(source, target, target_kwargs)
@@ -86,11 +102,16 @@ def cmd_convert_train(args: argparse.Namespace) -> int:
     cfg.model.source_kwargs.merge(dict(args.source_kwarg))
     cfg.model.target_kwargs.merge(dict(args.target_kwarg))
     output, summary = train_into(train_convert, cfg, args, f"runs/convert/{cfg.stage}")
-    split = "val" if cfg.data.name == "folder" else "test"
-    score = (f"{split} top-1 {summary['best_top1']:.2f}%" if "best_top1" in summary else
-             f"valid bits/byte {summary['best_valid_bpb']:.3f}")
+    score = (f"{summary['evaluated_on']} top-1 {summary['best_top1']:.2f}%" if "best_top1" in summary else
+             f"valid bits/byte {summary['best_valid_bpb']:.3f}" if "best_valid_bpb" in summary else
+             f"valid ε-MSE {summary['best_valid_mse']:.4f}")
+    if "layer_losses" in summary:
+        print_summary("transfer loss per layer: " + ", ".join(f"{i}: {loss:.4g}"
+                                                        for i, loss in enumerate(summary["layer_losses"])))
+    merged = f", merged -> {summary['merged']}" if "merged" in summary else ""
     print_summary(f"{cfg.stage}: {score} ({summary['target']} from {summary['source']}, {summary['steps']} steps, "
-                  f"{summary['wall_time_s']:.0f}s) -> {output}")
+                  f"{summary['trained_parameters']} parameters trained, {summary['wall_time_s']:.0f}s) -> "
+                  f"{output}{merged}")
     return 0
 
 
