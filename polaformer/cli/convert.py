@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from pathlib import Path
 
 from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg,
@@ -58,6 +59,7 @@ def add_convert_parser(commands) -> None:
                                       "scratch; writes OUT/table.md and OUT/results.json.")
     demo.add_argument("--out", required=True, metavar="DIR")
     demo.add_argument("--quick", action="store_true", help="short runs (a smoke check, not the documented table)")
+    demo.add_argument("--seeds", type=int, metavar="N", help="seeds of every row (default 3; --quick 2)")
     add_overwrite(demo, "results and runs in --out")
     demo.set_defaults(handler=cmd_convert_demo)
 
@@ -120,11 +122,16 @@ def cmd_convert_demo(args: argparse.Namespace) -> int:
     from ..engine import ConfigError
     from ..engine.output import claim_outputs
 
+    if args.seeds is not None and args.seeds < 1:
+        raise ConfigError(f"--seeds must be at least 1, got {args.seeds}")
     out = Path(args.out)
     claim_outputs([out / "results.json", out / "table.md"], args.overwrite, "--out")  # before any training
-    runs = [run for run in (out / "digits", out / "lm") if run.exists()]
+    runs = [run for run in (out / "digits", out / "lm", out / "dit") if run.exists()]
     if runs and not args.overwrite:
         raise ConfigError(f"{runs[0]} already exists: --overwrite replaces the demo's runs, or choose another --out")
-    results = run_convert_demo(args.out, QUICK if args.quick else DemoSizes(), show_progress=True)
+    sizes = QUICK if args.quick else DemoSizes()
+    if args.seeds is not None:
+        sizes = replace(sizes, seeds=args.seeds, dit_seeds=min(sizes.dit_seeds, args.seeds))
+    results = run_convert_demo(args.out, sizes, show_progress=True)
     print(results["table"])
     return 0
