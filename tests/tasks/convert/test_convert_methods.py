@@ -225,6 +225,28 @@ def test_lora_trains_adapters_and_pola_tensors_only_and_merges_into_a_plain_chec
                                                                                          "dwc.bias")})
 
 
+def test_polaformer_train_finetune_with_lora_writes_a_merged_checkpoint(tmp_path, capsys):
+    kwargs = dict(patch_size=2, embed_dim=16, depth=1, num_heads=2)
+    start = timm.create_model("pola_deit_digits", **kwargs)
+    _saved(start, tmp_path / "start.pth")
+    code, _, _ = run_main(["train", "--model", "pola_deit_digits", *sum((["--model-kwarg", f"{k}={v}"]
+                                                                        for k, v in kwargs.items()), []),
+                           "--epochs", "1", "--finetune", tmp_path / "start.pth", "--lora", "2",
+                           "--output", tmp_path / "run"], capsys)
+    assert code == 0
+    merged = tmp_path / "run" / "merged.pth"
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["merged"] == str(merged)
+    plain = timm.create_model("pola_deit_digits", **kwargs)
+    load_checkpoint(plain, merged, strict=True)
+    before, after = start.state_dict(), plain.state_dict()
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved <= {"blocks.0.attn.qkvg.weight", "blocks.0.attn.proj.weight", "blocks.0.attn.power",
+                     "blocks.0.attn.scale", "blocks.0.attn.dwc.weight", "blocks.0.attn.dwc.bias", "head.weight",
+                     "head.bias"} and "head.weight" in moved and "blocks.0.attn.qkvg.weight" in moved, moved
+    code, out, _ = run_main(["eval", "--checkpoint", merged], capsys)  # a checkpoint of the plain model
+    assert code == 0 and "test top-1" in out
+
+
 def test_dit_transfer_then_noise_distillation_through_convert_train(tmp_path, capsys):
     source, name, kwargs, *_ = _source("dit", True)
     teacher = _saved(source, tmp_path / "dit.pth")
@@ -303,6 +325,8 @@ ERRORS = [
     ("bias-less target", ["convert", "weights", *_flags("vit_tiny_patch16_224", {**VIT, "qkv_bias": False}),
                           "--weights", "{tmp}/deit_nobias.pth", "--target-kwarg", "qkv_bias=False", "--output",
                           "{tmp}/c.pth"], r"has no gate bias"),
+    ("train lora without finetune", ["train", "--model", "pola_deit_digits", "--lora", "2", "--output", "{tmp}/out"],
+     r"MODEL\.LORA 2 \(--lora\) adapts weights it starts from: give MODEL\.PRETRAINED \(--finetune FILE\)"),
     ("demo seeds", ["convert", "demo", "--out", "{tmp}/demo", "--quick", "--seeds", "0"],
      r"--seeds must be at least 1, got 0"),
 ]
