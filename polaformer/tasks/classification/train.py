@@ -223,7 +223,7 @@ class ClassificationTask(Task):
             result = load_for_finetune(model, cfg.MODEL.PRETRAINED)
             log.info("fine-tuning from %s (%s weights)", cfg.MODEL.PRETRAINED, result.entry or "state dict")
         if cfg.MODEL.LORA:
-            from ..convert.lora import add_lora
+            from ...lora import add_lora
 
             head = model.get_classifier()
             model = add_lora(model, cfg.MODEL.LORA, train=tuple(name for name, p in model.named_parameters()
@@ -359,7 +359,7 @@ class ClassificationTask(Task):
         summary = self.summary(engine)
         if self.cfg.MODEL.LORA and engine.ctx.is_main:  # the adapters merged: the plain model's checkpoint
             from ...checkpoint import atomic_write
-            from ..convert.lora import merge_lora
+            from ...lora import merge_lora
 
             merged = {"model": merge_lora(unwrap(engine.model)).state_dict(), **self.metadata(engine)}
             summary["merged"] = str(atomic_write(engine.output / MERGED_CHECKPOINT,

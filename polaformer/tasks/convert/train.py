@@ -8,7 +8,7 @@ other):
   ``(1 − d)·CE(labels) + d·T²·KL(teacher_T ‖ student_T)`` with ``d`` = ``finetune.distill`` and ``T`` =
   ``finetune.temperature`` (DiT: ``(1 − d)·diffusion loss + d·MSE(teacher's output)``, the noise and variance
   prediction distilled), starting from ``init`` (the transfer run's checkpoint; empty: the plain copy). All of it
-  learns, or with ``finetune.lora`` RANK only LoRA adapters and the Pola layer's own tensors (:mod:`.lora`), merged
+  learns, or with ``finetune.lora`` RANK only LoRA adapters and the Pola layer's own tensors (:mod:`polaformer.lora`), merged
   into ``merged.pth`` at the end.
 
 Data: ``digits`` (the image classifiers: top-1 in % on ``data.valid_fraction`` of the training images held out,
@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader
 
 from ...checkpoint import load_checkpoint
 from ...data.digits import DigitsDataset, digits_split
+from ...data.noised import NoisedImages, digits_images, make_scheduler
 from ...data.folder import model_transforms, open_folder
 from ...data.text import ByteWindows, stdlib_corpus
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError,
@@ -37,7 +38,7 @@ from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import unwrap, warmup_cosine
 from ...engine.steps import StepTask, check_execution_keys, step_settings, train_defaults
 from .build import build_source, convert_model, save_converted, target_of
-from .lora import add_lora, merge_lora
+from ...lora import add_lora, merge_lora
 from .transfer import MAX_WEIGHT_TOKENS, WEIGHT_FAMILIES, AttentionTransfer, freeze_for_transfer
 from .weights import FAMILIES, family_of
 
@@ -166,9 +167,6 @@ class ConvertTask(StepTask):
                               f"tokens, more than {MAX_WEIGHT_TOKENS}; set it to 0")
 
     def _open_dit_digits(self, data: Config) -> None:
-        from ..diffusion.data import NoisedImages, digits_images
-        from ..diffusion.gaussian import make_scheduler
-
         if data.name != "digits":
             raise ConfigError(f"a DiT converts on the digits images (data.name digits), not {data.name}")
         teacher = self.teacher

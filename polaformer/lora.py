@@ -10,7 +10,7 @@ import re
 
 from torch import nn
 
-from ...engine.config import ConfigError
+from .engine.config import ConfigError
 
 __all__ = ["LORA_TARGETS", "add_lora", "lora_model", "merge_lora", "pola_own_parameters"]
 
