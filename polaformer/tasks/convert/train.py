@@ -33,7 +33,7 @@ from ...data.noised import NoisedImages, digits_images, make_scheduler
 from ...data.folder import model_transforms, open_folder
 from ...data.text import ByteWindows, stdlib_corpus
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError,
-                              check_settings, configure, fraction, unit)
+                              check_settings, configure, unit)
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import unwrap, warmup_cosine
 from ...engine.steps import StepTask, check_execution_keys, step_settings, train_defaults
@@ -49,7 +49,8 @@ MERGED = "merged.pth"  # a LoRA run's last weights with the adapters merged: the
 STAGES = ("transfer", "finetune")
 DATASETS = ("digits", "folder", "stdlib")
 RULES = {
-    "data.max_bytes": COUNT.but(note="0: all"), "data.valid_fraction": fraction(), "data.seed": SEED,
+    "data.max_bytes": COUNT.but(note="0: all"),
+    "data.valid_fraction": unit(high_open=True).but(note="digits: 0 evaluates on the test images"), "data.seed": SEED,
     "transfer.attention_weight": NON_NEGATIVE.but(note="0: outputs only"),
     "finetune.distill": unit(high_open=False), "finetune.temperature": POSITIVE,
     "finetune.lora": COUNT.but(note="0: every weight learns"),
@@ -89,6 +90,8 @@ def check_convert_config(cfg: Config) -> None:
         raise ConfigError(f"data.name must be one of {', '.join(DATASETS)}, got {cfg.data.name!r}")
     if cfg.data.name == "folder" and not cfg.data.path:
         raise ConfigError("data.name folder reads the ImageNet-layout folder data.path (--data-path DIR)")
+    if cfg.data.name == "stdlib" and not cfg.data.valid_fraction:
+        raise ConfigError("data.valid_fraction must be above 0 for the text: its validation bytes")
     if cfg.data.path and cfg.data.name != "folder":
         raise ConfigError(f"data.path is read with data.name folder, not {cfg.data.name}")
     if not cfg.model.source or not (cfg.model.teacher or cfg.model.pretrained):
@@ -116,6 +119,10 @@ def digits_holdout(valid_fraction: float, seed: int = 0, augment: bool = True):
         return DigitsDataset(x_train, y_train, mean, std, shift_prob=shift), test, test
     from sklearn.model_selection import train_test_split
 
+    held, classes = math.ceil(valid_fraction * len(y_train)), len(set(y_train.tolist()))
+    if min(held, len(y_train) - held) < classes:
+        raise ConfigError(f"data.valid_fraction {valid_fraction:g} holds out {held} of the {len(y_train)} training "
+                          f"images: each split needs one per class ({classes})")
     x_fit, x_valid, y_fit, y_valid = train_test_split(x_train, y_train, test_size=valid_fraction, random_state=seed,
                                                       stratify=y_train)
     return (DigitsDataset(x_fit, y_fit, mean, std, shift_prob=shift), DigitsDataset(x_valid, y_valid, mean, std),

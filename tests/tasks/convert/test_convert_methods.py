@@ -327,6 +327,11 @@ ERRORS = [
                           "{tmp}/c.pth"], r"has no gate bias"),
     ("train lora without finetune", ["train", "--model", "pola_deit_digits", "--lora", "2", "--output", "{tmp}/out"],
      r"MODEL\.LORA 2 \(--lora\) adapts weights it starts from: give MODEL\.PRETRAINED \(--finetune FILE\)"),
+    ("digits validation too small", [*TRAIN, "--opts", "data.valid_fraction", "0.001"],
+     r"data\.valid_fraction 0\.001 holds out 2 of the 1437 training images: each split needs one per class \(10\)"),
+    ("text without validation", ["convert", "train", *_flags("pola_lm_tiny", LM),
+                                 "--teacher", "{tmp}/lm.pth", "--data", "stdlib", "--output", "{tmp}/out",
+                                 "--opts", "data.valid_fraction", "0"], r"data\.valid_fraction must be above 0"),
     ("demo seeds", ["convert", "demo", "--out", "{tmp}/demo", "--quick", "--seeds", "0"],
      r"--seeds must be at least 1, got 0"),
 ]
@@ -339,6 +344,7 @@ def teachers(tmp_path_factory):
     _saved(timm.create_model("vit_tiny_patch16_224", **VIT, qkv_bias=False), root / "deit_nobias.pth")
     _saved(timm.create_model(*SOURCES["swin"][:1], **SOURCES["swin"][1]), root / "swin.pth")
     _saved(timm.create_model("pola_dit_s_2", **DIT), root / "dit.pth")
+    _saved(timm.create_model("pola_lm_tiny", **LM), root / "lm.pth")
     _saved(timm.create_model("pola_dit_s_2", **{**DIT, "in_channels": 3}), root / "dit3.pth")
     return root
 
