@@ -264,6 +264,39 @@ def test_dit_transfer_then_noise_distillation_through_convert_train(tmp_path, ca
     assert plain.attention == "pacs"
 
 
+def _folder(root, size, classes=3):
+    """root/{train,val}/<class>/<i>.png: RGB images whose colour says the class."""
+    from PIL import Image
+
+    generator = torch.Generator().manual_seed(0)
+    for split, count in (("train", 4), ("val", 2)):
+        for c in range(classes):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(count):
+                pixels = torch.rand(size, size, 3, generator=generator) * 80 + 60 * c
+                Image.fromarray(pixels.byte().numpy()).save(root / split / f"c{c}" / f"{i}.png")
+    return root
+
+
+@pytest.mark.parametrize("family", ["swin", "pvt_v2", "lm"])
+def test_both_stages_through_convert_train_for_swin_pvt_and_the_text(family, tmp_path, capsys):
+    source, name, kwargs, target_kwargs, _ = _source(family, False)
+    teacher = _saved(source, tmp_path / "teacher.pth")
+    data = (["--data", "stdlib", "--opts", "data.max_bytes", "200000", "train.eval_batches", "1"] if family == "lm"
+            else ["--data-path", _folder(tmp_path / "images", 128 if family == "swin" else 32)])
+    run = ["convert", "train", *_flags(name, kwargs), "--teacher", teacher, "--batch-size", "2", "--steps", "2",
+           *sum((["--target-kwarg", f"{k}={v}"] for k, v in target_kwargs.items()), [])]
+    assert run_main([*run, "--stage", "transfer", "--output", tmp_path / "transfer", *data], capsys)[0] == 0
+    layers = json.loads((tmp_path / "transfer" / "metrics.json").read_text())["layer_losses"]
+    matched = [n for n, _ in source.named_modules() if re.fullmatch(family_of(source).teacher_modules, n)]
+    assert len(layers) == len(matched) and all(loss >= 0 for loss in layers)  # one per matched layer
+    code, out, _ = run_main([*run, "--stage", "finetune", "--init", tmp_path / "transfer" / "last.pth",
+                             "--output", tmp_path / "finetune", *data], capsys)
+    assert code == 0 and re.search(r"finetune: (val top-1|valid bits/byte)", out)
+    target, kw = target_of(source, name, kwargs, "", target_kwargs)
+    load_checkpoint(timm.create_model(target, **kw), tmp_path / "finetune" / "last.pth", strict=True)
+
+
 def _hub_cache(root, repo, state):
     """``root`` in huggingface_hub's cache layout holding ``state`` as the repo's model.safetensors."""
     commit = "0" * 40
