@@ -33,7 +33,8 @@ def add_convert_parser(commands) -> None:
     train = sub.add_parser("train", help="attention transfer or distillation fine-tuning (step-based, resumable)")
     train.add_argument("--config", metavar="FILE", help="YAML file over the defaults (model, data, stage, init, "
                                                         "transfer, finetune, train keys)")
-    train.add_argument("--stage", choices=("transfer", "finetune"), help="stage")
+    train.add_argument("--stage", choices=("transfer", "finetune"),
+                       help="stage (default finetune; transfer first is optional: docs/convert.md)")
     train.add_argument("--source", help="model.source")
     train.add_argument("--teacher", metavar="FILE", help="the softmax model's trained weights (model.teacher)")
     _pretrained_option(train)

@@ -70,7 +70,7 @@ def convert_config(path=None, opts=(), overrides=None, *, check: bool = True) ->
                   "teacher": "", "pretrained": False, "target": "",
                   "target_kwargs": Config(new_allowed=True, path="model.target_kwargs")},
         "data": {"name": "digits", "path": "", "augment": True, "max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
-        "stage": "transfer",
+        "stage": "finetune",  # the transfer stage did not beat fine-tuning the copy in the demo (docs/convert.md)
         "init": "",
         "transfer": {"train_qk": False, "attention_weight": 0.0},
         "finetune": {"distill": 0.5, "temperature": 2.0, "lora": 0, "lora_alpha": 0.0},
@@ -102,6 +102,9 @@ def check_convert_config(cfg: Config) -> None:
                           "weights: give one")
     if cfg.stage == "transfer" and cfg.train.weight_decay:
         raise ConfigError("the transfer stage trains with train.weight_decay 0 (decay would move the copied rows)")
+    if cfg.stage == "finetune" and cfg.transfer.attention_weight:
+        raise ConfigError("transfer.attention_weight (--attention-weight) is for the transfer stage (--stage "
+                          "transfer)")
     if cfg.stage == "transfer" and cfg.finetune.lora:
         raise ConfigError("finetune.lora (--lora) is for the finetune stage: the transfer stage trains only the new "
                           "tensors already")

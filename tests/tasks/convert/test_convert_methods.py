@@ -337,12 +337,15 @@ def test_pretrained_teacher_from_a_local_hub_cache_offline(tmp_path):
 VIT_FLAGS = _flags("vit_tiny_patch16_224", VIT)
 TRAIN = ["convert", "train", *VIT_FLAGS, "--teacher", "{tmp}/deit.pth", "--output", "{tmp}/out", "--steps", "1"]
 ERRORS = [
-    ("lora in transfer", [*TRAIN, "--lora", "4"], r"finetune\.lora \(--lora\) is for the finetune stage"),
+    ("lora in transfer", [*TRAIN, "--stage", "transfer", "--lora", "4"],
+     r"finetune\.lora \(--lora\) is for the finetune stage"),
+    ("attention weight in finetune", [*TRAIN, "--attention-weight", "1"],
+     r"transfer\.attention_weight \(--attention-weight\) is for the transfer stage"),
     ("lora negative", [*TRAIN, "--stage", "finetune", "--lora", "-1"], r"finetune\.lora must be .*got -1"),
     ("attention weight negative", [*TRAIN, "--attention-weight", "-0.5"],
      r"transfer\.attention_weight must be .*got -0\.5"),
     ("attention weight on swin", ["convert", "train", *_flags(*SOURCES["swin"][:2]), "--teacher", "{tmp}/swin.pth",
-                                  "--output", "{tmp}/out", "--attention-weight", "1"],
+                                  "--output", "{tmp}/out", "--stage", "transfer", "--attention-weight", "1"],
      r"transfer\.attention_weight needs attention layers matched one to one \(deit, lm sources\), not swin"),
     ("teacher and pretrained", [*TRAIN, "--pretrained"], r"model\.teacher .* and model\.pretrained true both name"),
     ("no weights", ["convert", "weights", *VIT_FLAGS, "--output", "{tmp}/c.pth"],
