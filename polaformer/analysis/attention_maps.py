@@ -153,8 +153,8 @@ def capture_layer_features(model: torch.nn.Module, image: torch.Tensor) -> list[
             if x is None:
                 x = kwargs["x"]
             f = layer_features(layer, x, height, width, name)
-            captured[name] = dataclasses.replace(f, q=f.q.float(), k=f.k.float(), g=None if f.g is None else f.g.float(),
-                                                 power=f.power.float(), v=f.v.float())
+            captured[name] = dataclasses.replace(f, q=f.q.float(), k=f.k.float(), power=f.power.float(),
+                                                 g=None if f.g is None else f.g.float(), v=f.v.float())
         return fn
 
     handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True) for name, m in layers]

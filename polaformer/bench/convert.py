@@ -218,7 +218,7 @@ def _digits(out: Path, s: DemoSizes, show_progress: bool) -> dict:
                          lrs=s.digits_lrs, weight_decay=s.digits_weight_decay, transfer_lr=s.transfer_lrs[0],
                          batch_size=32, attention_weight=s.attention_weight)
     result = pipeline.rows(teacher, score, target="pola_deit_digits")
-    return {"metric": "test top-1 (%), higher is better", "digits": 2, **result,
+    return {"metric": "test top-1 (%), higher is better", "decimals": 2, **result,
             "chosen_on": f"{len(valid_set)} validation images held out of the {len(train_set) + len(valid_set)} "
                          f"training images; scores on the {len(test_set)} test images"}
 
@@ -239,7 +239,8 @@ def _lm(out: Path, s: DemoSizes, show_progress: bool) -> dict:
     def teacher(seed):
         folder = out / f"seed{seed}" / "teacher"
         cfg = lm_config(overrides={"model.attention": "softmax", "train.steps": s.lm_steps,
-                                   "train.eval_every": s.lm_steps, "train.warmup_steps": max(1, min(50, s.lm_steps // 10)),
+                                   "train.eval_every": s.lm_steps,
+                                   "train.warmup_steps": max(1, min(50, s.lm_steps // 10)),
                                    "data.max_bytes": s.lm_max_bytes, "train.seed": seed}, check=False)
         train_lm(cfg, folder, overwrite=True, show_progress=show_progress)
         model = build_source(base.model.name, source_kwargs, folder / "last.pth")
@@ -252,7 +253,7 @@ def _lm(out: Path, s: DemoSizes, show_progress: bool) -> dict:
                          batch_size=base.train.batch_size, eval_batches=s.lm_eval_batches,
                          attention_weight=s.attention_weight)
     result = pipeline.rows(teacher, score)
-    return {"metric": "bits per byte, lower is better", "digits": 3, **result,
+    return {"metric": "bits per byte, lower is better", "decimals": 3, **result,
             "chosen_on": f"the first {s.lm_eval_batches} x 256 validation windows of {context} bytes; scores on "
                          f"{s.lm_eval_batches} x 256 windows from the second half of the validation bytes"}
 
@@ -316,7 +317,7 @@ def _dit(out: Path, s: DemoSizes, show_progress: bool) -> dict:
     return {"metric": f"FID on the digits classifier's features (lower is better; {10 * s.dit_per_class} samples, "
                       f"DDIM {s.dit_sample_steps} steps, guidance "
                       f"{diffusion_config(check=False).sample.cfg_scale:g}, against the {len(real)} held-out digits)",
-            "digits": 2, "rows": table, "seeds": s.dit_seeds}
+            "decimals": 2, "rows": table, "seeds": s.dit_seeds}
 
 
 def _cell(entry: dict, digits: int) -> str:
@@ -326,7 +327,7 @@ def _cell(entry: dict, digits: int) -> str:
 
 
 def _table(name: str, result: dict) -> list[str]:
-    digits = result["digits"]
+    digits = result["decimals"]
     lines = [f"{name}: {result['metric']}; mean ± sd over {result['seeds']} seeds", ""]
     if "chosen_on" in result:
         lines += [f"Rates chosen on {result['chosen_on']}.", ""]

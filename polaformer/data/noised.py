@@ -55,7 +55,8 @@ class NoisedImages(SampleDraws, Dataset):
 
 def make_scheduler(train_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) :
     """The DiT's schedule (linear betas) as a diffusers scheduler, whose ``add_noise`` and ``config`` the training
-    loss uses. Sampling does not step it (:func:`polaformer.tasks.diffusion.sample`: diffusers' samplers are not the official ones)."""
+    loss uses. Sampling does not step it (:func:`polaformer.tasks.diffusion.sample`: diffusers' samplers are not the
+    official ones)."""
     from diffusers import DDPMScheduler  # the diffusion extra: only diffusion runs pay for its import
 
     return DDPMScheduler(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,

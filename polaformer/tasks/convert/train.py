@@ -8,8 +8,8 @@ other):
   ``(1 − d)·CE(labels) + d·T²·KL(teacher_T ‖ student_T)`` with ``d`` = ``finetune.distill`` and ``T`` =
   ``finetune.temperature`` (DiT: ``(1 − d)·diffusion loss + d·MSE(teacher's output)``, the noise and variance
   prediction distilled), starting from ``init`` (the transfer run's checkpoint; empty: the plain copy). All of it
-  learns, or with ``finetune.lora`` RANK only LoRA adapters and the Pola layer's own tensors (:mod:`polaformer.lora`), merged
-  into ``merged.pth`` at the end.
+  learns, or with ``finetune.lora`` RANK only LoRA adapters and the Pola layer's own tensors
+  (:mod:`polaformer.lora`), merged into ``merged.pth`` at the end.
 
 Data: ``digits`` (the image classifiers: top-1 in % on ``data.valid_fraction`` of the training images held out,
 or with 0 on the test images; DiT: the diffusion commands' digits images at the model's size, validation ε-MSE on
@@ -29,16 +29,16 @@ from torch.utils.data import DataLoader
 
 from ...checkpoint import load_checkpoint
 from ...data.digits import DigitsDataset, digits_split
-from ...data.noised import NoisedImages, digits_images, make_scheduler
 from ...data.folder import model_transforms, open_folder
+from ...data.noised import NoisedImages, digits_images, make_scheduler
 from ...data.text import ByteWindows, stdlib_corpus
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError,
                               check_settings, configure, unit)
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import unwrap, warmup_cosine
 from ...engine.steps import StepTask, check_execution_keys, step_settings, train_defaults
-from .build import build_source, convert_model, save_converted, target_of
 from ...lora import add_lora, merge_lora
+from .build import build_source, convert_model, save_converted, target_of
 from .transfer import MAX_WEIGHT_TOKENS, WEIGHT_FAMILIES, AttentionTransfer, freeze_for_transfer
 from .weights import FAMILIES, family_of
 
@@ -243,7 +243,8 @@ class ConvertTask(StepTask):
         model = engine.model
         trained = self.trained_parameters(model)
         base = sum(p.numel() for name, p in model.named_parameters() if "lora_" not in name)
-        lora = f", LoRA rank {self.cfg.finetune.lora}" if self.cfg.stage == "finetune" and self.cfg.finetune.lora else ""
+        rank = self.cfg.finetune.lora if self.cfg.stage == "finetune" else 0
+        lora = f", LoRA rank {rank}" if rank else ""
         return self.opening(engine, f"{self.target} from {self.cfg.model.source} ({self.cfg.stage}{lora}, {trained} "
                                     f"trained = {100 * trained / base:.1f}% of the model's)", self.cfg.data.name)
 

@@ -315,8 +315,8 @@ def test_pretrained_teacher_from_a_local_hub_cache_offline(tmp_path):
     repo = timm.models.get_pretrained_cfg(name).hf_hub_id
     _hub_cache(tmp_path / "hub", repo, state)
     root = str(Path(__file__).resolve().parents[3])  # this checkout's polaformer in the child process
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"), "HF_HUB_CACHE": str(tmp_path / "hub"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"),
+           "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     command = [sys.executable, "-m", "polaformer", "convert", "weights", *_flags(name, kwargs), "--pretrained",
                "--output", str(tmp_path / "converted.pth")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
