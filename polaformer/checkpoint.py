@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from .files import UnreadableFileError, open_regular
+from .limits import available_memory
 
 __all__ = [
     "ArchitectureMismatchError",
@@ -280,8 +281,6 @@ def read_checkpoint(path: str | os.PathLike, map_location: str | torch.device = 
     file, a file larger than the memory available, and a checkpoint of ours whose tensors no longer match their
     checksum), or its subclass :class:`UnsafeCheckpointError` when the file names code that loading would run.
     """
-    from .engine.limits import available_memory  # the engine imports this module
-
     path = Path(path)
     try:
         f = open_regular(path, available_memory("cpu"))

@@ -33,7 +33,7 @@ from ..ops import (
     relu_feature,
     softmax_attention_weights,
 )
-from ..engine.limits import check_allocation
+from ..limits import check_allocation
 from ..engine.output import claim_outputs, write_output
 from ..files import read_image_or_raise
 from .rank import layer_ranks
@@ -444,6 +444,8 @@ def analyze(
     model, arch, trained = build_model(model_name, checkpoint, model_kwargs)
     cfg = getattr(model, "pretrained_cfg", {}) or {}
     size = img_size or cfg.get("input_size", (3, 224, 224))[-1]
+    check_allocation(f"an image of --img-size {size} (3 x {size} x {size} float32)", 12 * size * size, "cpu",
+                     AnalyzeError, "use a smaller --img-size")
     rgb = load_image(image, size, 3)
     try:
         feats = capture_layer_features(model, image_tensor(rgb, arch, model))

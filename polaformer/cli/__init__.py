@@ -28,12 +28,6 @@ from contextlib import contextmanager
 from importlib.metadata import PackageNotFoundError, version
 
 from .._startup import raise_on_interrupt
-from ..data import UnknownDatasetError
-from ..data.folder import DatasetError
-from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError, TrainingInterrupted
-from ..engine.output import forget_made_folders, remove_empty_made_folders
-from ..files import UnreadableFileError
-from ..tasks.classification.evaluation import EvalError
 from ..runtime import tune_cpu_allocator
 from .ablate import add_ablate_parser
 from .bench import add_bench_parser
@@ -70,25 +64,45 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    raise_on_interrupt()  # the command has started: an interrupt now may have a checkpoint to name
+    # The parser imports no torch, timm or model, so --help and argument errors answer at once. Under the
+    # `polaformer` command the start-up's Ctrl-C handler (_startup.interrupt_exits) is still in place while the
+    # runtime is imported below: an interrupt there ends the command in one line.
     args = build_parser().parse_args(argv)
+    errors = _user_errors()
+    raise_on_interrupt()  # the command has started: an interrupt now may have a checkpoint to name
+    from ..engine.output import forget_made_folders, remove_empty_made_folders
+
     tune_cpu_allocator()  # reuse freed large CPU buffers instead of page-faulting them in again
     forget_made_folders()
     code = 1
     try:
-        code = _run(args)
+        code = _run(args, errors)
         return code
     finally:
         if code != 0:  # a failed command leaves no empty output folder behind
             remove_empty_made_folders()
 
 
-def _run(args) -> int:
+def _user_errors() -> tuple[type[Exception], ...]:
+    """The errors every command reports in one line with status 2. Importing them imports torch, timm and the
+    models, what every command runs on; the last, FloatingPointError, is an op's refused overflow."""
+    from ..data import UnknownDatasetError
+    from ..data.folder import DatasetError
+    from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError
+    from ..files import UnreadableFileError
+    from ..tasks.classification.evaluation import EvalError
+
+    return (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
+            UnreadableFileError, TrainingDivergedError, FloatingPointError)
+
+
+def _run(args, errors: tuple[type[Exception], ...]) -> int:
+    from ..engine import TrainingInterrupted
+
     with _log_to_stderr():
         try:
             return args.handler(args)
-        except (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
-                UnreadableFileError, TrainingDivergedError, FloatingPointError) as e:  # the last: an op's overflow
+        except errors as e:
             return usage_error(getattr(args, "error_command", None), str(e))
         except OSError as e:  # the environment: a full disk, a file that cannot be written or read
             where = f": {e.filename}" if e.filename else ""

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..tasks.classification.ablation import load_ablation, run_ablation
 from .common import positive_int
 
 
@@ -35,6 +34,7 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from ..engine import ConfigError
+    from ..tasks.classification.ablation import load_ablation, run_ablation
 
     opts = list(args.opts)
     for key, value in (("DATA.DATA_PATH", args.data_path), ("TRAIN.EPOCHS", args.epochs), ("DEVICE", args.device)):

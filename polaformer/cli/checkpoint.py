@@ -1,8 +1,6 @@
 """``polaformer checkpoint``: work on checkpoint files themselves (docs/training.md)."""
 from __future__ import annotations
 
-from ..engine.output import claim_outputs
-from ..engine.parallel import consolidate
 from .common import add_command_group, add_overwrite
 
 __all__ = ["add_checkpoint_parser"]
@@ -20,6 +18,9 @@ def add_checkpoint_parser(commands) -> None:
 
 
 def cmd_consolidate(args) -> int:
+    from ..engine.output import claim_outputs
+    from ..engine.parallel import consolidate
+
     target, = claim_outputs([args.output], args.overwrite, option="OUT")
     print(consolidate(args.source, target))
     return 0

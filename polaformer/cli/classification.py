@@ -4,15 +4,17 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..data import DATASETS, DEFAULT_DATA
-from ..tasks.classification import DEFAULT_MODEL, evaluate_checkpoint, load_config, make_config, run_training
-from ..engine.config import merge_opts
-from ..tasks.classification.evaluation import DEFAULT_EVAL_BATCH_SIZE, EvalError, evaluate_folder_checkpoint, model_throughput
-from ..data.folder import DatasetError
 from .common import (FLAG_KEYS, add_allow_changed, add_overwrite, print_summary, one_line, parse_model_kwarg,
                      positive_int, set_flags, usage_error)
 
 __all__ = ["add_classification_parsers"]
+
+# What the parser shows and accepts, known without importing torch (polaformer.data.DATASETS and DEFAULT_DATA,
+# polaformer.tasks.classification.DEFAULT_MODEL and DEFAULT_EVAL_BATCH_SIZE; tests/cli/test_startup.py checks them).
+DATASET_NAMES = ("digits",)
+DEFAULT_DATA = "digits"
+DEFAULT_MODEL = "pola_deit_digits"
+DEFAULT_EVAL_BATCH_SIZE = 128
 
 
 def add_classification_parsers(commands) -> None:
@@ -56,7 +58,7 @@ def add_classification_parsers(commands) -> None:
         "--model-kwarg", dest="model_kwargs", action="append", type=parse_model_kwarg, metavar="KEY=VALUE",
         help="extra keyword argument for timm.create_model (MODEL.KWARGS); repeatable (e.g. --model-kwarg depth=2)",
     )
-    train.add_argument("--data", choices=sorted(DATASETS), help=f"embedded data set (default: {DEFAULT_DATA})")
+    train.add_argument("--data", choices=DATASET_NAMES, help=f"embedded data set (default: {DEFAULT_DATA})")
     train.add_argument("--epochs", type=positive_int, metavar="N", help="number of epochs (TRAIN.EPOCHS)")
     train.add_argument("--batch-size", type=positive_int, metavar="B", help="batch size per process (DATA.BATCH_SIZE)")
     train.add_argument("--lr", type=float, metavar="LR", help="peak learning rate (TRAIN.BASE_LR)")
@@ -84,7 +86,7 @@ def add_classification_parsers(commands) -> None:
              "PolaFormer/PolaFormer++ checkpoints, timm's, plain state dicts",
     )
     evaluate.add_argument(
-        "--data", choices=sorted(DATASETS), help="embedded data set (default: the one the checkpoint was trained on)"
+        "--data", choices=DATASET_NAMES, help="embedded data set (default: the one the checkpoint was trained on)"
     )
     evaluate.add_argument(
         "--data-path", metavar="DIR",
@@ -104,7 +106,8 @@ def add_classification_parsers(commands) -> None:
         help="with --data-path: the EMA or the raw weights (default: auto, EMA if the file has them)",
     )
     evaluate.add_argument(
-        "--batch-size", type=positive_int, metavar="B", help="with --data-path: batch size (default: 128)"
+        "--batch-size", type=positive_int, metavar="B",
+        help=f"with --data-path: batch size (default: {DEFAULT_EVAL_BATCH_SIZE})"
     )
     evaluate.add_argument(
         "--img-size", type=positive_int, metavar="S",
@@ -225,6 +228,9 @@ def add_classification_parsers(commands) -> None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from ..engine.config import merge_opts
+    from ..tasks.classification import load_config, make_config, run_training
+
     if args.data is not None and args.data_path is not None:
         return usage_error("train", f"give --data {args.data} or --data-path DIR, not both")
     # Settings shared by both modes, as config overrides applied after --opts.
@@ -277,6 +283,8 @@ FOLDER_EVAL_OPTIONS = {
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    from ..tasks.classification import evaluate_checkpoint
+
     if args.data_path is not None:
         return _eval_folder(args)
     given = [option for name, option in FOLDER_EVAL_OPTIONS.items() if getattr(args, name) not in (None, False)]
@@ -292,6 +300,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def _eval_folder(args: argparse.Namespace) -> int:
+    from ..data.folder import DatasetError
+    from ..tasks.classification.evaluation import EvalError, evaluate_folder_checkpoint
+
     if args.data is not None:
         return usage_error("eval", "give --data (an embedded data set) or --data-path DIR, not both")
     if args.crop_pct is not None and not 0 < args.crop_pct <= 1:
@@ -319,6 +330,8 @@ def _eval_folder(args: argparse.Namespace) -> int:
 
 
 def cmd_throughput(args: argparse.Namespace) -> int:
+    from ..tasks.classification.evaluation import EvalError, model_throughput
+
     if args.warmup < 0:
         return usage_error("throughput", f"--warmup must be >= 0, got {args.warmup}")
     try:

@@ -32,6 +32,25 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str):
         self.exit(USAGE_ERROR, one_line(f"{self.prog}: error: {message} (see '{self.prog} --help')") + "\n")
 
+    def parse_known_args(self, args=None, namespace=None):
+        namespace, extras = super().parse_known_args(args, namespace)
+        self._refuse_empty_values(namespace)
+        return namespace, extras
+
+    def _refuse_empty_values(self, namespace) -> None:
+        """An empty value given to an option (or argument) that names something (a model, a folder, a file) names
+        nothing: ``--model ''`` and ``--output ''`` fell back to the defaults without a word. Options whose own
+        default is the empty string take it; lists (``--opts``) are their commands' to read."""
+        for action in self._actions:
+            if action.type is not None or action.nargs not in (None, "?") or action.default == "":
+                continue
+            value = getattr(namespace, action.dest, None)
+            if value == "" or (isinstance(value, list) and "" in value):
+                name = "/".join(action.option_strings) or action.dest
+                what = action.metavar or "a value"
+                leave_out = ", or leave the option out" if action.option_strings else ""
+                self.error(f"argument {name}: got an empty value (give {what}{leave_out})")
+
 
 def positive_int(text: str) -> int:
     value = int(text) if text.lstrip("-").isdigit() else None

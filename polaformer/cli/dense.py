@@ -5,7 +5,7 @@ import json
 from pathlib import Path
 
 from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary,
-                     parse_model_kwarg, positive_int, run_options)
+                     parse_model_kwarg, positive_int, run_options, usage_error)
 
 __all__ = ["add_dense_parsers"]
 
@@ -90,7 +90,7 @@ def add_dense_parsers(commands) -> None:
                                                         help="ADE20K-layout folder to score instead of the recipe's"))
 
 
-def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
+def _train(task: str, args, extra_model: dict, extra_data: dict, ade_options: dict | None = None) -> int:
     from ..tasks.dense.config import load_recipe
     from ..tasks.dense.runner import train_task
 
@@ -100,6 +100,9 @@ def _train(task: str, args, extra_model: dict, extra_data: dict) -> int:
         **{f"model.{k}": v for k, v in extra_model.items()}, **{f"data.{k}": v for k, v in extra_data.items()},
     }
     recipe = load_recipe(task, args.config, overrides, opts=args.opts)
+    ignored = [flag for flag, value in (ade_options or {}).items() if value is not None]
+    if ignored and recipe["data"]["format"] != "ade":  # the digit scenes have their own classes and crops
+        return usage_error(f"{task} train", f"{ignored[0]} needs --root DIR (it applies to ADE20K-layout folders)")
     output = Path(args.output or f"runs/{task}/{recipe['model']['backbone']}")
     summary = train_task(task, recipe, output, progress=not args.no_progress, **run_options(args))
     print_summary(json.dumps({**summary, "output": str(output)}))
@@ -115,7 +118,8 @@ def cmd_detect_train(args) -> int:
 def cmd_segment_train(args) -> int:
     data = {"root": args.root, "format": "ade" if args.root else None, "num_classes": args.num_classes,
             "crop_size": args.crop_size}
-    return _train("segment", args, {"decoder": args.decoder}, data)
+    return _train("segment", args, {"decoder": args.decoder}, data,
+                  {"--num-classes": args.num_classes, "--crop-size": args.crop_size})
 
 
 def cmd_detect_eval(args) -> int:

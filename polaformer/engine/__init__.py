@@ -1,47 +1,33 @@
-"""Training and evaluation: configuration, the one loop under every task, devices, model creation, checkpoints."""
-from .checkpoint import (
-    ArchitectureMismatchError,
-    CheckpointError,
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    load_model_state,
-    read_run_checkpoint,
-    save_checkpoint,
-)
-from .config import Config, ConfigError, configure
-from .factory import ModelBuildError, create_model, create_model_from_checkpoint
-from .optim import build_optimizer, build_scheduler
-from .device import amp_dtype, autocast, resolve_device
-from .loop import Engine, LoopSettings, StepOutput, Task, TrainingDivergedError, TrainingInterrupted, train
-from .steps import StepTask, load_task_model, step_settings
+"""Training and evaluation: configuration, the one loop under every task, devices, model creation, checkpoints.
 
-__all__ = [
-    "ArchitectureMismatchError",
-    "Engine",
-    "LoopSettings",
-    "StepOutput",
-    "StepTask",
-    "Task",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "Config",
-    "ConfigError",
-    "configure",
-    "CorruptCheckpointError",
-    "ModelBuildError",
-    "TrainingDivergedError",
-    "TrainingInterrupted",
-    "amp_dtype",
-    "autocast",
-    "build_optimizer",
-    "build_scheduler",
-    "create_model",
-    "create_model_from_checkpoint",
-    "load_model_state",
-    "load_task_model",
-    "read_run_checkpoint",
-    "resolve_device",
-    "save_checkpoint",
-    "step_settings",
-    "train",
-]
+The names below are imported from their modules on first use, so that importing one light module of the engine
+(``polaformer.engine.config``, which the command line's parser reads option values with) does not import torch.
+"""
+import importlib
+
+_SOURCES = {
+    "ArchitectureMismatchError": "checkpoint", "CheckpointError": "checkpoint", "CheckpointNotFoundError": "checkpoint",
+    "CorruptCheckpointError": "checkpoint", "load_model_state": "checkpoint", "read_run_checkpoint": "checkpoint",
+    "save_checkpoint": "checkpoint",
+    "Config": "config", "ConfigError": "config", "configure": "config",
+    "ModelBuildError": "factory", "create_model": "factory", "create_model_from_checkpoint": "factory",
+    "build_optimizer": "optim", "build_scheduler": "optim",
+    "amp_dtype": "device", "autocast": "device", "resolve_device": "device",
+    "Engine": "loop", "LoopSettings": "loop", "StepOutput": "loop", "Task": "loop", "TrainingDivergedError": "loop",
+    "TrainingInterrupted": "loop", "train": "loop",
+    "StepTask": "steps", "load_task_model": "steps", "step_settings": "steps",
+}
+
+__all__ = sorted(_SOURCES)
+
+
+def __getattr__(name: str):
+    if name not in _SOURCES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_SOURCES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_SOURCES})

@@ -365,9 +365,7 @@ def coerce_value(key: str, current: Any, value: Any, source: str = "") -> Any:
 
 def merge_file(cfg: Config, path: str | os.PathLike, _seen: tuple = ()) -> Config:
     path = Path(path)
-    if path.resolve() in _seen:
-        raise ConfigError(f"config file {path} includes itself through BASE")
-    try:
+    try:  # read before resolving: a loop of symbolic links is then the open's one-line error
         text = read_text(path, MAX_CONFIG_BYTES)
     except FileNotFoundError:
         raise ConfigError(f"config file not found: {path}") from None
@@ -377,6 +375,8 @@ def merge_file(cfg: Config, path: str | os.PathLike, _seen: tuple = ()) -> Confi
         raise ConfigError(f"cannot read config file {path}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"config file {path} is not UTF-8 text (byte {e.start})") from None
+    if path.resolve() in _seen:
+        raise ConfigError(f"config file {path} includes itself through BASE")
     try:
         values = load_yaml(text)
     except yaml.YAMLError as e:

@@ -24,6 +24,11 @@ def resolve_device(device: str | torch.device, error: type[Exception] = ConfigEr
         raise error(f"device {str(device)!r} requested but MPS is not available")
     if resolved.type not in ("cpu", "cuda", "mps"):
         raise error(f"device {str(device)!r} cannot run models: use 'cpu' or 'cuda'")
+    count = torch.cuda.device_count() if resolved.type == "cuda" else 1  # one CPU, one MPS device
+    if resolved.index is not None and resolved.index >= count:
+        known = ", ".join(f"'{resolved.type}:{i}'" for i in range(count))
+        raise error(f"device {str(device)!r}: there is no {resolved.type} device {resolved.index} (use {known} or "
+                    f"'{resolved.type}')")
     return resolved
 
 

@@ -1,14 +1,16 @@
-"""Model creation through timm's registry (ours included), from a name or from a checkpoint."""
+"""Model creation through timm's registry (ours included), from a name or from a checkpoint, and the check that a
+model takes the images it will be given."""
 from __future__ import annotations
 
 import os
 
 import timm
+import torch
 from torch import nn
 
 from .. import models  # noqa: F401  (registers our architectures with timm)
 from .checkpoint import check_arch, load_model_state
-from .limits import check_model_kwargs
+from ..limits import check_model_kwargs
 
 
 class ModelBuildError(ValueError):
@@ -43,3 +45,19 @@ def create_model_from_checkpoint(
     model = create_model(arch, checkpoint["num_classes"], **checkpoint["model_kwargs"])
     load_model_state(model, checkpoint, arch=arch, path=path, allow_nonfinite=allow_nonfinite)
     return model
+
+
+def check_forward(model: nn.Module, input_size: tuple[int, int, int], arch: str,
+                  error: type[Exception] = ModelBuildError) -> None:
+    """Run ``model`` on one blank image of ``input_size`` in eval mode (no dropout drawn, no statistics updated;
+    its mode is restored): a size the model cannot take (not divisible by its patches or windows, or other than
+    its fixed size) fails here in one line, not at the first batch."""
+    training = model.training
+    try:
+        with torch.no_grad():
+            model.eval()(torch.zeros(1, *input_size))
+    except (RuntimeError, AssertionError, ValueError, IndexError) as e:
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise error(f"model {arch!r} cannot take {input_size[1]}x{input_size[2]} images: {reason}") from None
+    finally:
+        model.train(training)

@@ -120,8 +120,24 @@ class _CausalSelfAttention(nn.Module):
         ``forward`` of the whole sequence gives the same outputs."""
         if cache is None:
             cache = self.empty_cache(x.shape[0], x.device)
+        self._check_cache(cache, x)
         out, state, tail = self._run(x, None, cache)
         return out, CausalCache(state, tail, cache.position + x.shape[1])
+
+    def _check_cache(self, cache, x: torch.Tensor) -> None:
+        """A cache of these sequences (its attention state is checked by the op): one error naming what is not."""
+        if not isinstance(cache, CausalCache):
+            raise TypeError(f"cache must be the CausalCache a previous step returned (or None), got "
+                            f"{type(cache).__name__}")
+        if isinstance(cache.position, bool) or not isinstance(cache.position, int) or cache.position < 0:
+            raise ValueError(f"cache.position must be an integer >= 0, got {cache.position!r}")
+        if self.dwc is not None:
+            shape = (x.shape[0], self.dwc.kernel_size[0] - 1, self.dim)
+            tail = cache.conv_tail
+            if not isinstance(tail, torch.Tensor) or tuple(tail.shape) != shape:
+                got = tuple(tail.shape) if isinstance(tail, torch.Tensor) else type(tail).__name__
+                raise ValueError(f"cache.conv_tail is {got}, these tokens (batch {x.shape[0]}) continue from "
+                                 f"{shape}: pass the cache of these sequences, or None to start new ones")
 
     @property
     def _features(self) -> int:

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import sys
-from typing import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
@@ -37,6 +38,7 @@ from torch import nn
 
 from ..checkpoint import official_checkpoint_globals
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
+from ..limits import check_model_memory
 from ..ops import resample_grid_table
 from ..ops.dispatch import capturing, legacy_onnx_export
 
@@ -139,20 +141,29 @@ def _first_rows(out, rows: int):
 
 
 def check_architecture(drop_path_rate: float = 0.0, *, rate_name: str = "drop_path_rate", num_classes: int | None = None,
-                       **sizes) -> None:
+                       ratios: Mapping[str, object] | None = None, **sizes) -> None:
     """Refuse what a constructor would otherwise build into a broken model (a 0-block model, a division by zero
-    heads, 0 input channels, NaN stochastic depth, -1 classes), one ValueError naming the argument. ``sizes``:
-    counts (depth, num_heads, in_chans, sr_ratios, window_size...), each a positive integer or a sequence of
-    them; ``num_classes`` an integer >= 0 (0: no head); the rate (``rate_name``) a number in [0, 1)."""
+    heads, 0 input channels, an MLP of no width, NaN stochastic depth, -1 classes), one ValueError naming the
+    argument. ``sizes``: counts (depth, num_heads, in_chans, sr_ratios, window_size...), each a positive integer
+    or a sequence of them; ``ratios`` (mlp_ratio...): each a finite number > 0 or a sequence of them;
+    ``num_classes`` an integer >= 0 (0: no head); the rate (``rate_name``) a number in [0, 1)."""
     for name, value in sizes.items():
-        for item in value if isinstance(value, (list, tuple)) and value else [value]:
+        for item in _items(value):
             if isinstance(item, bool) or not isinstance(item, int) or item < 1:
                 raise ValueError(f"{name} must be a positive integer (or a sequence of them), got {value!r}")
+    for name, value in (ratios or {}).items():
+        for item in _items(value):
+            if isinstance(item, bool) or not isinstance(item, (int, float)) or not 0 < item < math.inf:
+                raise ValueError(f"{name} must be a finite number > 0 (or a sequence of them), got {value!r}")
     if num_classes is not None and (isinstance(num_classes, bool) or not isinstance(num_classes, int)
                                     or num_classes < 0):
         raise ValueError(f"num_classes must be an integer >= 0 (0: no classifier), got {num_classes!r}")
     if isinstance(drop_path_rate, bool) or not isinstance(drop_path_rate, (int, float)) or not 0 <= drop_path_rate < 1:
         raise ValueError(f"{rate_name} must be a number in [0, 1), got {drop_path_rate!r}")
+
+
+def _items(value) -> list:
+    return list(value) if isinstance(value, (list, tuple)) and value else [value]
 
 
 def check_grid(img_size, patch_size) -> None:
@@ -230,16 +241,22 @@ def register_variants(module: str, variants: Iterable[str], create: Callable[...
     """A family's timm entry points: for each variant name, ``name(pretrained=False, **kwargs)`` returning
     ``create(name, pretrained, **kwargs)``, registered with timm's ``register_model`` and set on the family
     module ``module`` (its ``__name__``) under that name, as a ``@register_model def name(...)`` there would
-    be. timm reads the module's ``default_cfgs`` while registering: define it first."""
+    be. timm reads the module's ``default_cfgs`` while registering: define it first.
+
+    ``variants`` may map each name to its sizes (``embed_dim``, ``depth``...): every entry point checks the sizes
+    asked, over those, against the memory available before anything is built (:func:`polaformer.limits.
+    check_model_memory`: blocks that cannot fit are one ValueError)."""
     namespace = sys.modules[module]
     for name in variants:
-        entry_point = _entry_point(name, create)
+        sizes = variants[name] if isinstance(variants, Mapping) and isinstance(variants[name], Mapping) else {}
+        entry_point = _entry_point(name, create, sizes)
         entry_point.__module__ = module
         setattr(namespace, name, register_model(entry_point))
 
 
-def _entry_point(name: str, create: Callable[..., nn.Module]) -> Callable[..., nn.Module]:
+def _entry_point(name: str, create: Callable[..., nn.Module], sizes: Mapping) -> Callable[..., nn.Module]:
     def entry_point(pretrained: bool = False, **kwargs) -> nn.Module:
+        check_model_memory(name, {**sizes, **without_timm_extras(kwargs)})  # before anything is allocated
         return create(name, pretrained, **kwargs)
 
     entry_point.__name__ = entry_point.__qualname__ = name

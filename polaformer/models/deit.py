@@ -84,7 +84,7 @@ class PolaDeiT(ClassifierMixin, nn.Module):
                  norm_layer=partial(nn.LayerNorm, eps=1e-6), polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depth=depth, num_heads=num_heads, embed_dim=embed_dim, in_chans=in_chans,
-                           patch_size=patch_size, num_classes=num_classes)
+                           patch_size=patch_size, num_classes=num_classes, ratios={"mlp_ratio": mlp_ratio})
         check_architecture(drop_rate, rate_name="drop_rate")
         check_grid(img_size, patch_size)
         check_global_pool(global_pool, self.global_pools)

@@ -141,7 +141,8 @@ class PolaDiT(nn.Module):
         super().__init__()
         refuse_unknown_kwargs(kwargs, "PolaDiT")
         check_architecture(input_size=input_size, patch_size=patch_size, in_channels=in_channels,
-                           hidden_size=hidden_size, depth=depth, num_heads=num_heads, num_classes=num_classes)
+                           hidden_size=hidden_size, depth=depth, num_heads=num_heads, num_classes=num_classes,
+                           ratios={"mlp_ratio": mlp_ratio})
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
         if patch_size < 1 or input_size % patch_size:

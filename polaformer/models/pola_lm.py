@@ -64,9 +64,7 @@ class PolaLM(nn.Module):
         super().__init__()
         refuse_unknown_kwargs(kwargs, "PolaLM")
         check_architecture(drop_rate, vocab_size=vocab_size, context=context, dim=dim, depth=depth,
-                           num_heads=num_heads, rate_name="drop_rate")
-        if not (isinstance(mlp_ratio, (int, float)) and 0 < mlp_ratio < math.inf):
-            raise ValueError(f"mlp_ratio must be a finite number > 0, got {mlp_ratio!r}")
+                           num_heads=num_heads, rate_name="drop_rate", ratios={"mlp_ratio": mlp_ratio})
         if attention not in ATTENTIONS:
             raise ValueError(f"unknown attention {attention!r} (known: {', '.join(ATTENTIONS)})")
         self.vocab_size, self.context, self.attention = vocab_size, context, attention
@@ -195,4 +193,4 @@ def _create(variant, pretrained=False, **kwargs) -> PolaLM:
     return PolaLM(**{**SIZES[variant.removeprefix("pola_lm_")], **kwargs})
 
 
-register_variants(__name__, [f"pola_lm_{size}" for size in SIZES], _create)
+register_variants(__name__, {f"pola_lm_{size}": sizes for size, sizes in SIZES.items()}, _create)

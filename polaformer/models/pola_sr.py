@@ -186,9 +186,7 @@ class PolaSR(nn.Module):
                  num_heads=(4, 4, 4, 4), window_size: int = 16, mlp_ratio: float = 1.0, img_range: float = 1.0):
         super().__init__()
         check_architecture(upscale=upscale, in_chans=in_chans, embed_dim=embed_dim, depths=list(depths),
-                           num_heads=list(num_heads), window_size=window_size)
-        if not (isinstance(mlp_ratio, (int, float)) and 0 < mlp_ratio < math.inf):
-            raise ValueError(f"mlp_ratio must be a finite number > 0, got {mlp_ratio!r}")
+                           num_heads=list(num_heads), window_size=window_size, ratios={"mlp_ratio": mlp_ratio})
         if embed_dim % 8:  # four PaCS heads whose RoPE tables span twice their width in quarter-turn pairs
             raise ValueError(f"embed_dim must be divisible by 8, got {embed_dim}")
         if len(depths) != len(num_heads):
@@ -253,6 +251,8 @@ class PolaSR(nn.Module):
         if x.dim() != 4 or x.shape[1] != self.in_chans:
             raise ValueError(f"expected images of shape (B, {self.in_chans}, H, W), got {tuple(x.shape)}")
         h, w = x.shape[-2:]
+        if h == 0 or w == 0:  # no pixel to upscale (or to mirror to a window): the empty output image
+            return x.new_zeros(*x.shape[:2], h * self.upscale, w * self.upscale)
         x = (self.mirror_pad(x) - self.mean) * self.img_range
         x = self.conv_first(x)
         x = self.conv_after_body(self.forward_features(x)) + x

@@ -198,7 +198,8 @@ class PolaFormerPP(nn.Module):
                  layer_init_values=(1e-6,) * 4, global_pool="avg", img_size=None):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims),
-                           in_chans=in_chans, projection=projection, num_classes=num_classes)
+                           in_chans=in_chans, projection=projection, num_classes=num_classes,
+                           ratios={"mlp_ratios": mlp_ratios})
         num_stages = len(depths)
         for name, values in (("embed_dims", embed_dims), ("num_heads", num_heads), ("mlp_ratios", mlp_ratios),
                              ("layerscales", layerscales), ("layer_init_values", layer_init_values)):

@@ -178,7 +178,7 @@ class PolaPVT(PyramidBase):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), sr_ratios=list(sr_ratios),
                            embed_dims=list(embed_dims), in_chans=in_chans, patch_size=patch_size,
-                           num_classes=num_classes)
+                           num_classes=num_classes, ratios={"mlp_ratios": mlp_ratios})
         check_grid(img_size, patch_size)
         lists = dict(embed_dims=embed_dims, num_heads=num_heads, mlp_ratios=mlp_ratios, depths=depths,
                      sr_ratios=sr_ratios, attn_type=attn_type, la_sr_ratios=str(la_sr_ratios))

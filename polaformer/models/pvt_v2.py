@@ -79,7 +79,8 @@ class PolaPVTv2(PyramidBase):
                  global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dims=list(embed_dims),
-                           in_chans=in_chans, img_size=img_size, num_classes=num_classes)
+                           in_chans=in_chans, img_size=img_size, num_classes=num_classes,
+                           ratios={"mlp_ratios": mlp_ratios})
         check_global_pool(global_pool)
         self.num_classes = num_classes
         self.in_chans = in_chans

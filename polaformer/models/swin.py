@@ -290,7 +290,7 @@ class PolaSwinTransformer(ClassifierMixin, nn.Module):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dim=embed_dim,
                            in_chans=in_chans, patch_size=patch_size, window_size=window_size,
-                           num_classes=num_classes)
+                           num_classes=num_classes, ratios={"mlp_ratio": mlp_ratio})
         check_grid(img_size, patch_size)
         check_global_pool(global_pool)
         if len(num_heads) != len(depths):

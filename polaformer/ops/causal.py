@@ -86,6 +86,34 @@ def _check_inputs(q, k, v, chunk_size=None):
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
 
 
+def _check_state(state, q: torch.Tensor, v: torch.Tensor, dtype: torch.dtype) -> CausalState:
+    """``state`` in ``dtype`` if it can continue these tokens' sequences: a :class:`CausalState` of two streams
+    whose tensors are (B, H, 2d, dv − dv//2), (B, H, 2d, dv//2), (B, H, 2d) and (B, 1, 1) on ``q``'s device. A
+    state of other sequences (another batch, other heads or sizes) or no state at all is one error naming it."""
+    if not isinstance(state, CausalState):
+        raise TypeError(f"state must be the CausalState a previous call returned (or None), got "
+                        f"{type(state).__name__}")
+    b, h, _, d = q.shape
+    dv = v.shape[-1]
+    kv = state.kv
+    if not isinstance(kv, (tuple, list)) or len(kv) != 2:
+        count = f" of {len(kv)}" if isinstance(kv, (tuple, list)) else ""
+        raise ValueError(f"state.kv must hold the two streams' tensors, got a {type(kv).__name__}{count}")
+    parts = {"kv[0]": (kv[0], (b, h, 2 * d, dv - dv // 2)), "kv[1]": (kv[1], (b, h, 2 * d, dv // 2)),
+             "key_sum": (state.key_sum, (b, h, 2 * d)), "count": (state.count, (b, 1, 1))}
+    for name, (tensor, shape) in parts.items():
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point():
+            raise TypeError(f"state.{name} must be a floating-point tensor, got "
+                            f"{tensor.dtype if isinstance(tensor, torch.Tensor) else type(tensor).__name__}")
+        if tuple(tensor.shape) != shape:
+            raise ValueError(f"state.{name} is {tuple(tensor.shape)}, these tokens (batch {b}, {h} heads, head_dim "
+                             f"{d}, value head_dim {dv}) continue from {shape}: pass the state of these sequences, "
+                             f"or None to start new ones")
+        if tensor.device != q.device:
+            raise ValueError(f"state.{name} is on {tensor.device}, the tokens on {q.device}")
+    return CausalState(tuple(t.to(dtype) for t in kv), state.key_sum.to(dtype), state.count.to(dtype))
+
+
 def _host_checks(x: torch.Tensor) -> bool:
     """Whether checks that read tensor values run: eager calls on CPU tensors, where reading costs no device
     synchronisation. On CUDA the values are trusted, and graph capture cannot read them."""
@@ -236,6 +264,8 @@ def _pola_streams(q, k, v, power, eps):
 def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=None, cu_seqlens=None):
     _check_inputs(q, k, v, chunk_size)
     dtype = compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
+    if state is not None:
+        state = _check_state(state, q, v, dtype)
     kernels = _fused(q, state) if form == "chunked" else None
     if kernels is not None:
         if key_padding_mask is not None:
@@ -290,6 +320,8 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
     check_temperatures(temp_same, temp_opposite, q.shape[-1])
     _check_tables(sin, cos, q.shape[-2], 2 * q.shape[-1])
     dtype = compute_dtype(q, k, v, temp_same, temp_opposite)
+    if state is not None:
+        state = _check_state(state, q, v, dtype)
     overflow = (f"PaCS attention (its exp features need |k| and |q|·temperature below about "
                 f"{int(math.log(torch.finfo(dtype).max))})")
     kernels = _fused(q, state) if form == "chunked" else None

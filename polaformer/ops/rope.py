@@ -82,5 +82,7 @@ def rotate_pairs(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
 def rope_1d(angle: torch.Tensor, length: int, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(sin, cos)`` tables (length, len(angle)) for token positions ``start … start + length − 1`` of a
     sequence: every channel pair turns by its angle times the position (text, causal models)."""
+    if not capturing() and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+        raise ValueError(f"length must be an integer >= 0 (a number of tokens), got {length!r}")
     phase = torch.arange(start, start + length, device=angle.device, dtype=angle.dtype)[:, None] * angle
     return torch.sin(phase), torch.cos(phase)

@@ -1,5 +1,9 @@
 """polaformer.backends.cpu.conv.depthwise_conv2d: F.conv2d's values and gradients, with the weight gradient from the native
-kernel where it applies (5×5 and larger, channels-last, with gradients)."""
+kernel where it applies (5×5 and larger, channels-last, with gradients).
+
+Tolerances (tests/README.md, tests/tolerances.py): float64 against F.conv2d and autograd at 1e-12, far above
+reorder_rtol(n, float64) for sums of at most a 9x9 window over a 33x7x9 batch (n ≤ 2,000: 4.4e-13·κ); float32 against
+float64 at 1e-5 is probable_rtol of the 5x5 windows and the gate's products (n ≤ 64: 7.6e-6)."""
 import copy
 
 import pytest
@@ -9,6 +13,8 @@ import torch.nn.functional as F
 import polaformer.backends.cpu.conv as conv_mod
 from polaformer import accelerate
 from polaformer.backends.cpu.conv import depthwise_conv2d, plus_depthwise_conv
+
+pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 
 F64 = torch.float64
 needs_kernel = pytest.mark.skipif(conv_mod._weight_grad_kernels() is None, reason="native kernels not built here")

@@ -1,5 +1,10 @@
 """The oneDNN linear path (polaformer.backends.cpu.onednn; the nn.Linear and timm Mlp swaps of accelerate): the
-same values and gradients as F.linear and timm's Mlp, taken only where it applies."""
+same values and gradients as F.linear and timm's Mlp, taken only where it applies.
+
+Tolerances (tests/README.md, tests/tolerances.py): float32 against float64 at 1e-4 relative (_close32), probable_rtol
+of the 768-term products (2.6e-5) through a GELU; the float32 GELU kernel at 1e-6 absolute against float64, a few
+units of float32's rounding (u = 6e-8) of values up to 16; bfloat16 autocast at 2e-2 relative and 5e-2 absolute,
+bfloat16's u = 3.9e-3 of the inputs and the output plus the products' float32 accumulation."""
 import time
 
 import pytest
@@ -21,7 +26,8 @@ def Mlp(*args, **kwargs):
     return accelerate(timm.layers.Mlp(*args, **kwargs))
 
 
-pytestmark = pytest.mark.skipif(not onednn.onednn_linear_available(), reason="this torch has no oneDNN linear")
+pytestmark = [pytest.mark.skipif(not onednn.onednn_linear_available(), reason="this torch has no oneDNN linear"),
+              pytest.mark.numerics]  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 
 F64 = torch.float64
 # (rows, in, out): below and above the size where oneDNN takes over, a wide inner dimension, odd sizes

@@ -101,6 +101,8 @@ def work(tmp_path_factory):
         f"*{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}, *{chr(97 + i)}]" for i in range(8)
     ]
     (configs / "bomb.yaml").write_text("\n".join(lines) + "\n")
+    os.symlink("loop_b.yaml", configs / "loop_a.yaml")  # a loop of symbolic links
+    os.symlink("loop_a.yaml", configs / "loop_b.yaml")
     (root / "a_file").write_text("not a folder\n")
     return root
 
@@ -177,6 +179,18 @@ CASES = [
     ("throughput size not divisible", ["throughput", "--model", DEIT, "--img-size", "30", "--batch-size", "2"],
      "cannot take 30x30 images"),
     ("throughput --img-size 100000", ["throughput", "--model", DEIT, "--img-size", "100000"], "more than the"),
+    # issue 51: the last raw tracebacks and silent acceptances of train
+    ("patches that do not tile the images", ["train", "--model-kwarg", "patch_size=3", "--epochs", "1", "--output",
+                                             f"{R}/new"],
+     "model 'pola_deit_digits' cannot take 8x8 images: image size 8x8 is not divisible by the patch size 3x3"),
+    ("a --config symlink loop", [*TRAIN_FOLDER, "--config", f"{R}/configs/loop_a.yaml"],
+     "configs/loop_a.yaml: too many levels of symbolic links"),
+    ("no such CPU index", [*TRAIN_DIGITS, "--device", "cpu:7"],
+     "device 'cpu:7': there is no cpu device 7 (use 'cpu:0' or 'cpu')"),
+    ("--model ''", [*TRAIN_DIGITS, "--model", ""],
+     "polaformer train: error: argument --model: got an empty value (give NAME, or leave the option out)"),
+    ("--output ''", [*TRAIN_DIGITS, "--output", ""],
+     "polaformer train: error: argument --output: got an empty value (give DIR, or leave the option out)"),
 ]
 
 
@@ -193,12 +207,24 @@ def test_bad_input_is_one_line_with_status_2(work, name, argv, fragment, capsys)
     assert_unchanged(before, work)
 
 
+@pytest.mark.parametrize("option", ["--model", "--output", "--config", "--data-path", "--resume", "--device"])
+def test_an_empty_value_names_nothing(option, tmp_path, capsys, monkeypatch):
+    """``--model ''`` trained the default model and ``--output ''`` wrote into runs/MODEL, without a word; an empty
+    value of any option that names something is now refused by the parser every command shares, before anything
+    is read or written (here: in an empty working folder, which stays empty)."""
+    monkeypatch.chdir(tmp_path)
+    code, out, err = run_main(["train", *TINY, "--epochs", "1", option, ""], capsys)
+    assert (code, out) == (2, ""), err
+    assert re.search(rf"argument {option}(/--\w+)?: got an empty value \(give ", error_line(err))
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_throughput_counts_activations_not_only_the_input(capsys, monkeypatch):
     """Batch 20000 of DeiT-tiny: its 11.2 GiB input fits in 16 GiB, the input plus the largest layer's
     activations do not (the kernel killed it at 24 GB). Memory is fixed so the case reads alike anywhere."""
-    import polaformer.engine.limits
+    import polaformer.limits
 
-    monkeypatch.setattr(polaformer.engine.limits, "available_memory", lambda device="cpu": 16 * 2**30)
+    monkeypatch.setattr(polaformer.limits, "available_memory", lambda device="cpu": 16 * 2**30)
     code, out, err = run_main(["throughput", "--model", DEIT, "--batch-size", "20000", "--device", "cpu"], capsys)
     assert (code, out) == (2, ""), err
     assert error_line(err).startswith(

@@ -88,6 +88,8 @@ def work(tmp_path_factory):
     _png(root / "samples.png", 2)
     (root / "scores.json").write_text("{}\n")
     (root / "rows.json").write_text("[]\n")
+    (root / "bogus_row.yaml").write_text(f"BASE: [{REPO / 'configs/ablations/digits.yaml'}]\nABLATION:\n  SEEDS: [0]\n"
+                                         "  ROWS:\n  - NAME: bogus\n    SWITCHES: {local: bogus}\n")
     return root
 
 
@@ -192,6 +194,9 @@ CASES = [
      "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
     ("ablate --seeds 2**70", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                               f"{R}/new", "--seeds", BIG_SEED], "ABLATION.SEEDS must be an integer in [-2**63"),
+    ("ablate, a row with local: bogus", ["ablate", "--config", f"{R}/bogus_row.yaml", "--output", f"{R}/new"],
+     "ablation row 'bogus' (SWITCHES {'local': 'bogus'}): cannot build model 'pola_deit_digits' with {'in_chans': 1, "
+     "'img_size': 8, 'drop_path_rate': 0.0, 'local': 'bogus'}: local must be one of dwc, dcn, none, got 'bogus'"),
     ("bench --json over an existing file", ["bench", "pacs", "--rounds", "1", "--json", f"{R}/rows.json"],
      "rows.json already exists: --overwrite replaces it"),
     ("bench pacs --min-time 0", ["bench", "pacs", "--min-time", "0"], "--min-time must be > 0, got 0.0"),
@@ -200,6 +205,8 @@ CASES = [
                               "--opset", "99999"], "opset must be in 1.."),
     ("analyze --dpi 100000", ["analyze", "--dpi", "100000", "--out", f"{R}/new"],
      "a figure of 8 x 5.6 inches at --dpi 100000 needs"),
+    ("analyze --img-size 1e6", ["analyze", "--img-size", "1000000", "--out", f"{R}/new"],  # 100000 alike, 112 GiB
+     "an image of --img-size 1000000 (3 x 1000000 x 1000000 float32) needs 1.12e+04 GiB, more than the"),
     ("train --model-kwarg num_classes=0", ["train", *TINY, "--model-kwarg", "num_classes=0", "--output", f"{R}/new"],
      "MODEL.KWARGS.num_classes: the number of classes comes from the data"),
     ("a 1000-character option name", ["lra", "train", "--task", "listops", "--data", f"{R}/new", "--attention",

@@ -1,4 +1,7 @@
-"""`polaformer eval --data-path` on a generated ImageNet-layout folder, and `polaformer throughput`."""
+"""`polaformer eval --data-path` on a generated ImageNet-layout folder, and `polaformer throughput`.
+
+Tolerances: the printed loss has 4 decimals (5e-5), plus float32 rounding of a mean cross-entropy over a few images
+(below 1e-5): 1.5e-4 and 1e-4 absolute; the accuracies are printed counts."""
 import json
 import math
 import re

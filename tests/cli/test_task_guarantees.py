@@ -121,6 +121,7 @@ COCO_EDITS = {
     "duplicate_id": _set(["images", 1, "id"], 10),
     "traversal": _set(["images", 0, "file_name"], "../../../../etc/passwd"),
     "segmentation_empty": _set(["annotations", 0, "segmentation"], []),
+    "all_crowd": lambda data: [ann.update(iscrowd=1) for ann in data["annotations"]],
 }
 
 
@@ -210,6 +211,25 @@ CASES = [
      "alpha must be a finite number >= 0, got -3"),
     ("lra train --workers -1", lambda r: lra_train(r, "--output", r / "new", "--workers", "-1"),
      "train.num_workers must be an integer >= 0, got -1"),
+    # issue 51: the last raw tracebacks and silent acceptances of detect and segment
+    ("segment train --num-classes 1e9", lambda r: segment_train("--root", r / "ade", "--num-classes", "1000000000",
+                                                                "--output", r / "new"),
+     "the 1000000000 x 1000000000 confusion matrix of data.num_classes 1000000000 needs 7.45e+09 GiB, more than the"),
+    ("segment train --num-classes without --root", lambda r: segment_train("--num-classes", "1000000000", "--output",
+                                                                          r / "new"),
+     "polaformer segment train: error: --num-classes needs --root DIR (it applies to ADE20K-layout folders)"),
+    ("segment train --decoder lightham, DeiT with a pyramid's kwargs",
+     lambda r: [*segment_train("--output", r / "new"), "--decoder", "lightham", "--backbone",
+                "pola_deit_tiny_patch16_224"],
+     "cannot build model 'pola_deit_tiny_patch16_224' with {'depths': [1, 1, 1, 1], 'embed_dims': [16, 32, 64, 64], "
+     "'num_heads': [1, 2, 2, 2], 'mlp_ratios': [2, 2, 2, 2]}: PolaDeiT.__init__() got an unexpected keyword argument "
+     "'depths'"),
+    ("detect train --backbone-kwarg depth=0", lambda r: detect_train("--backbone-kwarg", "depth=0", "--output",
+                                                                     r / "new"),
+     "model 'pola_deit_tiny_patch16_224': depth must be positive, got 0"),
+    ("COCO, every annotation a crowd", lambda r: coco_train(r, "all_crowd"),
+     "all_crowd.json: all 6 annotations are crowd regions (iscrowd=1), which are neither trained on nor scored: "
+     "nothing to train on or to score"),
     ("detect predict --score-threshold nan", lambda r: ["detect", "predict", "--checkpoint", r / "detect" / "last.pth",
                                                         r / "x.png", "--out", r / "new", "--score-threshold", "nan"],
      "the score threshold must be a number in [0, 1], got nan"),

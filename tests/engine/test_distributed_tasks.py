@@ -6,99 +6,17 @@ every K-th example and added up) agree, and only rank 0 writes the output folder
 Super-resolution is in test_distributed_launch.py, whose multi-node and kill -9 tests reuse its runs.
 """
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 
-from polaformer.cli import main
-from conftest import REPO
 from dense_helpers import kwarg_flags
-from test_distributed import free_port
+from distributed_helpers import (RUN_FILES, assert_rank0_wrote, assert_same_first_step, assert_same_training,
+                                 assert_scored_alone, checkpoint, history, metrics, one_process, one_thread,
+                                 scored_alone, torchrun)
+from tolerances import forward_rtol
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
-
-RUN_FILES = ["best.pth", "last.pth", "metrics.json", "metrics.jsonl"]
-
-
-ENV = {**os.environ, "OMP_NUM_THREADS": "1",
-       "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-
-
-def launch(argv: list[str], launcher: list[str] | None = None) -> subprocess.Popen:
-    """``torchrun LAUNCHER -m polaformer ARGV`` (default: 2 processes on this node), one thread per process."""
-    launcher = launcher or ["--nproc_per_node=2", f"--master_port={free_port()}"]
-    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "polaformer", *argv],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
-
-
-def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    stdout, stderr = process.communicate(timeout=300)
-    assert process.returncode == 0, stderr[-3000:]
-    return subprocess.CompletedProcess(process.args, 0, stdout, stderr)
-
-
-def torchrun(argv: list[str]) -> subprocess.CompletedProcess:
-    """``torchrun --nproc_per_node=2 -m polaformer ARGV``, one thread per process."""
-    return finish(launch(argv))
-
-
-def one_process(argv: list[str]) -> None:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as each torchrun process: more threads sum in another order
-    try:
-        assert main(argv) == 0
-    finally:
-        torch.set_num_threads(threads)
-
-
-def weights(folder, part: str = "model") -> dict:
-    return torch.load(folder / "last.pth", weights_only=True)[part]
-
-
-def metrics(folder) -> dict:
-    return json.loads((folder / "metrics.json").read_text())
-
-
-def history(folder) -> list[dict]:
-    """The records of the run's evaluations (metrics.jsonl)."""
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
-def assert_rank0_wrote(result: subprocess.CompletedProcess, root, summary: str) -> None:
-    """The 2-process run into ``root/two``: one summary line, the run's files and nothing else, from rank 0."""
-    lines = [line for line in result.stdout.splitlines() if line.startswith(summary)]
-    assert len(lines) == 1 and str(root / "two") in lines[0], result.stdout
-    assert sorted(p.name for p in root.iterdir()) == ["two"]
-    assert sorted(p.name for p in (root / "two").iterdir()) == RUN_FILES
-    assert torch.load(root / "two" / "last.pth", weights_only=True)["world_size"] == 2
-
-
-def assert_same_training(two: dict, one: dict, lr_sum: float) -> None:
-    """The weights of 2 processes x batch b against 1 process x 2b, the same data and draws per step.
-
-    Their gradients differ only in the order the sums are added (each process's batch mean, averaged by DDP,
-    against one mean over the whole batch): float rounding. Adam(W) divides each gradient element by its own
-    magnitude, so where an element is a near-cancelling sum that rounding can move its update by up to the
-    learning rate: all but 0.1% of the weights agree to 1e-5 (in practice all of them to about 1e-8), every one
-    within Adam's bound (``lr_sum``, the rates of all updates, x1.5 for bias-corrected moments). Had the
-    gradients not been averaged over the processes, most weights would be off by about the learning rate."""
-    assert one.keys() == two.keys()
-    far = sum((~torch.isclose(two[k], one[k], rtol=1e-4, atol=1e-5)).sum().item() for k in one)
-    assert far <= 1e-3 * sum(v.numel() for v in one.values()), far
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=0, atol=1.5 * lr_sum)
-
-
-def assert_same_scores(two: list[dict], one: list[dict], keys: tuple[str, ...]) -> None:
-    """Metrics of every evaluation: the 2 processes score every other example each and add up, so the scores are
-    those of one process up to the float rounding of weights and sums."""
-    assert len(two) == len(one) > 0
-    for a, b in zip(two, one):
-        for key in keys:
-            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (key, a[key], b[key])
 
 
 def test_detect_trains_under_torchrun(tmp_path, capsys):
@@ -126,26 +44,43 @@ def test_detect_trains_under_torchrun(tmp_path, capsys):
     assert {k: recorded[k] for k in scored} == scored
 
 
+@pytest.mark.numerics
 def test_lm_two_processes_equal_one_with_the_same_global_batch(tmp_path):
     """No dropout, the same windows per step (the engine's sampler) and per evaluation: ``train.eval_batches``
     counts batches of the global batch, so 2 processes x 4 score the same 2 x 8 windows as 1 x 8, each process every
-    other one (see :func:`assert_same_training` for the tolerance)."""
-    common = ["lm", "train", "--context", "16", "--steps", "2", "--max-bytes", "20000", "--eval-every", "2",
+    other one. The weights agree to Adam's drift bound, the first step's loss and the 2-process run's final
+    validation score (against one process scoring its final weights) to rounding."""
+    from polaformer.tasks.lm import LMTask, load_lm_model
+
+    common = ["lm", "train", "--context", "16", "--steps", "2", "--max-bytes", "20000", "--eval-every", "1",
               "--device", "cpu", "--opts", "train.eval_batches", "2", "train.warmup_steps", "1"]
     result = torchrun([*common, "--batch-size", "4", "--output", str(tmp_path / "two")])
     assert_rank0_wrote(result, tmp_path, "valid bits/byte:")
 
     one_process([*common, "--batch-size", "8", "--output", str(tmp_path / "one")])
-    lr_sum = 2 * 3e-3  # the default lr, both steps (1 warm-up step, then cosine from the peak)
-    assert_same_training(weights(tmp_path / "two"), weights(tmp_path / "one"), lr_sum)
-    assert_same_scores(history(tmp_path / "two"), history(tmp_path / "one"), ("train_bpb", "valid_bpb"))
+    assert_same_training(checkpoint(tmp_path / "two"), checkpoint(tmp_path / "one"), 3e-3)  # the default peak lr
+    # pola_lm_tiny: 2 blocks of 6 reductions of at most 256 terms (64 features, its 256-wide MLP, 16 tokens), the
+    # cross-entropy's log-sum-exp over 256 bytes and the mean over at most 16 windows x 16 positions
+    rtol = forward_rtol([256] * 12 + [256, 16 * 16])
+    assert_same_first_step(history(tmp_path / "two"), history(tmp_path / "one"), "train_bpb", rtol)
+    model, _ = load_lm_model(tmp_path / "two" / "last.pth")
+    _, cfg = load_lm_model(tmp_path / "one" / "last.pth")  # the 1-process run's batch: the same 16 windows
+    assert_scored_alone(history(tmp_path / "two")[-1], scored_alone(LMTask(cfg), model),
+                        {"valid_bpb": "bits_per_byte"}, rtol)
 
 
+@pytest.mark.numerics
 def test_lra_two_processes_equal_one_with_the_same_global_batch(tmp_path_factory):
     """No dropout (``model.dropout 0``, ``model.attention_dropout 0``; with it each process draws its own masks);
     the dev batches are counted in global batches and split over the processes, and so is the test split the best
-    weights are scored on at the end (after rank 0 wrote best.pth)."""
+    weights are scored on at the end (after rank 0 wrote best.pth). Accuracies count argmax predictions: rounding
+    changes one only where two logits lie within it of each other."""
+    from torch.utils.data import DataLoader
+
+    from polaformer.engine.device import place_model
+    from polaformer.tasks.lra.data import collate_lra, load_lra_split
     from polaformer.tasks.lra.listops import generate_listops
+    from polaformer.tasks.lra.train import evaluate_lra, load_lra_model
 
     data = tmp_path_factory.mktemp("listops")
     generate_listops(data, train=32, val=16, test=12, min_length=10, max_length=30, max_depth=3, seed=0,
@@ -153,21 +88,34 @@ def test_lra_two_processes_equal_one_with_the_same_global_batch(tmp_path_factory
     root = tmp_path_factory.mktemp("lra")
     lr = 1e-2
     common = ["lra", "train", "--task", "listops", "--data", str(data), "--attention", "pola", "--steps", "3",
-              "--eval-every", "3", "--lr", str(lr), "--device", "cpu", "--opts", "model.dim", "16",
+              "--eval-every", "1", "--lr", str(lr), "--device", "cpu", "--opts", "model.dim", "16",
               "model.hidden_dim", "32", "model.num_heads", "2", "model.head_dim", "8", "model.dropout", "0",
               "model.attention_dropout", "0", "train.eval_batches", "1"]
     result = torchrun([*common, "--batch-size", "4", "--output", str(root / "two")])
     assert_rank0_wrote(result, root, "test accuracy:")
 
     one_process([*common, "--batch-size", "8", "--output", str(root / "one")])
-    assert_same_training(weights(root / "two"), weights(root / "one"), 3 * lr)  # OneCycle peaks at lr
-    two, one = metrics(root / "two"), metrics(root / "one")
-    assert_same_scores(history(root / "two"), history(root / "one"),
-                       ("train_loss", "train_accuracy", "dev_loss", "dev_accuracy"))
-    assert (two["test_examples"], one["test_examples"]) == (12, 12)
-    assert_same_scores([two], [one], ("test_loss", "test_accuracy"))
+    assert_same_training(checkpoint(root / "two"), checkpoint(root / "one"), lr)  # OneCycle peaks at lr
+    # 2 blocks of 6 reductions of at most 32 terms (16 and 32 features, sequences of at most 32 tokens), the mean
+    # pooling and the head, the log-sum-exp over 10 classes and the mean over at most 12 examples
+    rtol = forward_rtol([32] * 16 + [10, 12])
+    assert_same_first_step(history(root / "two"), history(root / "one"), "train_loss", rtol)
+
+    def alone(name: str, split: str, limit: int | None = None) -> dict:
+        model, _ = load_lra_model(root / "two" / name)
+        loader = DataLoader(load_lra_split("listops", data, split, limit=limit), batch_size=8, collate_fn=collate_lra)
+        with one_thread():
+            return evaluate_lra(place_model(model, torch.device("cpu")), loader)
+
+    scores = ("loss", "accuracy")
+    assert_scored_alone(history(root / "two")[-1], alone("last.pth", "dev", limit=8),
+                        {f"dev_{key}": key for key in scores}, rtol)  # train.eval_batches 1: 8 examples
+    two = metrics(root / "two")
+    assert two["test_examples"] == 12
+    assert_scored_alone(two, alone("best.pth", "test"), {f"test_{key}": key for key in scores}, rtol)
 
 
+@pytest.mark.numerics
 def test_segment_two_processes_equal_one_with_the_same_global_batch(tmp_path, capsys):
     """Semantic FPN on the digit scenes without its spatial dropout (``model.decoder_dropout 0``: each process would
     draw its own masks) and GroupNorm only (UPerNet's BatchNorm would see each process's half batch): the same
@@ -175,14 +123,18 @@ def test_segment_two_processes_equal_one_with_the_same_global_batch(tmp_path, ca
     float rounding of the weights can flip: so the 2-process run's own scores, from the confusion matrices of both
     processes' images added up, are checked against one process scoring its final weights: exactly equal."""
     common = ["segment", "train", "--backbone", "pola_pvt_tiny", *kwarg_flags("pola_pvt_tiny"), "--steps", "2",
-              "--train-size", "4", "--val-size", "3", "--lr", "2e-4", "--no-progress", "--device", "cpu",
-              "--opts", "model.decoder_dropout", "0", "model.decoder_channels", "64", "train.warmup_steps", "0"]
+              "--eval-every", "1", "--train-size", "4", "--val-size", "3", "--lr", "2e-4", "--no-progress",
+              "--device", "cpu", "--opts", "model.decoder_dropout", "0", "model.decoder_channels", "64",
+              "train.warmup_steps", "0"]
     result = torchrun([*common, "--batch-size", "1", "--output", str(tmp_path / "two")])
     assert_rank0_wrote(result, tmp_path, "{")
 
     one_process([*common, "--batch-size", "2", "--output", str(tmp_path / "one")])
-    assert_same_training(weights(tmp_path / "two"), weights(tmp_path / "one"), 2 * 2e-4)
-    assert_same_scores(history(tmp_path / "two"), history(tmp_path / "one"), ("train_loss",))
+    assert_same_training(checkpoint(tmp_path / "two"), checkpoint(tmp_path / "one"), 2e-4)
+    # about 40 convs and linears of at most 576 terms (3x3 convs over 64 channels) and 8 attention sums over at most
+    # 64 keys, then the cross-entropy's mean over 2 x 128 x 128 pixels
+    rtol = forward_rtol([576] * 48 + [2 * 128 * 128])
+    assert_same_first_step(history(tmp_path / "two"), history(tmp_path / "one"), "train_loss", rtol)
     capsys.readouterr()
     one_process(["segment", "eval", "--checkpoint", str(tmp_path / "two" / "last.pth"), "--device", "cpu"])
     scored = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -190,17 +142,27 @@ def test_segment_two_processes_equal_one_with_the_same_global_batch(tmp_path, ca
     assert (scored["mIoU"], scored["aAcc"]) == (recorded["mIoU"], recorded["aAcc"])
 
 
+@pytest.mark.numerics
 def test_diffusion_two_processes_equal_one_with_the_same_global_batch(tmp_path):
     """Each training image's step and noise come from (seed, epoch, index), the validation's are fixed per image,
     so both runs draw the same; the class dropout (drawn by the model, per process) is off. The EMA follows."""
-    common = ["diffusion", "train", "--steps", "2", "--image-size", "8", "--eval-every", "2", "--device", "cpu",
+    from polaformer.tasks.diffusion import DiffusionTask, load_diffusion_model
+
+    common = ["diffusion", "train", "--steps", "2", "--image-size", "8", "--eval-every", "1", "--device", "cpu",
               "--opts", "model.hidden_size", "16", "model.depth", "1", "model.num_heads", "2",
               "train.eval_samples", "15", "model.class_dropout_prob", "0"]
     result = torchrun([*common, "--batch-size", "4", "--output", str(tmp_path / "two")])
     assert_rank0_wrote(result, tmp_path, "valid loss (EMA):")
 
     one_process([*common, "--batch-size", "8", "--output", str(tmp_path / "one")])
+    two, one = checkpoint(tmp_path / "two"), checkpoint(tmp_path / "one")
     for part in ("model", "model_ema"):
-        assert_same_training(weights(tmp_path / "two", part), weights(tmp_path / "one", part), 2 * 1e-3)
-    assert_same_scores(history(tmp_path / "two"), history(tmp_path / "one"),
-                       ("train_loss", "valid_loss", "valid_mse", "ema_valid_loss"))
+        assert_same_training(two, one, 1e-3, part)  # the default lr
+    # 14 reductions of at most 256 terms (the timestep embedding's 256 frequencies, 16 features, its 64-wide MLP,
+    # 16 tokens), the loss's mean over 2 x 8 x 8 outputs and over at most 15 images
+    rtol = forward_rtol([256] * 14 + [2 * 8 * 8, 15])
+    assert_same_first_step(history(tmp_path / "two"), history(tmp_path / "one"), "train_loss", rtol)
+    logged = history(tmp_path / "two")[-1]
+    for ema, names in ((False, {"valid_loss": "loss", "valid_mse": "mse"}), (True, {"ema_valid_loss": "loss"})):
+        model, cfg, _ = load_diffusion_model(tmp_path / "two" / "last.pth", ema=ema)
+        assert_scored_alone(logged, scored_alone(DiffusionTask(cfg), model), names, rtol)

@@ -1,4 +1,7 @@
-"""The training engine: checkpoints, model creation, the loop, configuration."""
+"""The training engine: checkpoints, model creation, the loop, configuration.
+
+Tolerances (tests/README.md, tests/tolerances.py): learning rates and losses compared with pytest.approx are the same
+float64 arithmetic in another order (1e-6 relative); the gradient accumulation states its bound inline."""
 import json
 import re
 
@@ -415,6 +418,8 @@ def test_gradient_accumulation_equals_the_larger_batch(tmp_path):
                                  batch_size=batch_size, epochs=1, accumulation_steps=steps, clip_grad_norm=1.0)
         assert engine.num_updates == 4
         weights.append(engine.model.weight.detach().clone())
+    # The gradients (sums over 16 examples, in 2 parts or 1) agree to reorder_rtol(16)·κ ≈ 4e-6·κ; each AdamW update
+    # (lr 5e-4) moves by at most about 2·lr times that, 4 of them: 1e-6 holds for gradient conditions κ up to 60.
     torch.testing.assert_close(weights[0], weights[1], rtol=1e-5, atol=1e-6)
 
 

@@ -15,7 +15,7 @@ if not torch.cuda.is_available():
 
 import timm  # noqa: E402
 
-import polaformer  # noqa: E402,F401  (registers the models)
+import polaformer.models  # noqa: E402,F401  (registers the models)
 from models.test_timm_conformance import SMALLEST  # noqa: E402
 from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig  # noqa: E402
 

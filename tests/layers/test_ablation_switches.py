@@ -1,4 +1,7 @@
-"""The ablation switches of the Pola attention layers (paper Table 3): polarity, polarity_coefficients, local."""
+"""The ablation switches of the Pola attention layers (paper Table 3): polarity, polarity_coefficients, local.
+
+Tolerances (tests/README.md, tests/tolerances.py): float64 fast against slow forms at 1e-10 to 1e-12, far above
+reorder_rtol(n, float64) for these sums (at most a few hundred terms: 1e-13·κ)."""
 import pytest
 import timm
 import torch
@@ -12,6 +15,8 @@ from polaformer.layers import (
     PolaSequenceAttention,
 )
 from polaformer.ops import naive_power_linear_attention, power_linear_attention
+
+pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 
 SWITCHES = [
     ({}, {"qkvg", "dwc"}),

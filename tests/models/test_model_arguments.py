@@ -94,3 +94,49 @@ def test_token_ids_labels_and_timesteps_out_of_range_are_named():
         dit(x, t, torch.tensor([0, 11]))
     with pytest.raises(ValueError, match="timesteps must be >= 0, got -5"):
         dit(x, torch.tensor([-5, 2]), y)
+
+
+# --- issue 51: MLP ratios, and sizes checked against memory at every family's entry point -------------------
+
+RATIO_CASES = [
+    ("pola_deit_tiny_patch16_224", dict(mlp_ratio=0, depth=1), "mlp_ratio must be a finite number > 0"),
+    ("pola_pvt_tiny", dict(mlp_ratios=[4, 0, 4, 4]), "mlp_ratios must be a finite number > 0"),
+    ("pola_pvt_v2_b0", dict(mlp_ratios=[8, 8, float("nan"), 4]), "mlp_ratios must be a finite number > 0"),
+    ("pola_swin_t", dict(mlp_ratio=-1.0), "mlp_ratio must be a finite number > 0"),
+    ("POLA_b0", dict(mlp_ratios=(3.5, 0, 3.5, 3.5)), "mlp_ratios must be a finite number > 0"),
+    ("pola_dit_s_2", dict(mlp_ratio=0, input_size=8, depth=1), "mlp_ratio must be a finite number > 0"),
+    ("pola_lm_tiny", dict(mlp_ratio=0), "mlp_ratio must be a finite number > 0"),
+    ("pola_sr_light_x2", dict(mlp_ratio=float("inf")), "mlp_ratio must be a finite number > 0"),
+]
+
+
+@pytest.mark.parametrize("name, kwargs, message", RATIO_CASES, ids=[f"{c[0]}-{c[1]}" for c in RATIO_CASES])
+def test_an_mlp_of_no_width_is_refused(name, kwargs, message):
+    """mlp_ratio=0 built a model whose MLPs had no hidden unit, without a word (a negative ratio failed in
+    nn.Linear)."""
+    with pytest.raises(ValueError) as info:
+        timm.create_model(name, **kwargs)
+    assert message in str(info.value)
+
+
+MEMORY_CASES = [
+    ("pola_deit_tiny_patch16_224", dict(depth=10**9)),
+    ("pola_deit_tiny_patch16_224", dict(depth=10**5)),  # 192 wide: 4.4e10 weights, though 10**5 x 32² would fit
+    ("pola_swin_t", dict(embed_dim=10**6)),
+    ("pola_lm_tiny", dict(depth=10**8)),
+    ("pola_dit_s_2", dict(depth=10**8)),
+    ("POLA_b0", dict(depths=(1, 1, 10**9, 1))),
+]
+
+
+@pytest.mark.parametrize("name, kwargs", MEMORY_CASES, ids=[f"{c[0]}-{c[1]}" for c in MEMORY_CASES])
+def test_every_family_checks_its_sizes_against_memory_before_building(name, kwargs, monkeypatch):
+    """timm.create_model('pola_deit_tiny_patch16_224', depth=10**9) ended in a MemoryError, or the kernel's
+    out-of-memory killer; the entry point now estimates the blocks' weights from the sizes asked over the
+    variant's own (12·width² a block) first. Memory is fixed at 16 GiB so the case reads alike anywhere."""
+    import polaformer.limits
+
+    monkeypatch.setattr(polaformer.limits, "available_memory", lambda device="cpu": 16 * 2**30)
+    with pytest.raises(ValueError, match=rf"^model '{name}' with \{{.*\}} needs at least .* GiB for its weights "
+                                         r"\(.* parameters\), more than the 16 GiB of memory available$"):
+        timm.create_model(name, **kwargs)

@@ -1,6 +1,10 @@
 """pola_dit_*: the official PolaDiT's state_dict keys and shapes (manifest made from the official class by
 scripts/dit_reference.py), a strict load of official weights with equal float64 outputs, the timestep embedding
-and the sin-cos table, and one-line errors on bad inputs."""
+and the sin-cos table, and one-line errors on bad inputs.
+
+Tolerances (tests/README.md, tests/tolerances.py): the float64 fixture at 1e-10, far above reorder_rtol(n, float64)
+through the tiny model (a few hundred terms per sum: 1e-13·κ per layer); the float32 timestep table against the
+official one at float32's rounding of its arguments (_float32_rounding_bound)."""
 from __future__ import annotations
 
 import json
@@ -38,6 +42,7 @@ def test_state_dict_matches_official_manifest(official):
     assert not model.pos_embed.requires_grad
 
 
+@pytest.mark.numerics
 def test_official_tiny_weights_load_strictly_and_match_in_float64(monkeypatch):
     """The network in float64 on the official float32 timestep embedding (recorded with the outputs): the
     embedding's last bits depend on the CPU's vector instructions (tests/dit_helpers.py), the rest must not."""
@@ -62,6 +67,7 @@ def _float32_rounding_bound(t: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat([bound, bound], dim=1)
 
 
+@pytest.mark.numerics
 def test_timestep_embedding_is_the_official_float32_table():
     """Equal to the official float32 table within float32's rounding, also when the frequencies come out an ulp
     off (what another instruction set's exp gives): the fixture holds on every CPU, a wrong formula does not."""

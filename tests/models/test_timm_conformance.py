@@ -2,6 +2,10 @@
 
 The full suite (timm's test file against every model) is run by scripts/timm_conformance (docs/timm.md);
 these are the same checks, written with timm's public API, at sizes that fit in CI.
+
+Tolerances (tests/README.md, tests/tolerances.py): transforms and traced outputs exactly equal (the same kernels in
+one order); the evaluation's mean loss over 2 images at 1e-6 absolute, float32's rounding of a cross-entropy of 2
+terms of about 7 (u·n·|loss| ≈ 1e-6).
 """
 import numpy as np
 import pytest

@@ -206,3 +206,121 @@ def test_a_loader_without_the_nonfinite_switch_names_none(tmp_path):
         load_for_finetune(model, path)
     with pytest.raises(CorruptCheckpointError, match="allow_nonfinite=True"):
         load_checkpoint(model, path)
+
+
+# --- issue 51: the causal step checks its state; sizes out of range are named ---------------------
+
+def _pola_state(batch=2, heads=2, head_dim=4):
+    from polaformer.ops import causal_pola_step
+
+    q = torch.randn(batch, heads, 1, head_dim)
+    return causal_pola_step(q, q, torch.randn(batch, heads, 1, head_dim), 2.0)[1]
+
+
+STATE_CASES = [
+    ("another batch", dict(batch=3), ValueError,
+     "state.kv[0] is (2, 2, 8, 2), these tokens (batch 3, 2 heads, head_dim 4, value head_dim 4) continue from "
+     "(3, 2, 8, 2): pass the state of these sequences, or None to start new ones"),
+    ("other heads", dict(heads=3), ValueError, "these tokens (batch 2, 3 heads, head_dim 4, value head_dim 4)"),
+    ("another head_dim", dict(head_dim=6), ValueError, "state.kv[0] is (2, 2, 8, 2), these tokens (batch 2, 2 heads, "
+                                                       "head_dim 6, value head_dim 6) continue from (2, 2, 12, 3)"),
+]
+
+
+@pytest.mark.parametrize("name, shape, error, message", STATE_CASES, ids=[c[0] for c in STATE_CASES])
+@pytest.mark.parametrize("op", ["pola", "pacs"])
+def test_the_causal_step_refuses_the_state_of_other_sequences(op, name, shape, error, message):
+    """A state carried to tokens of another batch, other heads or sizes failed deep in the recurrence
+    ('The size of tensor a (2) must match...'); now one line naming the state's shape and the tokens'."""
+    from polaformer.ops import causal_pacs_linear_attention, causal_pacs_step, causal_pola_step
+
+    size = dict(batch=2, heads=2, head_dim=4) | shape
+    q = torch.randn(size["batch"], size["heads"], 1, size["head_dim"])
+    with pytest.raises(error) as info:
+        if op == "pola":
+            causal_pola_step(q, q, q, 2.0, _pola_state())
+        else:
+            temps = torch.ones(1, size["heads"], 1, 2 * size["head_dim"])
+            causal_pacs_step(q, q, q, temps, temps, state=_pola_state())
+    assert message in str(info.value)
+    if op == "pacs":  # the chunked form's initial_state, the same check
+        q = torch.randn(size["batch"], size["heads"], 5, size["head_dim"])
+        with pytest.raises(error, match="pass the state of these sequences"):
+            causal_pacs_linear_attention(q, q, q, temps, temps, initial_state=_pola_state())
+
+
+@pytest.mark.parametrize("state, error, message", [
+    ((1, 2), TypeError, "state must be the CausalState a previous call returned (or None), got tuple"),
+    ("kv", TypeError, "got str"),
+])
+def test_the_causal_step_refuses_what_is_no_state(state, error, message):
+    from polaformer.ops import causal_pola_step
+
+    q = torch.randn(2, 2, 1, 4)
+    with pytest.raises(error) as info:  # was: 'tuple' object has no attribute 'kv'
+        causal_pola_step(q, q, q, 2.0, state)
+    assert message in str(info.value)
+
+
+def test_the_causal_step_refuses_a_state_of_wrong_parts():
+    from polaformer.ops import CausalState, causal_pola_step
+
+    q = torch.randn(2, 2, 1, 4)
+    state = _pola_state()
+    with pytest.raises(ValueError, match=r"state.kv must hold the two streams' tensors, got a tuple of 1"):
+        causal_pola_step(q, q, q, 2.0, CausalState(state.kv[:1], state.key_sum, state.count))
+    with pytest.raises(TypeError, match="state.count must be a floating-point tensor, got torch.int64"):
+        causal_pola_step(q, q, q, 2.0, state._replace(count=state.count.long()))
+    with pytest.raises(ValueError, match=r"state.key_sum is on meta, the tokens on cpu"):
+        causal_pola_step(q, q, q, 2.0, state._replace(key_sum=state.key_sum.to("meta")))
+
+
+def test_a_state_in_another_float_dtype_continues_in_the_compute_dtype():
+    """A float32 state carried into float64 tokens (as a float64 model's first step from an empty cache) continues
+    them exactly as the float64 state would."""
+    from polaformer.ops import causal_pola_step
+
+    q = torch.randn(2, 2, 1, 4, dtype=torch.float64)
+    state = _pola_state()
+    same = state._replace(kv=tuple(t.double() for t in state.kv), key_sum=state.key_sum.double(),
+                          count=state.count.double())
+    out, carried = causal_pola_step(q, q, q, 2.0, state)
+    expected, _ = causal_pola_step(q, q, q, 2.0, same)
+    assert carried.key_sum.dtype == torch.float64
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layer", ["PolaCausalSelfAttention", "PacsCausalSelfAttention"])
+def test_a_causal_layer_step_checks_its_cache(layer):
+    import polaformer.layers
+
+    module = getattr(polaformer.layers, layer)(16, 2)
+    _, cache = module.step(torch.randn(2, 1, 16))
+    with pytest.raises(ValueError, match=r"cache.conv_tail is \(2, 3, 16\), these tokens \(batch 3\) continue from "
+                                         r"\(3, 3, 16\): pass the cache of these sequences, or None"):
+        module.step(torch.randn(3, 1, 16), cache)
+    for wrong in (cache.attention, (1, 2)):  # the attention's state alone, or no cache at all
+        with pytest.raises(TypeError, match="cache must be the CausalCache a previous step returned"):
+            module.step(torch.randn(2, 1, 16), wrong)
+    with pytest.raises(ValueError, match="cache.position must be an integer >= 0, got -1"):
+        module.step(torch.randn(2, 1, 16), cache._replace(position=-1))
+    without_conv = getattr(polaformer.layers, layer)(16, 2, kernel_size=0)
+    _, cache = without_conv.step(torch.randn(2, 4, 16))
+    with pytest.raises(ValueError, match=r"state.kv\[0\] is \(2, 2, 16, 4\), these tokens \(batch 3"):
+        without_conv.step(torch.randn(3, 1, 16), cache)  # the op's check, where no conv tail tells batches apart
+
+
+def test_rope_1d_refuses_a_negative_length():
+    from polaformer.ops import rope_1d
+
+    with pytest.raises(ValueError, match=r"length must be an integer >= 0 \(a number of tokens\), got -1"):
+        rope_1d(torch.ones(4), -1)  # torch.arange's 'upper bound and lower bound inconsistent with step sign'
+    sin, cos = rope_1d(torch.ones(4), 0)
+    assert sin.shape == cos.shape == (0, 4)
+
+
+@pytest.mark.parametrize("size", [(0, 0), (0, 5), (7, 0)])
+def test_pola_sr_on_an_image_of_no_pixel_gives_the_empty_upscaled_image(size):
+    model = timm.create_model("pola_sr_light_x2", embed_dim=8, depths=(1,), num_heads=(2,), window_size=8)
+    out = model(torch.zeros(1, 3, *size))  # a conv's 'Kernel size can't be greater than actual input size' before
+    assert out.shape == (1, 3, 2 * size[0], 2 * size[1])

@@ -5,6 +5,8 @@ import torch
 
 from polaformer.ops import dispatch, naive_pola_linear_attention, pola_linear_attention
 
+pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
+
 
 @pytest.fixture
 def torch_backend():

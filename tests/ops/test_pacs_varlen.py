@@ -10,6 +10,8 @@ from polaformer.ops import pacs_linear_attention, rope_2d, rope_angles
 from polaformer.ops.dispatch import set_attention_backend
 from polaformer.ops.naive import naive_pacs_linear_attention
 
+pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
+
 
 @pytest.fixture(params=["torch", "native"])
 def backend(request):

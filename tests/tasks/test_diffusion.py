@@ -1,7 +1,13 @@
 """The diffusion task: the loss and the samplers against the official Gaussian diffusion (float64 vectors of
 scripts/dit_reference.py: its loss terms, a respaced step, whole DDPM/DDIM/guided chains of a tiny official DiT
 with fixed noise), classifier-free guidance, 'polaformer diffusion train|sample|fid' end to end on digits
-(pixels) and on an image folder through a local AutoencoderKL (latents), and one-line errors for bad inputs."""
+(pixels) and on an image folder through a local AutoencoderKL (latents), and one-line errors for bad inputs.
+
+Tolerances (tests/README.md, tests/tolerances.py): float64 against the official at 1e-12 where both compute in
+float64; where the official rounds its tables (diffusers' schedule, the respaced sampler's) to float32, its float32
+rounding (u = 6e-8, amplified by at most 10 in the log-variances and the variational bound's differences: 1e-6; 1e-4
+for the bound's KL, a difference of log-variances); the oracle samplers are checked against the image their exact
+predictor implies: DDPM to float32 rounding over 50 steps (1e-5), DDIM to its own discretisation error (0.05)."""
 from __future__ import annotations
 
 import json
@@ -25,6 +31,7 @@ SAMPLING = REFERENCE.with_name("sampling_float64.safetensors")
 TINY = ["--opts", "model.hidden_size", "16", "model.depth", "1", "model.num_heads", "2", "train.eval_samples", "16"]
 
 
+@pytest.mark.numerics
 def test_loss_matches_official_mse_and_variational_bound():
     ref = load_file(str(REFERENCE))
     prediction = ref["diffusion.prediction"]
@@ -35,6 +42,7 @@ def test_loss_matches_official_mse_and_variational_bound():
     torch.testing.assert_close(terms["vb"], ref["diffusion.vb"], rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.numerics
 def test_ddpm_step_matches_the_official_respaced_sampler():
     ref = load_file(str(REFERENCE))
     diffusion = RespacedDiffusion(250)
@@ -92,6 +100,7 @@ CHAINS = {
 }
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("name", sorted(CHAINS))
 def test_sampling_chains_equal_the_official(monkeypatch, name):
     """Whole 10-step chains of a tiny 4-channel official DiT with the official noise, in float64 and in float32
@@ -144,6 +153,7 @@ class _Oracle(torch.nn.Module):
         return torch.cat([(x - a.sqrt() * self.target) / (1 - a).sqrt(), torch.zeros_like(x)], dim=1)
 
 
+@pytest.mark.numerics
 @pytest.mark.parametrize("sampler, atol", [("ddpm", 1e-5), ("ddim", 0.05)])
 def test_samplers_recover_the_image_an_exact_noise_predictor_implies(sampler, atol):
     out = sample(_Oracle(), torch.tensor([0, 1]), (1, 4, 4), sampler=sampler, steps=50, cfg_scale=2.0,

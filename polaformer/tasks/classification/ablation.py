@@ -127,12 +127,15 @@ def _finished(metrics_path: Path, epochs: int) -> dict | None:
     return metrics if done else None
 
 
-def _count_params(arch: str, kwargs: dict) -> int:
-    import timm
+def _count_params(row: AblationRow, arch: str, num_classes: int, kwargs: dict) -> int:
+    """The parameters of ``row``'s model, built by the engine's factory: a switch the model refuses (``local:
+    bogus``) is one line naming the row, before any row trains."""
+    from ...engine.factory import ModelBuildError, create_model
 
-    from ... import models  # noqa: F401  (registers the Pola families with timm)
-
-    model = timm.create_model(arch, **kwargs)
+    try:
+        model = create_model(arch, num_classes, **kwargs)
+    except ModelBuildError as e:
+        raise ConfigError(f"ablation row {row.name!r} (SWITCHES {row.switches}): {e}") from None
     return sum(p.numel() for p in model.parameters())
 
 
@@ -156,11 +159,13 @@ def run_ablation(train_cfg: Config, rows: list[AblationRow], seeds: list[int], o
         if main:
             print(f"ablation: {message}", file=log, flush=True)
 
-    for row in rows:
+    row_cfgs = []
+    for row in rows:  # every row's model built once first: a bad switch fails before any training
         row_cfg = train_cfg.clone().defrost()
         row_cfg.MODEL.KWARGS.merge(row.switches)
-        kwargs = model_kwargs_from_config(row_cfg, arch, data_kwargs)
-        row.params = _count_params(arch, {**kwargs, "num_classes": num_classes})
+        row.params = _count_params(row, arch, num_classes, model_kwargs_from_config(row_cfg, arch, data_kwargs))
+        row_cfgs.append(row_cfg)
+    for row, row_cfg in zip(rows, row_cfgs):
         for seed in seeds:
             done += 1
             run_dir = output / row.name / f"seed{seed}"

@@ -45,8 +45,8 @@ from ...checkpoint import (
 from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
 from ...data.shards import INFO_NAMES, find_info, open_eval_split
 from .config import OFFICIAL_MODEL_NAMES
-from ...engine.factory import create_model
-from ...engine.limits import check_batch_memory, check_forward_memory
+from ...engine.factory import check_forward, create_model
+from ...limits import check_batch_memory, check_forward_memory
 from ...engine.device import amp_dtype, autocast, place_model
 from ...engine.device import resolve_device as resolve_engine_device
 from .train import evaluate
@@ -296,7 +296,7 @@ def evaluate_folder_checkpoint(
     data_config = eval_config(network, size, interpolation=_config_value(config, "DATA", "INTERPOLATION", str),
                               crop=_config_value(config, "TEST", "CROP", bool), crop_pct=crop_pct)
     _check_eval_memory(batch_size, size, data_config["crop_pct"], device)
-    check_forward(network, (_input_channels(network, kwargs), size, size), arch)
+    check_forward(network, (_input_channels(network, kwargs), size, size), arch, EvalError)
     loaded = load_checkpoint(network, checkpoint, weights=weights, allow_nonfinite=allow_nonfinite)
     dataset.transform = create_transform(**data_config, is_training=False)
     loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, num_workers=workers,
@@ -319,18 +319,6 @@ def _check_eval_memory(batch_size: int, size: int, crop_pct: float | None, devic
     resized = math.floor(size / (crop_pct or 1.0))  # each image is resized to this square before the crop
     check_batch_memory(1, 3, resized, resized, "cpu", EvalError, what=f"an image resized for crop_pct {crop_pct:g}"
                        if crop_pct else "an image resized")
-
-
-def check_forward(model: nn.Module, input_size: tuple[int, int, int], arch: str) -> None:
-    """Run ``model`` on one blank image of ``input_size``: a size the model cannot take (not divisible
-    by its patches or windows, or other than its fixed size) fails here in one line, not mid-run."""
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(torch.zeros(1, *input_size))
-    except (RuntimeError, AssertionError, ValueError, IndexError) as e:
-        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
-        raise EvalError(f"model {arch!r} cannot take {input_size[1]}x{input_size[2]} images: {reason}") from None
 
 
 # --- throughput ------------------------------------------------------------------------------
@@ -420,7 +408,7 @@ def model_throughput(
     size = img_size or _default_img_size(network, kwargs_)
     channels = _input_channels(network, kwargs_)
     check_batch_memory(kwargs.get("batch_size", 64), channels, size, size, device, EvalError)
-    check_forward(network, (channels, size, size), arch)
+    check_forward(network, (channels, size, size), arch, EvalError)
     check_forward_memory(network, kwargs.get("batch_size", 64), (channels, size, size), device, EvalError,
                          half=kwargs.get("amp", False))
     network = place_model(network, device, inference=True)

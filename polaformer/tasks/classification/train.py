@@ -39,7 +39,7 @@ from ...engine.parallel import SHARDED
 from ...engine.config import Config, ConfigError, merge_opts
 from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
-from ...engine.factory import create_model, create_model_from_checkpoint
+from ...engine.factory import check_forward, create_model, create_model_from_checkpoint
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import build_optimizer, build_scheduler, global_batch_size, lr_scale, unwrap
 from .config import DIGITS_EVAL_BATCH_SIZE, TrainConfig, check_config, config_from_train_config, resolve_model_name
@@ -217,6 +217,9 @@ class ClassificationTask(Task):
         self.criterion = build_criterion(cfg, self.data.mixup)
 
         model = create_model(self.arch, self.data.num_classes, **self.model_kwargs)
+        input_size = self._input_size()
+        if input_size is not None:  # a size the model cannot take fails here, not at the first batch
+            check_forward(model, input_size, self.arch)
         if not resuming and cfg.MODEL.PRETRAINED:
             from ...finetune import load_for_finetune
 
@@ -241,6 +244,16 @@ class ClassificationTask(Task):
             f"{cfg.TRAIN.BASE_LR * lr_scale(cfg):.3e}, device {engine.device}"
             + (f", AMP {str(engine.amp_dtype).removeprefix('torch.')}" if engine.amp_dtype else "")
         )
+
+    def _input_size(self) -> tuple[int, int, int] | None:
+        """(channels, height, width) of the training images, where the data says."""
+        shape = getattr(self.data.train, "image_shape", None)
+        if shape:
+            return tuple(shape)
+        given = self.data.model_kwargs  # an embedded data set's geometry
+        if "in_chans" not in given or "img_size" not in given:
+            return None
+        return given["in_chans"], given["img_size"], given["img_size"]
 
     def _check_channels(self) -> None:
         """A model for other than the data's channels would fail only at the first batch."""

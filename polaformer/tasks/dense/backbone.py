@@ -24,7 +24,7 @@ from torchvision.ops import FeaturePyramidNetwork
 from torchvision.ops.feature_pyramid_network import ExtraFPNBlock, LastLevelMaxPool, LastLevelP6P7
 
 from ... import models as _register  # noqa: F401  (registers the Pola families with timm)
-from ...engine.factory import ModelBuildError
+from ...engine.factory import ModelBuildError, create_model
 from ...finetune import load_for_finetune
 
 __all__ = ["BackboneError", "FeaturePyramidBackbone", "SimplePyramid", "build_backbone", "pyramid_indices"]
@@ -108,13 +108,11 @@ class FeaturePyramidBackbone(nn.Module):
 
 
 def build_trunk(name: str, *, weights: str | None = None, model_kwargs: dict | None = None) -> nn.Module:
-    """A bare timm model (no classifier) with ``weights`` loaded, position tables resampled."""
-    try:
-        model = timm.create_model(name, pretrained=False, num_classes=0, **(model_kwargs or {}))
-    except RuntimeError as e:
-        if "Unknown model" in str(e):
-            raise BackboneError(f"unknown backbone {name!r} (any timm model name, e.g. pola_pvt_tiny)") from None
-        raise
+    """A bare timm model (no classifier) with ``weights`` loaded, position tables resampled; built by the engine's
+    factory, so sizes are checked against memory first and arguments the model refuses are one line."""
+    if not isinstance(name, str) or not timm.is_model(name):
+        raise BackboneError(f"unknown backbone {name!r} (any timm model name, e.g. pola_pvt_tiny)")
+    model = create_model(name, 0, **(model_kwargs or {}))
     if weights:
         result = load_for_finetune(model, weights)
         _logger.info("backbone %s: %s", name, result.describe())

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
                               configure, fraction, unit)
-from ...engine.limits import check_batch_memory
+from ...limits import check_allocation, check_batch_memory
 from ...engine.steps import EXECUTION_DEFAULTS, check_execution_keys
 
 __all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]
@@ -114,6 +114,10 @@ def check_recipe(cfg: Config) -> None:
     if not all(isinstance(key, str) and key for key in cfg.train.no_decay_keys):
         raise ConfigError(f"train.no_decay_keys must be a list of parameter-name parts, got {cfg.train.no_decay_keys!r}")
     if cfg.task == "segment":
+        if data.format == "ade":  # the evaluation's int64 confusion matrix, before a class is counted
+            classes = data.num_classes
+            check_allocation(f"the {classes} x {classes} confusion matrix of data.num_classes {classes}",
+                             8 * classes**2, "cpu", ConfigError, "use fewer classes")
         scale = data.test_scale
         if scale and not (len(scale) == 2 and all(isinstance(side, int) and not isinstance(side, bool) and side > 0
                                                   for side in scale)):

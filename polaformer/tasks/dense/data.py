@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 from ...data.digits import digits_split
 from ...data.folder import DatasetError
 from ...engine.distributed import SampleDraws
-from ...engine.limits import available_memory
+from ...limits import available_memory
 from ...files import UnreadableFileError, read_image, read_text
 
 __all__ = [
@@ -234,6 +234,9 @@ def _check_coco(data, path: Path) -> None:
             raise DenseDataError(f"{where}: segmentation must be polygons or an RLE with 'size' and 'counts'")
         else:
             _check_rle(seg, size, where)
+    if all(ann.get("iscrowd") for ann in data["annotations"]):
+        raise DenseDataError(f"{path}: all {len(data['annotations'])} annotations are crowd regions (iscrowd=1), which "
+                             "are neither trained on nor scored: nothing to train on or to score")
 
 
 _MAX_SIDE = 1 << 16  # pixels a side of an image whose size the annotations do not give

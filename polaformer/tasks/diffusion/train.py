@@ -18,7 +18,7 @@ from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED,
                               configure, fraction, unit)
 from ...engine.device import resolve_device
 from ...engine.distributed import all_reduce_sum
-from ...engine.limits import check_batch_memory
+from ...limits import check_batch_memory
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
                              train_defaults)

@@ -17,7 +17,7 @@ from ... import models  # noqa: F401  (registers pola_lm_*)
 from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, Range,
                               check_settings, configure, fraction, unit)
 from ...engine.distributed import all_reduce_sum, shard
-from ...engine.limits import check_allocation
+from ...limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import warmup_cosine
 from ...data.text import ByteWindows, stdlib_corpus

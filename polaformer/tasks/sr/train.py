@@ -18,7 +18,7 @@ from ...engine.checkpoint import load_task_weights
 from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
                               fraction)
 from ...engine.distributed import all_gather_object
-from ...engine.limits import check_allocation
+from ...limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
                              train_defaults)

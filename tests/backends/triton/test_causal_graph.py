@@ -3,7 +3,10 @@ device ops per call, whatever the number of chunks and sequences, and no host re
 registered op in a ``torch.compile(fullgraph=True)`` graph with eager's values and gradients; the registered
 ops' fake-tensor shapes and dtypes; and a second differentiation that raises instead of silently dropping a
 term. Under the interpreter (conftest.py) on CPU tensors, in float64; skipped on a GPU, where the causal kernels'
-values are tests/backends/triton/test_causal_kernels.py's."""
+values are tests/backends/triton/test_causal_kernels.py's.
+
+Tolerances (tests/README.md): float64 at 1e-12, far above reorder_rtol(n, float64) for the chunk sums of these few
+tokens and channels."""
 from __future__ import annotations
 
 import os

@@ -1,4 +1,8 @@
-"""`polaformer analyze`: files written, entropy correctness, row sampling, one-line CLI errors."""
+"""`polaformer analyze`: files written, entropy correctness, row sampling, one-line CLI errors.
+
+Tolerances (tests/README.md, tests/tolerances.py): float64 local matrices against the module at 1e-10, far above
+reorder_rtol(n, float64) for its sums; entropies in float32 at pytest.approx's 1e-6, a few units of u for logs and
+sums of at most 37 terms."""
 import json
 import math
 

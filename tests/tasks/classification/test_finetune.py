@@ -1,4 +1,8 @@
-"""Fine-tuning loads: 224 -> 384 (Pola-Swin-B-384 recipe), new class counts, PVT and DeiT tables."""
+"""Fine-tuning loads: 224 -> 384 (Pola-Swin-B-384 recipe), new class counts, PVT and DeiT tables.
+
+Tolerances (tests/README.md, tests/tolerances.py): the resampled tables at 1e-5: float32 interpolation of constant
+rows; the resampled models against the models that resample the same tables themselves, float32 at 1e-5: the same
+computation but for the tables' own rounding, probable_rtol of the reductions of these small models."""
 import logging
 
 import pytest

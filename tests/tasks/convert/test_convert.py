@@ -20,6 +20,7 @@ from polaformer.data.folder import model_transforms
 from polaformer.tasks.convert import (AttentionTransfer, ConversionError, build_source, convert_model, family_of,
                                       freeze_for_transfer, save_converted, target_of)
 from polaformer.tasks.convert.weights import FAMILIES
+from tolerances import adam_drift_bound, assert_trainings_agree
 
 VIT = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0)
 PAIRS = {  # family: (source name, source kwargs, target kwargs, a batch of forward arguments)
@@ -172,7 +173,9 @@ def test_cli_weights_then_both_stages_on_digits_resume_bit_identically(tmp_path,
         with counting_forwards() as calls:
             assert main([*finetune, "--output", str(tmp_path / key), "--opts", key, value]) == 0
         got = torch.load(tmp_path / key / "last.pth", weights_only=True)["model"]
-        assert all(torch.allclose(got[k], expected[k], rtol=0, atol=1e-6) for k in expected), key
+        # AdamW at lr 1e-3, 2 steps: the compiled model runs the plain modules, not the fused CPU ones, and their
+        # rounding can turn an update (tolerances.assert_trainings_agree); recomputation repeats it bit for bit
+        assert_trainings_agree(got, expected, adam_drift_bound([1e-3] * 2, (0.9, 0.999)))
         if key == "train.grad_checkpointing":
             assert calls[0] > plain_calls[0]  # the student's blocks ran again in the backward pass
 

@@ -1,6 +1,12 @@
 """Cascade Mask R-CNN: three weighted stages that train and refine, the official RoI pooling (mmcv's RoIAlign with
 sampling ratio 0 and aligned pixel centres on mmdetection's levels), and ``detect train --detector cascade_mask_rcnn``
-on the embedded scenes and on a COCO-format folder."""
+on the embedded scenes and on a COCO-format folder.
+
+Tolerances (tests/README.md, tests/tolerances.py): the RoI pooling against the official rule in float64 at 1e-10, far
+above reorder_rtol(n, float64) for bilinear samples of 4 terms.
+
+The eval command's segm_AP against the training's, as in test_dense_cli.py: the same weights, argmax decisions equal
+unless two scores lie within float32 rounding of each other."""
 import json
 import math
 
@@ -87,6 +93,7 @@ def _mmcv_roi_align(feature: torch.Tensor, box, size: int, scale: float, samplin
     return out
 
 
+@pytest.mark.numerics
 def test_rois_are_pooled_as_the_official_config():
     """mmcv's RoIAlign(sampling_ratio=0, aligned=True) on mmdetection's SingleRoIExtractor levels (a box of side
     s on level floor(log2(s / 56)), strides 4-32), not torchvision's default pooler (2 samples, not aligned)."""

@@ -1,5 +1,9 @@
 """``polaformer detect`` and ``polaformer segment`` end to end: a couple of steps on the embedded scenes and on
-tiny COCO-format / ADE20K-layout folders, then eval, predict, resume and the one-line errors."""
+tiny COCO-format / ADE20K-layout folders, then eval, predict, resume and the one-line errors.
+
+Tolerances (tests/README.md): an eval command scores the weights the training scored, with its BatchNorms folded into
+the convs (another float32 rounding); AP and mIoU count argmax decisions, which agree unless two scores of a pixel or
+box lie within that rounding (about 1e-6 relative) of each other, so they are compared at pytest.approx's 1e-6."""
 import json
 
 import pytest

@@ -1,4 +1,8 @@
-"""Backbones (every family + FPN), detectors and segmenters built on them, weights loaded into them."""
+"""Backbones (every family + FPN), detectors and segmenters built on them, weights loaded into them.
+
+The resampled position table keeps its mean to 1e-3: bilinear resampling averages neighbours, and the border's clamped
+samples move the mean by the table's edge values over its size (a few 1e-4 for a 16x16 table of trunc-normal(0.02)
+values), not by rounding."""
 import pytest
 import timm
 import torch

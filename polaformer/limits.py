@@ -5,6 +5,9 @@ checkpoint whose ``model_kwargs`` say ``depth=1e9`` hangs, then aborts in C++. T
 lower bounds (the input batch alone; the weights of the transformer blocks alone; the batch and the
 input and output of its largest layer), so a request
 is refused only when it certainly cannot fit in the memory available now.
+
+Every family's timm entry point checks its sizes here (:func:`polaformer.models._helpers.register_variants`),
+as do the engine's model factory, the tasks and ``analyze``.
 """
 from __future__ import annotations
 
@@ -17,9 +20,11 @@ from torch import nn
 
 # Keyword arguments that size a model: each must be a positive number (or a list of them).
 SIZE_KWARGS = (
-    "img_size", "patch_size", "in_chans", "embed_dim", "embed_dims", "depth", "depths", "num_heads",
-    "mlp_ratio", "mlp_ratios", "window_size", "sr_ratios", "head_dim",
+    "img_size", "patch_size", "in_chans", "embed_dim", "embed_dims", "dim", "hidden_size", "depth", "depths",
+    "num_heads", "mlp_ratio", "mlp_ratios", "window_size", "sr_ratios", "head_dim",
 )
+# the names of a transformer's width, in timm's families (embed_dim/embed_dims) and ours (PolaLM, PolaDiT)
+_WIDTH_KWARGS = ("embed_dims", "embed_dim", "dim", "hidden_size")
 
 
 def available_memory(device: torch.device | str = "cpu") -> int:
@@ -46,20 +51,35 @@ def _values(value) -> list:
 
 
 def check_model_kwargs(arch: str, kwargs: Mapping, error: type[Exception] = ValueError) -> None:
-    """Refuse non-positive sizes, and models whose blocks alone exceed the memory available.
-
-    The estimate counts 12·dim² weights per transformer block (attention 4·dim², MLP 8·dim² at
-    the usual ratio 4) for the depths and widths given (32 where no width is given, no more than any
-    of the zoo's), plus a position table of (img_size / patch_size)² tokens.
-    """
+    """Refuse non-positive sizes (:data:`SIZE_KWARGS`), and models whose blocks alone exceed the memory available
+    (:func:`check_model_memory`)."""
     for key in SIZE_KWARGS:
         if key not in kwargs or kwargs[key] is None:
             continue
         for value in _values(kwargs[key]):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            if not _positive(value):
                 raise error(f"model {arch!r}: {key} must be positive, got {kwargs[key]!r}")
+    check_model_memory(arch, kwargs, error)
+
+
+def _positive(value) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and value > 0
+
+
+def check_model_memory(arch: str, kwargs: Mapping, error: type[Exception] = ValueError) -> None:
+    """Refuse a model whose blocks alone exceed the memory available, before anything is allocated.
+
+    The estimate counts 12·dim² weights per transformer block (attention 4·dim², MLP 8·dim² at
+    the usual ratio 4) for the depths and widths given (32 where no width is given, no more than any
+    of the zoo's), plus a position table of (img_size / patch_size)² tokens. Sizes that are not positive numbers
+    are left to the model's constructor, which names them.
+    """
+    given = [kwargs[key] for key in SIZE_KWARGS if kwargs.get(key) is not None]
+    if not all(_values(value) and all(_positive(v) for v in _values(value)) for value in given):
+        return
     depths = [int(d) for d in _values(kwargs.get("depths", kwargs.get("depth", 1)))]
-    widths = [int(w) for w in _values(kwargs.get("embed_dims", kwargs.get("embed_dim", 32)))]
+    width = next((kwargs[key] for key in _WIDTH_KWARGS if kwargs.get(key) is not None), 32)
+    widths = [int(w) for w in _values(width)]
     widths = (widths * len(depths))[: len(depths)] if len(widths) < len(depths) else widths[: len(depths)]
     weights = sum(12 * depth * width**2 for depth, width in zip(depths, widths))
     if "img_size" in kwargs:
