@@ -16,16 +16,17 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from polaformer.backends.triton import pacs, pola
-from polaformer.backends.triton.common import padded_width, warps
+from polaformer.backends.triton.common import dots, padded_width, warps
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-ACCUMULATORS = ("part_ptr", "state_ptr", "grad_part_ptr", "grad_power_ptr", "grad_temp_ptr")
+ACCUMULATORS = ("part_ptr", "state_ptr", "grad_part_ptr", "grad_param_ptr", "grad_temp_ptr")
 
 
 def _argument_type(name: str, dtype: str) -> str:
@@ -38,7 +39,7 @@ def _argument_type(name: str, dtype: str) -> str:
         return "*fp32"
     if name.endswith("_ptr"):
         return f"*{dtype}"
-    return "fp32" if name == "eps" else "i32"
+    return "fp32" if name in ("eps", "alpha") else "i32"
 
 
 def compile_kernel(kernel, dtype: str, constants: dict, num_warps: int, arch: int):
@@ -61,37 +62,44 @@ def resources(compiled, arch: int) -> str:
 
 
 def variants(dtypes, widths):
-    """(label, kernel, dtype, constants, warps) of every kernel: one-launch and split plans, with and without a
-    mask, RoPE for PaCS; bf16 with TF32 products, fp32 with exact ones."""
+    """(label, kernel, dtype, constants, warps) of every kernel as the layers call it (the raw parameters, the
+    local branch and the gate fused): one-launch and split plans, with and without a mask, RoPE for PaCS; each
+    dtype with the products a call of that dtype takes (``common.dots``)."""
     for dtype in dtypes:
-        precision = "tf32" if dtype in ("bf16", "fp16") else "ieee"
+        half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(dtype, torch.float32)
+        products = dots(torch.empty(0, dtype=half)).constants()
         for d in widths:
             dp = padded_width(d)
-            base = dict(BLOCK=32, DP=dp, DVP=dp, PACKED=False, PRECISION=precision, ACC=tl.float32)
+            base = dict(BLOCK=32, DP=dp, DVP=dp, PACKED=False, ACC=tl.float32, **products)
+            # the layers' calls: the exponent's and scale's raw weights, key positions, local branch and gate
+            layer = dict(POWER_WEIGHT=True, HAS_SCALE=True, HAS_POS=True)
+            epilogue = dict(HAS_LOCAL=True, HAS_GATE=True)
             w = warps(dp, dp)
             yield f"pola forward d{d}", pola._forward_kernel, dtype, dict(base, SPANS=4, SPLITS=0, HAS_MASK=True,
-                                                                         SAVE_STATE=True), w
+                                                                         SAVE_STATE=True, **layer, **epilogue), w
             yield f"pola split forward d{d}", pola._forward_kernel, dtype, dict(base, SPANS=4, SPLITS=4, HAS_MASK=False,
-                                                                               SAVE_STATE=True), w
-            yield f"pola key state d{d}", pola._state_kernel, dtype, dict(base, SPLITS=4, HAS_MASK=True), w
-            yield f"pola backward d{d}", pola._backward_kernel, dtype, dict(base, SPANS=1, POWER_PARTS=1,
-                                                                           HAS_MASK=True), w
-            yield f"pola split backward d{d}", pola._backward_kernel, dtype, dict(base, SPANS=4, POWER_PARTS=8,
-                                                                                 HAS_MASK=False), w
-            yield f"pola key gradients d{d}", pola._key_grad_kernel, dtype, dict(base, SPANS=4, SPLITS=4,
-                                                                                POWER_PARTS=8, HAS_MASK=True), w
+                                                                               SAVE_STATE=True, **layer, **epilogue), w
+            yield f"pola key state d{d}", pola._state_kernel, dtype, dict(base, SPLITS=4, HAS_MASK=True, **layer), w
+            yield f"pola backward d{d}", pola._backward_kernel, dtype, dict(base, SPANS=1, PARTS=1, HAS_MASK=True,
+                                                                           **layer, **epilogue), w
+            yield f"pola split backward d{d}", pola._backward_kernel, dtype, dict(base, SPANS=4, PARTS=8,
+                                                                                 HAS_MASK=False, **layer, **epilogue), w
+            yield f"pola key gradients d{d}", pola._key_grad_kernel, dtype, dict(base, SPANS=4, SPLITS=4, PARTS=8,
+                                                                                HAS_MASK=True, **layer), w
             p, dvh = padded_width((d + 1) // 2), padded_width(d // 2)
-            base = dict(P=p, DVH=dvh, BLOCK=16, PACKED=False, ROPE=True, ACC=tl.float32, DOT=precision)
+            base = dict(P=p, DVH=dvh, BLOCK=16, PACKED=False, ROPE=True, ACC=tl.float32, **products)
+            epilogue = dict(RAW=True, HAS_LOCAL=True, HAS_GATE=True)
             w = warps(2 * p, 4 * dvh)
             yield f"pacs forward d{d}", pacs._forward_kernel, dtype, dict(base, SPANS=4, SPLITS=0, HAS_MASK=True,
-                                                                         SAVE_STATE=True), w
+                                                                         SAVE_STATE=True, **epilogue), w
             yield f"pacs split forward d{d}", pacs._forward_kernel, dtype, dict(base, SPANS=4, SPLITS=4,
-                                                                               HAS_MASK=False, SAVE_STATE=True), w
+                                                                               HAS_MASK=False, SAVE_STATE=True,
+                                                                               **epilogue), w
             yield f"pacs key state d{d}", pacs._state_kernel, dtype, dict(base, SPLITS=4, HAS_MASK=True), w
             yield f"pacs backward d{d}", pacs._backward_kernel, dtype, dict(base, SPANS=1, TEMP_PARTS=1,
-                                                                           HAS_MASK=True), w
+                                                                           HAS_MASK=True, **epilogue), w
             yield f"pacs split backward d{d}", pacs._backward_kernel, dtype, dict(base, SPANS=4, TEMP_PARTS=4,
-                                                                                 HAS_MASK=False), w
+                                                                                 HAS_MASK=False, **epilogue), w
             yield f"pacs key gradients d{d}", pacs._key_grad_kernel, dtype, dict(base, SPANS=4, SPLITS=4,
                                                                                 HAS_MASK=True), w
 

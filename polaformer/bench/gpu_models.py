@@ -11,7 +11,9 @@ For every family (Pola-PVT-T, Pola-PVTv2-b0/b2, Pola-Swin-T, Pola-DeiT-T/S, Pola
 - ``mode``: ``train`` (forward, loss, backward, AdamW step, under bf16 autocast) or ``infer``
   (``inference_mode``, bf16 autocast); dense rows ``fwd_bwd`` (forward and backward of the
   ``features_only`` pyramid, no optimizer);
-- ``variant``: ``eager`` or ``compile`` (``torch.compile(model)``; a compile failure is the row's ``error``).
+- ``variant``: ``eager``, ``compile`` (``torch.compile(model)``) or ``reduce-overhead`` (``torch.compile(model,
+  mode="reduce-overhead")``: the compiled forward and backward replayed as CUDA graphs; not a default); a compile
+  failure is the row's ``error``.
 
 Fields: ``items_per_s`` (images/s, or tokens/s for the LM: ``unit``), ``ms`` (median of ``steps`` timed steps
 after warm-up, CUDA events), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over the timed steps: weights,
@@ -21,8 +23,9 @@ triton of :func:`polaformer.bench.gpu.environment`.
 
 Rows run most valuable first, so that a run stopped by ``time_limit`` keeps them: every classification family
 eager (ours, official, softmax side by side per mode), then compiled, then DiT and the LM, then (``dense``)
-the backbones at 512² and 1024². ``smoke`` runs each row once on the CPU at tiny batch and size, to check the
-command (batch 1); compiled rows are GPU-only there.
+the backbones at 512² and 1024². ``sizes`` replaces a family's size (Pola-DeiT at 1024² = 4,096 tokens, PolaDiT on
+128² latents = 4,096 tokens, the LM at 8,192). ``smoke`` runs each row once on the CPU at tiny batch and size, to
+check the command (batch 1); compiled rows are GPU-only there.
 
     polaformer bench gpu-models --out gpu_models.csv --dense --time-limit 200
 """
@@ -48,7 +51,9 @@ from .gpu import _one_line, environment
 
 IMPLS = ("ours", "official", "softmax")
 MODES = ("train", "infer")
-VARIANTS = ("eager", "compile")
+VARIANTS = ("eager", "compile", "reduce-overhead")
+DEFAULT_VARIANTS = ("eager", "compile")
+COMPILE_OPTIONS = {"compile": {}, "reduce-overhead": {"mode": "reduce-overhead"}}
 DENSE_SIZES = (512, 1024)
 SMOKE_DENSE_SIZES = (64,)
 
@@ -99,7 +104,8 @@ class Plan:
     models: tuple = tuple(FAMILIES)
     impls: tuple = IMPLS
     modes: tuple = MODES
-    variants: tuple = VARIANTS
+    variants: tuple = DEFAULT_VARIANTS
+    sizes: dict = None  # family name -> size in place of the family's
     dense: bool = False
     model_rows: bool = True  # False: the dense rows alone
     steps: int = 10
@@ -119,6 +125,11 @@ def check_plan(plan: Plan) -> None:
         if unknown or not given:
             raise ValueError(f"{label}: unknown {' '.join(unknown)}; known: {' '.join(known)}" if unknown else
                              f"{label}: give at least one of {' '.join(known)}")
+    for name, size in (plan.sizes or {}).items():
+        if name not in FAMILIES:
+            raise ValueError(f"--size: unknown model {name!r}; known: {' '.join(FAMILIES)}")
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+            raise ValueError(f"--size {name}: the size must be a positive integer, got {size!r}")
     if not plan.steps >= 1:
         raise ValueError(f"--steps must be >= 1, got {plan.steps}")
     if not 0 < plan.batch_scale <= 1:
@@ -273,7 +284,7 @@ def _release(device) -> None:
 def _measure(model, *, family, mode, variant, batch, size, device, plan, dense=False) -> dict:
     """The timing fields of one row; any failure (out of memory, a failed compile) is its ``error``."""
     fields = {"items_per_s": None, "ms": None, "peak_mib": None, "error": None}
-    if variant == "compile" and device.type != "cuda" and not plan.compile_on_cpu:
+    if variant != "eager" and device.type != "cuda" and not plan.compile_on_cpu:
         fields["error"] = "CUDA only"
         return fields
     optimizer = step = None
@@ -282,7 +293,7 @@ def _measure(model, *, family, mode, variant, batch, size, device, plan, dense=F
             args = (torch.randn(batch, 3, size, size, generator=torch.Generator().manual_seed(0)).to(device),)
         else:
             args, loss_fn = _inputs(family, batch, size, device)
-        runnable = torch.compile(model) if variant == "compile" else model
+        runnable = torch.compile(model, **COMPILE_OPTIONS[variant]) if variant != "eager" else model
         step = _dense_step(runnable, args, device) if dense else None
         if step is None:
             step, optimizer = _step(runnable, mode, args, loss_fn, device)
@@ -294,7 +305,7 @@ def _measure(model, *, family, mode, variant, batch, size, device, plan, dense=F
     finally:
         del optimizer, step
         model.zero_grad(set_to_none=True)
-        if variant == "compile":
+        if variant != "eager":
             torch._dynamo.reset()
         _release(device)
     return fields
@@ -329,15 +340,17 @@ def _tasks(plan: Plan):
                 yield "dense", family, variant
 
 
-def run_gpu_models(*, models=tuple(FAMILIES), impls=IMPLS, modes=MODES, variants=VARIANTS, dense: bool = False,
-                   model_rows: bool = True, dense_batch: int = 2, steps: int = 10, warmup: int = 3,
+def run_gpu_models(*, models=tuple(FAMILIES), impls=IMPLS, modes=MODES, variants=DEFAULT_VARIANTS,
+                   sizes: dict | None = None, dense: bool = False, model_rows: bool = True, dense_batch: int = 2,
+                   steps: int = 10, warmup: int = 3,
                    batch_scale: float = 1.0, smoke: bool = False, time_limit: float | None = None, log=print,
                    on_row=None) -> list[dict]:
     """One row per (family, impl, mode, variant) (unless ``model_rows`` is False) and, with ``dense``, per
     (backbone, impl, size, variant) at ``dense_batch`` images; see the module docstring. ``on_row(rows)`` is called
     after every row (a run stopped early keeps what it measured); past ``time_limit`` seconds no further row
     starts."""
-    plan = Plan(models=tuple(models), impls=tuple(impls), modes=tuple(modes), variants=tuple(variants), dense=dense,
+    plan = Plan(models=tuple(models), impls=tuple(impls), modes=tuple(modes), variants=tuple(variants),
+                sizes=dict(sizes or {}), dense=dense,
                 model_rows=model_rows, steps=1 if smoke else steps, warmup=0 if smoke else warmup,
                 batch_scale=batch_scale, smoke=smoke, dense_sizes=SMOKE_DENSE_SIZES if smoke else DENSE_SIZES,
                 dense_batch=dense_batch)
@@ -352,7 +365,7 @@ def run_gpu_models(*, models=tuple(FAMILIES), impls=IMPLS, modes=MODES, variants
     deadline = None if time_limit is None else time.monotonic() + time_limit
     rows: list[dict] = []
     limits = contextlib.nullcontext()
-    if "compile" in plan.variants and device.type == "cuda":
+    if any(variant != "eager" for variant in plan.variants) and device.type == "cuda":
         from torch import _dynamo
 
         limits = _dynamo.config.patch(recompile_limit=4096, accumulated_recompile_limit=65536)
@@ -387,7 +400,7 @@ def _late(deadline) -> bool:
 
 
 def _run_family(family, variant, plan, device, emit, log, deadline) -> None:
-    size = family.smoke_size if plan.smoke else family.size
+    size = family.smoke_size if plan.smoke else (plan.sizes or {}).get(family.name, family.size)
     batch = _scaled(family.batch, plan)
     built = _build(family, plan.impls, size, log)
     try:

@@ -43,6 +43,7 @@ import polaformer.models  # noqa: F401  (registers our architectures)
 from polaformer import accelerate
 from polaformer.layers import PolaLinearAttention
 from polaformer.ops import official_pola_linear_attention
+from polaformer.ops._common import local_and_gate
 from polaformer.models.pvt_v2 import DepthwiseConvMlp
 
 from .harness import interleaved, loadavg, machine_info, markdown_table as table, medians
@@ -249,24 +250,33 @@ def _products_only(q, k, v, *args, **kwargs):
     return torch.matmul(phi_q, torch.matmul(phi_k.transpose(-2, -1), v))
 
 
+def _layer_op(core):
+    """A layer attention op (:func:`polaformer.ops.pola_layer_attention`, ``pacs_layer_attention``) whose core is
+    ``core(q, k, v)``: the scale, power and temperatures dropped with it, the local branch and gate kept."""
+    def attention(q, k, v, *args, local=None, gate=None, **kwargs):
+        return local_and_gate(core(q, k, v), local, gate)
+    return attention
+
+
 @contextlib.contextmanager
 def cores_replaced(linear, softmax=None):
-    """Our models with the Pola and PaCS cores replaced by ``linear`` and, if given, the softmax cores (SDPA
-    and the explicit softmax op of Swin's windows and PolaFormer++'s softmax blocks) by ``softmax``."""
+    """Our models with the Pola and PaCS cores replaced by ``linear`` (called as ``linear(q, k, v)``) and, if
+    given, the softmax cores (SDPA and the explicit softmax op of Swin's windows and PolaFormer++'s softmax
+    blocks) by ``softmax``."""
     import polaformer.layers.pola_attention as pola_layer
     import polaformer.layers.pacs_attention as polapp_layer
     import polaformer.layers.window_attention as window_layer
 
-    saved = (pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention,
+    saved = (pola_layer.pola_layer_attention, polapp_layer.pacs_layer_attention, F.scaled_dot_product_attention,
              window_layer.window_softmax_attention, polapp_layer.window_softmax_attention)
-    pola_layer.pola_linear_attention = polapp_layer.pacs_linear_attention = linear
+    pola_layer.pola_layer_attention = polapp_layer.pacs_layer_attention = _layer_op(linear)
     if softmax is not None:
         F.scaled_dot_product_attention = softmax
         window_layer.window_softmax_attention = polapp_layer.window_softmax_attention = softmax
     try:
         yield
     finally:
-        (pola_layer.pola_linear_attention, polapp_layer.pacs_linear_attention, F.scaled_dot_product_attention,
+        (pola_layer.pola_layer_attention, polapp_layer.pacs_layer_attention, F.scaled_dot_product_attention,
          window_layer.window_softmax_attention, polapp_layer.window_softmax_attention) = saved
 
 

@@ -141,7 +141,11 @@ def add_bench_parser(commands) -> None:
                             help="families, by our timm names (default: all, classification first)")
     gpu_models.add_argument("--impls", nargs="+", metavar="IMPL", help="ours official softmax (default: all three)")
     gpu_models.add_argument("--modes", nargs="+", metavar="MODE", help="train infer (default: both)")
-    gpu_models.add_argument("--variants", nargs="+", metavar="VARIANT", help="eager compile (default: both)")
+    gpu_models.add_argument("--variants", nargs="+", metavar="VARIANT",
+                            help="eager compile reduce-overhead (default: eager compile)")
+    gpu_models.add_argument("--size", nargs="+", metavar="NAME=SIZE", default=[],
+                            help="a family's image side, DiT latent side or LM tokens in place of its own, e.g. "
+                                 "pola_deit_tiny_patch16_224=1024 pola_dit_s_2=128 pola_lm_small=8192")
     gpu_models.add_argument("--dense", action="store_true",
                             help="also the backbones with features_only at 512 and 1024 px, forward+backward")
     gpu_models.add_argument("--dense-only", action="store_true",
@@ -338,6 +342,17 @@ def _bench_gpu(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sizes(pairs: list[str]) -> dict:
+    """``NAME=SIZE`` pairs as a dict (one-line errors for another form)."""
+    sizes = {}
+    for pair in pairs:
+        name, _, size = pair.partition("=")
+        if not name or not size.isdigit():
+            raise ValueError(f"--size takes NAME=SIZE with a whole number, got {pair!r}")
+        sizes[name] = int(size)
+    return sizes
+
+
 def _bench_gpu_models(args: argparse.Namespace) -> int:
     from ..bench import gpu_models
     from ..bench.harness import write_csv
@@ -348,7 +363,8 @@ def _bench_gpu_models(args: argparse.Namespace) -> int:
         raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
     rows = gpu_models.run_gpu_models(
         models=args.models or tuple(gpu_models.FAMILIES), impls=args.impls or gpu_models.IMPLS,
-        modes=args.modes or gpu_models.MODES, variants=args.variants or gpu_models.VARIANTS,
+        modes=args.modes or gpu_models.MODES, variants=args.variants or gpu_models.DEFAULT_VARIANTS,
+        sizes=_sizes(args.size),
         dense=args.dense or args.dense_only, model_rows=not args.dense_only, dense_batch=args.dense_batch,
         steps=args.steps, warmup=args.warmup, batch_scale=args.batch_scale, smoke=args.smoke,
         time_limit=args.time_limit, log=_print_line, on_row=lambda rows: write_csv(args.gpu_models_csv, rows))

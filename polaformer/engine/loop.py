@@ -62,7 +62,7 @@ from .distributed import (SampleDraws, TrainSampler, all_gather_object, all_redu
                           shutdown)
 from .optim import unwrap
 from .output import OutputLock
-from .parallel import (SHARDED, check_execution, compile_backend, gathered, load_sharded, load_whole_into_sharded,
+from .parallel import (SHARDED, check_execution, compile_options, gathered, load_sharded, load_whole_into_sharded,
                        new_folder_name, prepare_model, remove_unused_folders, save_sharded, sync_from_rank0)
 
 log = logging.getLogger(__name__)
@@ -134,7 +134,7 @@ class LoopSettings:
     amp: bool = False  # mixed precision: autocast (under FSDP its MixedPrecisionPolicy), bfloat16 on the CPU
     amp_cuda_dtype: str = "float16"
     parallel: str = "ddp"  # under torchrun: 'ddp' (replicated) or 'fsdp' (sharded, see .parallel)
-    compile: bool | str | None = False  # torch.compile of the model: True (inductor) or a backend name
+    compile: bool | str | None = False  # torch.compile of the model: True (inductor), a mode, or a backend name
     grad_checkpointing: bool = False  # recompute each block's activations in the backward pass
     ema_decay: float | None = None
     seed: int = 0
@@ -355,7 +355,7 @@ class Engine:
             if SHARDED not in resume:  # a sharded state is loaded once the model is sharded
                 task.load_weights(model, resume, self.resume_path)
         # the compiler traces the plain modules, not the CPU backend's fused ones
-        place_model(model, self.device, fused=compile_backend(s.compile) is None)
+        place_model(model, self.device, fused=compile_options(s.compile) is None)
         self.amp_dtype = amp_dtype(self.device, s.amp, s.amp_cuda_dtype)
         self.sharded = s.parallel == "fsdp" and ctx.is_distributed  # the model's parameters are shards
         # under FSDP mixed precision is its policy, not autocast

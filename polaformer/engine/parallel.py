@@ -7,7 +7,9 @@
 2. ``parallel='fsdp'`` with more than one process: PyTorch's FSDP2 ``fully_shard`` on every block (:func:`blocks`),
    then on the root; rank 0's initial weights first, as DDP does. With ``amp`` the autocast becomes FSDP2's
    ``MixedPrecisionPolicy`` (parameters gathered in bfloat16/float16, gradients reduced in float32);
-3. ``compile``: ``torch.compile`` of the model (``True``: inductor, or a backend name such as ``'eager'``);
+3. ``compile``: ``torch.compile`` of the model: ``True`` (inductor), one of inductor's modes (``'default'``,
+   ``'reduce-overhead'``: the forward and backward graphs each replayed as one CUDA graph, ``'max-autotune'``,
+   ``'max-autotune-no-cudagraphs'``), or a backend name such as ``'eager'``;
 4. ``parallel='ddp'`` with more than one process: DistributedDataParallel.
 
 With one process (no torchrun) ``fsdp`` trains the plain model but still writes sharded checkpoints, so a run moves
@@ -36,7 +38,7 @@ from ..checkpoint import CorruptCheckpointError, atomic_write, read_checkpoint, 
 from .config import ConfigError
 from .distributed import DistContext
 
-__all__ = ["PARALLEL", "SHARDED", "blocks", "check_execution", "compile_backend", "consolidate",
+__all__ = ["COMPILE_MODES", "PARALLEL", "SHARDED", "blocks", "check_execution", "compile_options", "consolidate",
            "enable_grad_checkpointing", "gathered", "load_sharded", "load_whole_into_sharded", "prepare_model",
            "remove_unused_folders", "save_sharded", "shard", "sync_from_rank0"]
 
@@ -48,11 +50,18 @@ _FOLDER = re.compile(r"state-\d+-[0-9a-f]{12}\.dcp")
 _PARTIAL = re.compile(r"\.state-\d+-[0-9a-f]{12}\.dcp\.partial")
 
 
-def compile_backend(value) -> str | None:
-    """The ``torch.compile`` backend a ``compile`` setting asks for: None (False/None: off), 'inductor' (True)."""
+# inductor's modes (torch._inductor.list_mode_options(), without importing inductor to check a setting)
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs", "lite")
+
+
+def compile_options(value) -> dict | None:
+    """``torch.compile``'s keyword arguments for a ``compile`` setting: None (False/None: off), inductor (True), a
+    mode of inductor's (:data:`COMPILE_MODES`), or another backend by name."""
     if value is None or value is False:
         return None
-    return "inductor" if value is True else value
+    if value is True:
+        return {"backend": "inductor"}
+    return {"backend": "inductor", "mode": value} if value in COMPILE_MODES else {"backend": value}
 
 
 def check_execution(parallel, compile, grad_checkpointing, keys: tuple[str, str, str]) -> None:
@@ -62,15 +71,16 @@ def check_execution(parallel, compile, grad_checkpointing, keys: tuple[str, str,
         raise ConfigError(f"{parallel_key} must be one of {', '.join(PARALLEL)}, got {parallel!r}")
     if not isinstance(grad_checkpointing, bool):
         raise ConfigError(f"{checkpointing_key} must be true or false, got {grad_checkpointing!r}")
-    if compile is None or isinstance(compile, bool):
+    if compile is None or isinstance(compile, bool) or compile in COMPILE_MODES:
         return
     if not isinstance(compile, str):
-        raise ConfigError(f"{compile_key} must be true, false or a torch.compile backend name, got {compile!r}")
+        raise ConfigError(f"{compile_key} must be true, false, a torch.compile mode or backend name, got {compile!r}")
     import torch._dynamo  # only when a backend is named: a second to import
 
     known = sorted(set(torch._dynamo.list_backends(exclude_tags=())) | {"inductor"})
     if compile not in known:
-        raise ConfigError(f"{compile_key}: unknown torch.compile backend {compile!r} (known: {', '.join(known)})")
+        raise ConfigError(f"{compile_key}: unknown torch.compile mode or backend {compile!r} (modes: "
+                          f"{', '.join(COMPILE_MODES)}; backends: {', '.join(known)})")
 
 
 def enable_grad_checkpointing(model: nn.Module) -> None:
@@ -126,8 +136,8 @@ def prepare_model(model: nn.Module, *, ctx: DistContext, device: torch.device, p
         shard(model, amp_dtype)
         if ema is not None:
             shard(ema, amp_dtype)
-    backend = compile_backend(compile)
-    runner = torch.compile(model, backend=backend) if backend else model
+    options = compile_options(compile)
+    runner = torch.compile(model, **options) if options else model
     if parallel == "ddp" and ctx.is_distributed:  # rank 0's weights go to every process here
         runner = nn.parallel.DistributedDataParallel(
             runner, device_ids=[ctx.local_rank] if device.type == "cuda" else None,

@@ -25,8 +25,9 @@ __all__ = ["EXECUTION_DEFAULTS", "EXECUTION_KEYS", "OPTIONAL_TRAIN_KEYS", "StepT
            "load_task_model", "saved_config", "step_settings", "train_defaults"]
 
 # How the engine runs the model (engine/parallel.py), in every step task's ``train`` section and the dense
-# recipes': 'ddp' or 'fsdp' under torchrun; torch.compile (null/false: off, true: inductor, or a backend name such
-# as 'eager'); gradient checkpointing of every block. None changes what is computed, so a resumed run may change them.
+# recipes': 'ddp' or 'fsdp' under torchrun; torch.compile (null/false: off, true: inductor, an inductor mode such as
+# 'reduce-overhead', or a backend name such as 'eager'); gradient checkpointing of every block. None changes what is
+# computed, so a resumed run may change them.
 EXECUTION_DEFAULTS = {"parallel": "ddp", "compile": None, "grad_checkpointing": False}
 EXECUTION_KEYS = tuple(f"train.{key}" for key in EXECUTION_DEFAULTS)
 

@@ -168,7 +168,7 @@ class PolaCausalSelfAttention(_CausalSelfAttention):
         self.scale = nn.Parameter(torch.zeros(1, num_heads, 1, self.head_dim))
 
     def _attention(self, q, k, v, key_padding_mask, cache, return_state):
-        scale = F.softplus(self.scale)
+        scale = F.softplus(self.scale).to(q.dtype)  # half-precision q and k stay half (the kernels' inputs)
         q, k, power = q / scale, k / scale, learnable_power(self.power, self.alpha)
         if cache is not None and q.shape[-2] == 1:
             return causal_pola_step(q, k, v, power, cache.attention, self.eps)

@@ -10,8 +10,7 @@ import torch
 from torch import nn
 
 from ..ops import (
-    pacs_linear_attention,
-    pacs_temperature,
+    pacs_layer_attention,
     rope_2d,
     rope_angles,
     rotate_pairs,
@@ -73,16 +72,17 @@ class _GatedMapAttention(nn.Module):
         b, c, h, w = x.shape
         return projection(x.flatten(2).transpose(1, 2)).reshape(b, h * w, 4, c).unbind(2)
 
+    def local_branch(self, v: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """``lepe(v)`` of (B, H·W, C) value tokens, as (B, H·W, C) tokens."""
+        return self.lepe(tokens_to_map(v, height, width)).flatten(2).transpose(1, 2)
+
     def local_branch_and_gate(self, out: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, height: int,
                               width: int) -> torch.Tensor:
-        local = self.lepe(tokens_to_map(v, height, width)).flatten(2).transpose(1, 2)
-        return (out + local) * gate
+        return (out + self.local_branch(v, height, width)) * gate
 
-    def _output_map(self, out: torch.Tensor, v: torch.Tensor, gate: torch.Tensor, height: int,
-                    width: int) -> torch.Tensor:
-        """(B, heads, H·W, d) attention output -> ``proj((out + lepe(v)) · gate)`` as a (B, C, H, W) map."""
-        out = out.transpose(1, 2).reshape(out.shape[0], height * width, self.dim)
-        return tokens_to_map(self.proj(self.local_branch_and_gate(out, v, gate, height, width)), height, width)
+    def _output_map(self, out: torch.Tensor, height: int, width: int) -> torch.Tensor:
+        """(B, H·W, C) tokens of ``(attention + lepe(v)) · gate`` -> ``proj`` of them as a (B, C, H, W) map."""
+        return tokens_to_map(self.proj(out), height, width)
 
 
 def _split_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
@@ -113,13 +113,26 @@ class PacsLinearAttention(_GatedMapAttention):
         self.s1 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
         self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * head_dim))
 
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sin: torch.Tensor | None = None,
+                  cos: torch.Tensor | None = None, local: torch.Tensor | None = None,
+                  gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``(attention + local) · gate`` of (B, H·W, C) projections as (B, H·W, C) tokens, either term None: the
+        temperatures' weights, the local branch and the gate all handed to the attention op, which fuses them
+        where it can (:func:`~polaformer.ops.pacs_layer_attention`)."""
+        heads = lambda t: None if t is None else _split_heads(t, self.num_heads)  # noqa: E731
+        out = pacs_layer_attention(heads(q), heads(k), heads(v), self.s1, self.s2, sin, cos, local=heads(local),
+                                   gate=heads(gate))
+        return out.transpose(1, 2).reshape(q.shape)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, height: int, width: int,
+               sin: torch.Tensor | None = None, cos: torch.Tensor | None = None) -> torch.Tensor:
+        """``(attention + lepe(v)) · g`` of the (B, H·W, C) projections of a height × width grid."""
+        return self.attention(q, k, v, sin, cos, self.local_branch(v, height, width), g)
+
     def forward(self, x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
         """``x``: (B, C, H, W); ``sin``/``cos``: (H·W, 2·head_dim) from ``RoPE2d(2·dim, heads)``."""
         q, k, v, g = self._streams(x, sin, self.qkvg)
-        heads = self.num_heads
-        out = pacs_linear_attention(_split_heads(q, heads), _split_heads(k, heads), _split_heads(v, heads),
-                                    pacs_temperature(self.s1), pacs_temperature(self.s2), sin, cos)
-        return self._output_map(out, v, g, x.shape[2], x.shape[3])
+        return self._output_map(self.attend(q, k, v, g, x.shape[2], x.shape[3], sin, cos), x.shape[2], x.shape[3])
 
 
 class RopeSoftmaxAttention(_GatedMapAttention):
@@ -142,4 +155,6 @@ class RopeSoftmaxAttention(_GatedMapAttention):
         q = rotate_pairs(_split_heads(q, heads), sin, cos)
         k = rotate_pairs(_split_heads(k, heads), sin, cos)
         out = window_softmax_attention(q, k, _split_heads(v, heads))
-        return self._output_map(out, v, o, x.shape[2], x.shape[3])
+        out = out.transpose(1, 2).reshape(x.shape[0], -1, self.dim)
+        return self._output_map(self.local_branch_and_gate(out, v, o, x.shape[2], x.shape[3]), x.shape[2],
+                                x.shape[3])

@@ -9,8 +9,7 @@ import math
 
 import torch
 
-from ..ops import pacs_linear_attention, pacs_temperature
-from .pacs_attention import PacsLinearAttention, _split_heads
+from .pacs_attention import PacsLinearAttention
 
 __all__ = ["PacsGridAttention"]
 
@@ -33,8 +32,4 @@ class PacsGridAttention(PacsLinearAttention):
         if side * side != n:
             raise ValueError(f"PacsGridAttention needs the tokens of a square grid, got {n} tokens")
         q, k, v, g = self.qkvg(x).reshape(b, n, 4, c).unbind(2)
-        heads = self.num_heads
-        out = pacs_linear_attention(_split_heads(q, heads), _split_heads(k, heads), _split_heads(v, heads),
-                                    pacs_temperature(self.s1), pacs_temperature(self.s2))
-        out = out.transpose(1, 2).reshape(b, n, c)
-        return self.proj(self.local_branch_and_gate(out, v, g, side, side))
+        return self.proj(self.attend(q, k, v, g, side, side))

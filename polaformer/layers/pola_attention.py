@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pola_linear_attention, power_linear_attention, resample_grid_table
+from ..ops import learnable_power, pola_layer_attention, power_linear_attention, resample_grid_table
 from .deformable import DeformableDepthwiseConv2d
 from .sr_attention import add_spatial_reduction, spatially_reduced
 
@@ -193,22 +193,66 @@ class PolaLinearAttention(nn.Module):
         k, v = self.kv(x).reshape(b, x.shape[1], 2, c).unbind(2)
         return q, k, v, g
 
+    def local_branch(self, v: torch.Tensor, height: int, width: int) -> torch.Tensor | None:
+        """``local(v)`` (B, H·W, C) for the grid tokens, None without a local branch (ablation); ``v`` (B, M, C)
+        holds the values, stretched along the tokens when spatially reduced (M < N). Each head's values go
+        through the same conv; prefix tokens have none."""
+        local_conv = self.dwc if self.local == "dwc" else self.dcn if self.local == "dcn" else None
+        if local_conv is None:
+            return None
+        b, heads, p = v.shape[0], self.num_heads, self.num_prefix_tokens
+        n = p + height * width
+        v = v.transpose(1, 2).reshape(b * heads, self.head_dim, -1)
+        if v.shape[-1] != n:
+            v = F.interpolate(v, size=n, mode="linear")
+        grid = v[..., p:].reshape(b * heads, self.head_dim, height, width)
+        return local_conv(grid).reshape(b, self.dim, height * width).transpose(1, 2)
+
     def local_branch_and_gate(self, out: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, height: int,
                               width: int) -> torch.Tensor:
-        """``(out + local(v)) · g`` for (B, N, C) tokens; ``v`` (B, M, C) holds the values, stretched along the
-        tokens when spatially reduced (M < N). Each head's values go through the same conv; prefix tokens
-        skip it and are only gated. Without a local branch or gate (ablations) that term is left out."""
-        local_conv = self.dwc if self.local == "dwc" else self.dcn if self.local == "dcn" else None
-        if local_conv is not None:
-            b, n, c = out.shape
-            heads, p = self.num_heads, self.num_prefix_tokens
-            v = v.transpose(1, 2).reshape(b * heads, self.head_dim, -1)
-            if v.shape[-1] != n:
-                v = F.interpolate(v, size=n, mode="linear")
-            grid = v[..., p:].reshape(b * heads, self.head_dim, height, width)
-            local = local_conv(grid).reshape(b, c, height * width).transpose(1, 2)
+        """``(out + local(v)) · g`` for (B, N, C) tokens, prefix tokens only gated; without a local branch or gate
+        (ablations) that term is left out. (:meth:`attend` hands both to the attention op instead, which can
+        fuse them.)"""
+        local = self.local_branch(v, height, width)
+        if local is not None:
+            p = self.num_prefix_tokens
             out = torch.cat([out[:, :p], out[:, p:] + local], dim=1) if p else out + local
         return out if g is None else out * g
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """(B, N, C) → (B, heads, N, head_dim), a view."""
+        return t.reshape(t.shape[0], t.shape[1], self.num_heads, self.head_dim).transpose(1, 2)
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, height: int, width: int,
+                  local: torch.Tensor | None = None, gate: torch.Tensor | None = None) -> torch.Tensor:
+        """``(attention + local) · gate`` of the (B, N, C) projections (k, v (B, M, C)) as (B, N, C) tokens,
+        ``local`` (B, H·W, C) for the grid tokens, either None: the scale, power, key positions, local branch and
+        gate all handed to the attention op, which fuses them where it can
+        (:func:`~polaformer.ops.pola_layer_attention`)."""
+        b, n, c = q.shape
+        positions = None
+        if self.positional_encoding is not None:
+            positions = self._key_positions((height // self.sr_ratio, width // self.sr_ratio))
+        heads = lambda t: None if t is None else self._heads(t)  # noqa: E731
+        if self.polarity:
+            scale = self.scale.view(1, 1, self.num_heads, self.head_dim).transpose(1, 2)
+            out = pola_layer_attention(heads(q), heads(k), heads(v), scale, self.power, self.alpha, heads(positions),
+                                       local=heads(local), gate=heads(gate))
+            return out.transpose(1, 2).reshape(b, n, c)
+        # the one-stream ablation: its own op, the layer's arithmetic here
+        scale = F.softplus(self.scale)
+        k = k if positions is None else k + positions
+        out = power_linear_attention(heads(q / scale), heads(k / scale), heads(v),
+                                     learnable_power(self.power, self.alpha)).transpose(1, 2).reshape(b, n, c)
+        if local is not None:
+            p = self.num_prefix_tokens
+            out = torch.cat([out[:, :p], out[:, p:] + local], dim=1) if p else out + local
+        return out if gate is None else out * gate
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, height: int,
+               width: int) -> torch.Tensor:
+        """``(attention + local(v)) · g`` of the (B, N, C) projections, as (B, N, C) tokens."""
+        return self.attention(q, k, v, height, width, self.local_branch(v, height, width), g)
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
         """``x``: (B, prefix + height·width, dim) tokens in raster order."""
@@ -220,17 +264,4 @@ class PolaLinearAttention(nn.Module):
                 f"token count {n} != {self.num_prefix_tokens} prefix tokens + H*W = {height}*{width}"
             )
         q, k, v, g = self._project(x, height, width)
-        n_kv = k.shape[1]
-        if self.positional_encoding is not None:
-            k = k + self._key_positions((height // self.sr_ratio, width // self.sr_ratio))
-        scale = F.softplus(self.scale)
-        heads = self.num_heads
-        attention = pola_linear_attention if self.polarity else power_linear_attention
-        out = attention(
-            (q / scale).reshape(b, n, heads, -1).transpose(1, 2),
-            (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2),
-            v.reshape(b, n_kv, heads, -1).transpose(1, 2),
-            learnable_power(self.power, self.alpha),
-        )
-        out = out.transpose(1, 2).reshape(b, n, c)
-        return self.proj_drop(self.proj(self.local_branch_and_gate(out, v, g, height, width)))
+        return self.proj_drop(self.proj(self.attend(q, k, v, g, height, width)))

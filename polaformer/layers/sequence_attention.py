@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import learnable_power, pacs_linear_attention, pacs_temperature, pola_linear_attention, power_linear_attention
+from ..ops import learnable_power, pacs_layer_attention, pola_layer_attention, power_linear_attention
 from .deformable import DeformableDepthwiseConv1d
 from .pola_attention import check_ablation_switches, check_alpha, check_heads
 
@@ -215,13 +215,14 @@ class PolaSequenceAttention(_SequenceAttention):
 
     def _attend(self, q, k, v, key_padding_mask, causal=False):
         b, h, _, d = q.shape
+        if self.polarity:
+            return pola_layer_attention(q, k, v, self.scale.reshape(1, h, 1, d), self.power, self.alpha, None,
+                                        self.eps, key_padding_mask, causal=causal)
+        if causal:
+            raise ValueError("causal attention needs polarity=True (the one-stream ablation has no causal form)")
         scale = F.softplus(self.scale).reshape(1, h, 1, d)
-        power = learnable_power(self.power, self.alpha)
-        if not self.polarity:
-            if causal:
-                raise ValueError("causal attention needs polarity=True (the one-stream ablation has no causal form)")
-            return power_linear_attention(q / scale, k / scale, v, power, self.eps, key_padding_mask)
-        return pola_linear_attention(q / scale, k / scale, v, power, self.eps, key_padding_mask, causal=causal)
+        return power_linear_attention(q / scale, k / scale, v, learnable_power(self.power, self.alpha), self.eps,
+                                      key_padding_mask)
 
     def _local(self, v):
         b, n, c = v.shape
@@ -252,8 +253,8 @@ class PacsSequenceAttention(_SequenceAttention):
         self.s2 = nn.Parameter(torch.zeros(1, num_heads, 1, 2 * self.head_dim))
 
     def _attend(self, q, k, v, key_padding_mask, causal=False):
-        return pacs_linear_attention(q, k, v, pacs_temperature(self.s1), pacs_temperature(self.s2),
-                                     eps=self.eps, key_padding_mask=key_padding_mask, causal=causal)
+        return pacs_layer_attention(q, k, v, self.s1, self.s2, eps=self.eps, key_padding_mask=key_padding_mask,
+                                    causal=causal)
 
     def _local(self, v):
         return self._local_conv()(v.transpose(1, 2)).transpose(1, 2)

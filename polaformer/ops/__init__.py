@@ -21,7 +21,9 @@ from .causal import (
 )
 from .naive import (
     linear_attention_weights,
+    naive_pacs_layer_attention,
     naive_pacs_linear_attention,
+    naive_pola_layer_attention,
     naive_pola_linear_attention,
     naive_power_linear_attention,
     official_pola_linear_attention,
@@ -32,8 +34,8 @@ from .naive import (
 )
 from ._common import full_precision
 from .layout import tokens_to_map
-from .pacs_attention import pacs_linear_attention
-from .pola_attention import linear_attention, pola_linear_attention, power_linear_attention
+from .pacs_attention import pacs_layer_attention, pacs_linear_attention
+from .pola_attention import linear_attention, pola_layer_attention, pola_linear_attention, power_linear_attention
 from .positions import resample_grid_table
 from .rope import apply_rope, rope_1d, rope_2d, rope_angles, rotate_pairs
 from .window_softmax import window_softmax_attention
@@ -52,16 +54,20 @@ __all__ = [
     "learnable_power",
     "linear_attention",
     "linear_attention_weights",
+    "naive_pacs_layer_attention",
     "naive_pacs_linear_attention",
+    "naive_pola_layer_attention",
     "naive_pola_linear_attention",
     "naive_power_linear_attention",
     "official_pola_linear_attention",
     "pacs_attention_weights",
     "pacs_key_features",
+    "pacs_layer_attention",
     "pacs_linear_attention",
     "pacs_query_features",
     "pacs_temperature",
     "pola_attention_weights",
+    "pola_layer_attention",
     "pola_linear_attention",
     "power_attention_weights",
     "power_linear_attention",

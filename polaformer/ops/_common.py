@@ -1,6 +1,6 @@
 """What the attention ops share: their input checks, key padding as a factor and a count, the compute dtype,
-autocast turned off, whether autograd records a call, the swap of a feature vector's halves, and the reduction of a
-broadcast gradient."""
+autocast turned off, whether autograd records a call, the swap of a feature vector's halves, the reduction of a
+broadcast gradient, and the layer ops' checks and output epilogue ``(out + local) · gate``."""
 from __future__ import annotations
 
 import contextlib
@@ -14,7 +14,9 @@ __all__ = [
     "block_tokens",
     "check_eps",
     "check_float",
+    "check_broadcast",
     "check_key_padding_mask",
+    "check_layer_tensors",
     "check_packed_batch",
     "check_qkv",
     "check_temperatures",
@@ -22,6 +24,7 @@ __all__ = [
     "full_precision",
     "half_precision",
     "key_keep",
+    "local_and_gate",
     "needs_grad",
     "sum_to",
     "swap_halves",
@@ -90,6 +93,44 @@ def check_temperatures(temp_same: torch.Tensor, temp_opposite: torch.Tensor, hea
     for name, t in (("temp_same", temp_same), ("temp_opposite", temp_opposite)):
         if t.shape[-1] != 2 * head_dim:
             raise ValueError(f"{name} must have 2*head_dim = {2 * head_dim} channels, got {tuple(t.shape)}")
+
+
+def check_broadcast(name: str, t: torch.Tensor, target: tuple[int, ...]) -> None:
+    """``t`` a floating-point tensor that broadcasts to ``target`` (one-line error otherwise)."""
+    check_float(**{name: t})
+    if t.dim() > len(target) or any(n not in (1, m) for n, m in zip(reversed(t.shape), reversed(target))):
+        raise ValueError(f"{name} must broadcast to {tuple(target)}, got {tuple(t.shape)}")
+
+
+def check_layer_tensors(q, v, local, gate, packed: bool) -> None:
+    """A layer op's epilogue tensors: ``local`` (B, H, N', dv) for the last N' ≤ N queries, ``gate`` (B, H, N, dv)."""
+    out_shape = (*q.shape[:3], v.shape[-1])
+    if gate is not None:
+        check_float(gate=gate)
+        if tuple(gate.shape) != out_shape:
+            raise ValueError(f"gate must be (B, H, N, dv) = {out_shape}, got {tuple(gate.shape)}")
+    if local is not None:
+        check_float(local=local)
+        rows = "N' = N (packed)" if packed else "N' <= N"
+        if local.dim() != 4 or local.shape[:2] != q.shape[:2] or local.shape[-1] != v.shape[-1] \
+                or local.shape[2] > q.shape[2] or (packed and local.shape[2] != q.shape[2]):
+            raise ValueError(f"local must be (B, H, N', dv) with {rows} for outputs {out_shape}, "
+                             f"got {tuple(local.shape)}")
+
+
+def local_and_gate(out: torch.Tensor, local: torch.Tensor | None, gate: torch.Tensor | None) -> torch.Tensor:
+    """``(out + local) · gate`` of (B, H, N, dv) outputs, ``local`` (B, H, N', dv) added to the last N' queries;
+    either may be None. Computed token-major, as the layers lay their tokens out."""
+    if local is None and gate is None:
+        return out
+    out = out.transpose(1, 2)
+    if local is not None:
+        prefix = out.shape[1] - local.shape[2]
+        local = local.transpose(1, 2)
+        out = torch.cat([out[:, :prefix], out[:, prefix:] + local], dim=1) if prefix else out + local
+    if gate is not None:
+        out = out * gate.transpose(1, 2)
+    return out.transpose(1, 2)
 
 
 def key_keep(key_padding_mask: torch.Tensor | None, k: torch.Tensor, dtype: torch.dtype):

@@ -23,6 +23,8 @@ from .rope import apply_rope
 __all__ = [
     "linear_attention_weights",
     "pola_attention_weights",
+    "naive_pacs_layer_attention",
+    "naive_pola_layer_attention",
     "naive_pola_linear_attention",
     "naive_power_linear_attention",
     "power_attention_weights",
@@ -100,6 +102,25 @@ def naive_pola_linear_attention(
     """Reference output of :func:`~polaformer.ops.pola_linear_attention` (``causal``: of
     :func:`~polaformer.ops.causal_pola_linear_attention`): ``[W_same @ v_same, W_opp @ v_opp]`` along channels."""
     return _two_streams(*pola_attention_weights(q, k, power, eps, key_padding_mask, causal), v)
+
+
+def _local_and_gate(out, local, gate):
+    """``(out + local) · gate``, ``local`` on the last queries (zeros before), either None."""
+    if local is not None:
+        out = out + F.pad(local, (0, 0, out.shape[-2] - local.shape[-2], 0))
+    return out if gate is None else out * gate
+
+
+def naive_pola_layer_attention(q, k, v, scale, power, alpha=4.0, key_positions=None, eps=1e-6,
+                               key_padding_mask=None, *, local=None, gate=None, causal=False) -> torch.Tensor:
+    """Reference output of :func:`~polaformer.ops.pola_layer_attention`: the layer's arithmetic written out,
+    ``(W @ v + local) · gate`` for ``q / softplus(scale)``, ``(k + key_positions) / softplus(scale)`` and
+    ``p = 1 + alpha·sigmoid(power)``."""
+    divisor = F.softplus(scale)
+    k = k if key_positions is None else k + key_positions
+    out = naive_pola_linear_attention(q / divisor, k / divisor, v, 1 + alpha * torch.sigmoid(power), eps,
+                                      key_padding_mask, causal)
+    return _local_and_gate(out, local, gate)
 
 
 def power_attention_weights(
@@ -180,6 +201,15 @@ def naive_pacs_linear_attention(
     :func:`~polaformer.ops.causal_pacs_linear_attention`)."""
     weights = pacs_attention_weights(q, k, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, causal)
     return _two_streams(*weights, v)
+
+
+def naive_pacs_layer_attention(q, k, v, same, opposite, sin=None, cos=None, eps=1e-6, key_padding_mask=None, *,
+                               local=None, gate=None, causal=False) -> torch.Tensor:
+    """Reference output of :func:`~polaformer.ops.pacs_layer_attention`: PaCS attention with the temperatures
+    ``sigmoid(same)`` and ``sigmoid(opposite)``, then ``(out + local) · gate``."""
+    out = naive_pacs_linear_attention(q, k, v, torch.sigmoid(same), torch.sigmoid(opposite), sin, cos, eps,
+                                      key_padding_mask, causal)
+    return _local_and_gate(out, local, gate)
 
 
 def softmax_attention_weights(q: torch.Tensor, k: torch.Tensor, scale: float | None = None) -> torch.Tensor:

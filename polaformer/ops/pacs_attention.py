@@ -17,17 +17,19 @@ from torch.autograd.function import once_differentiable
 
 from .causal import causal_pacs_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
-from .feature_maps import _expm1
+from .feature_maps import _expm1, pacs_temperature
 from ._common import (
     block_tokens,
     check_eps,
     check_float,
     check_key_padding_mask,
+    check_layer_tensors,
     check_qkv,
     check_temperatures,
     compute_dtype,
     full_precision,
     key_keep,
+    local_and_gate,
     needs_grad,
     sum_to,
     swap_halves,
@@ -35,7 +37,7 @@ from ._common import (
 from .rope import apply_rope
 from .varlen import check_cu_seqlens, padded_call
 
-__all__ = ["pacs_linear_attention"]
+__all__ = ["pacs_layer_attention", "pacs_linear_attention"]
 
 
 @functools.lru_cache(maxsize=32)
@@ -471,6 +473,38 @@ def _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, c
     return padded_call(attend, q, k, v, offsets, offsets_k)
 
 
+def _check_call(q, k, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k) -> None:
+    """The arguments of a non-causal call besides q, k, v and the temperatures."""
+    check_eps(eps)
+    two_d = 2 * q.shape[-1]
+    if (sin is None) != (cos is None):
+        raise ValueError("pass both sin and cos, or neither")
+    if sin is not None and (sin.shape[-2:] != (q.shape[-2], two_d) or q.shape[-2] != k.shape[-2]):
+        raise ValueError(
+            f"RoPE tables must be (N, 2*head_dim) = ({q.shape[-2]}, {two_d}) with as many keys as queries; "
+            f"got {tuple(sin.shape)} for q{tuple(q.shape)}, k{tuple(k.shape)}"
+        )
+    if cu_seqlens is None and cu_seqlens_k is not None:
+        raise ValueError("cu_seqlens_k needs cu_seqlens (the queries' offsets)")
+    if cu_seqlens is not None:
+        if key_padding_mask is not None:
+            raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences carry their lengths")
+        _check_packed(q, k, cu_seqlens, cu_seqlens_k, sin is not None)
+    if key_padding_mask is not None:
+        check_key_padding_mask(key_padding_mask, k)
+
+
+def _kernels(q: torch.Tensor, sin: torch.Tensor | None):
+    """The Triton kernels for a call (:func:`.dispatch.triton_kernels`), or None. Their RoPE works on channel
+    pairs inside each half: tables for an odd head_dim take the plain path."""
+    return triton_kernels(q) if sin is None or q.shape[-1] % 2 == 0 else None
+
+
+def _on_device(q, *tensors):
+    """The mask and offsets on the queries' device (None stays None)."""
+    return tuple(None if t is None else t.to(q.device) for t in tensors)
+
+
 def pacs_linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -529,33 +563,15 @@ def pacs_linear_attention(
                                             key_padding_mask=key_padding_mask, cu_seqlens=cu_seqlens)
     check_qkv(q, k, v, even_head_dim=True)
     check_float(temp_same=temp_same, temp_opposite=temp_opposite)
-    check_eps(eps)
     check_temperatures(temp_same, temp_opposite, q.shape[-1])
-    two_d = 2 * q.shape[-1]
-    if (sin is None) != (cos is None):
-        raise ValueError("pass both sin and cos, or neither")
-    if sin is not None and (sin.shape[-2:] != (q.shape[-2], two_d) or q.shape[-2] != k.shape[-2]):
-        raise ValueError(
-            f"RoPE tables must be (N, 2*head_dim) = ({q.shape[-2]}, {two_d}) with as many keys as queries; "
-            f"got {tuple(sin.shape)} for q{tuple(q.shape)}, k{tuple(k.shape)}"
-        )
-    if cu_seqlens is None and cu_seqlens_k is not None:
-        raise ValueError("cu_seqlens_k needs cu_seqlens (the queries' offsets)")
-    if cu_seqlens is not None:
-        if key_padding_mask is not None:
-            raise ValueError("pass key_padding_mask or cu_seqlens, not both: packed sequences carry their lengths")
-        _check_packed(q, k, cu_seqlens, cu_seqlens_k, sin is not None)
-    if key_padding_mask is not None:
-        check_key_padding_mask(key_padding_mask, k)
-    # The kernels' RoPE works on channel pairs inside each half; tables for an odd head_dim take the plain path.
-    pairs = sin is None or q.shape[-1] % 2 == 0
-    kernels = triton_kernels(q) if pairs else None
+    _check_call(q, k, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    kernels = _kernels(q, sin)
     if kernels is not None:
-        on_device = lambda t: None if t is None else t.to(q.device)  # noqa: E731
-        return kernels.pacs_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps, on_device(key_padding_mask),
-                                      on_device(cu_seqlens), on_device(cu_seqlens_k))
+        return kernels.pacs_attention(q, k, v, temp_same, temp_opposite, sin, cos, eps,
+                                      *_on_device(q, key_padding_mask, cu_seqlens, cu_seqlens_k))
     if cu_seqlens is not None:
         return _pacs_packed(q, k, v, temp_same, temp_opposite, sin, cos, eps, cu_seqlens, cu_seqlens_k)
+    pairs = sin is None or q.shape[-1] % 2 == 0
     dtype = compute_dtype(q, k, v, temp_same, temp_opposite)
     keep, m = key_keep(key_padding_mask, k, dtype)
     out_dtype = v.dtype
@@ -576,3 +592,49 @@ def pacs_linear_attention(
         if attention is not _pacs_attention_graph and not bool(torch.isfinite(out.sum())):
             out = _pacs_attention_graph(*args)
     return out.to(out_dtype)
+
+
+def pacs_layer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    same: torch.Tensor,
+    opposite: torch.Tensor,
+    sin: torch.Tensor | None = None,
+    cos: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+    *,
+    local: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    causal: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PolaFormer++'s attention layer around its core, from the layer's raw temperature weights::
+
+        out = (pacs_linear_attention(q, k, v, sigmoid(same), sigmoid(opposite), sin, cos) + local) · gate
+
+    ``same``, ``opposite``: the raw weights (``s1``, ``s2``), broadcastable to (B, H, 1, 2d); ``local``
+    (B, H, N', dv) is added to the last ``N' ≤ N`` queries' outputs and ``gate`` (B, H, N, dv) multiplies them,
+    each where given; the other arguments as :func:`pacs_linear_attention` (``causal``: its causal form, in
+    chunks of ``chunk_size`` tokens). On the Triton kernels (CUDA) the sigmoids run in the kernels' prologue
+    (their gradients from the per-channel sums the backward makes anyway) and the local branch and the gate in
+    the epilogue: one launch forward and one backward at the models' shapes. Elsewhere the same arithmetic in
+    torch. Reference: :func:`~polaformer.ops.naive_pacs_layer_attention`.
+    """
+    packed = cu_seqlens is not None or cu_seqlens_k is not None
+    check_qkv(q, k, v, even_head_dim=True)
+    check_float(same=same, opposite=opposite)
+    check_temperatures(same, opposite, q.shape[-1])
+    check_layer_tensors(q, v, local, gate, packed)
+    kernels = None if causal else _kernels(q, sin)
+    if kernels is None:
+        out = pacs_linear_attention(q, k, v, pacs_temperature(same), pacs_temperature(opposite), sin, cos, eps,
+                                    key_padding_mask, cu_seqlens=cu_seqlens, cu_seqlens_k=cu_seqlens_k, causal=causal)
+        return local_and_gate(out, local, gate)
+    _check_call(q, k, sin, cos, eps, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    return kernels.pacs_attention(q, k, v, same, opposite, sin, cos, eps,
+                                  *_on_device(q, key_padding_mask, cu_seqlens, cu_seqlens_k), raw=True, local=local,
+                                  gate=gate)

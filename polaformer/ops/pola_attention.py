@@ -30,28 +30,32 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from . import _common, varlen
 from ._common import (
     block_tokens,
+    check_broadcast,
     check_eps,
     check_float,
     check_key_padding_mask,
+    check_layer_tensors,
     check_packed_batch,
     check_qkv,
     compute_dtype,
     full_precision,
     key_keep,
+    local_and_gate,
     needs_grad,
     sum_to,
     swap_halves,
 )
 from .causal import causal_pola_linear_attention
 from .dispatch import capturing, cpu_kernels, triton_kernels
-from .feature_maps import check_power_values
+from .feature_maps import check_power_values, learnable_power
 
-__all__ = ["linear_attention", "pola_linear_attention", "power_linear_attention"]
+__all__ = ["linear_attention", "pola_layer_attention", "pola_linear_attention", "power_linear_attention"]
 
 def _as_power(power, q: torch.Tensor) -> torch.Tensor:
     """``power`` as a tensor that broadcasts to (B, H, 1, d); a Python number is one exponent for every channel."""
@@ -458,6 +462,106 @@ def pola_linear_attention(
     with full_precision(q.device.type):
         out = attention(q.to(dtype), k.to(dtype), v.to(dtype), power.to(dtype), eps, keep, count)
     return out.to(v.dtype)
+
+
+def _check_alpha(alpha) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha >= 0):
+        raise ValueError(f"alpha must be a finite number >= 0, got {alpha!r}")
+
+
+def _scaled_inputs(q, k, scale, power, alpha, key_positions, dtype=None):
+    """The layer's arithmetic around the attention in torch: ``q / softplus(scale)``, ``(k + key_positions) /
+    softplus(scale)`` and ``1 + alpha·sigmoid(power)``; the scale rounded to ``dtype`` first where given (so that
+    half-precision q and k stay half)."""
+    divisor = F.softplus(scale)
+    if dtype is not None:
+        divisor = divisor.to(dtype)
+    if key_positions is not None:
+        k = k + (key_positions if dtype is None else key_positions.to(dtype))
+    return q / divisor, k / divisor, learnable_power(power, alpha)
+
+
+def pola_layer_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: torch.Tensor,
+    power: torch.Tensor,
+    alpha: float = 4.0,
+    key_positions: torch.Tensor | None = None,
+    eps: float = 1e-6,
+    key_padding_mask: torch.Tensor | None = None,
+    *,
+    local: torch.Tensor | None = None,
+    gate: torch.Tensor | None = None,
+    causal: bool = False,
+    chunk_size: int = 64,
+    cu_seqlens: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """PolaFormer's attention layer around its core, from the layer's raw parameters and projections::
+
+        s = softplus(scale),   p = 1 + alpha·sigmoid(power)
+        out = (pola_linear_attention(q / s, (k + key_positions) / s, v, p) + local) · gate
+
+    Args:
+        q, k, v: the projections split into heads, (B, H, N, d), (B, H, M, d), (B, H, M, dv), as the layer
+            has them (any strides; half precision under autocast).
+        scale, power: the raw scale and exponent weights, each broadcastable to (B, H, 1, d).
+        alpha: the exponent's range, ``p ∈ (1, 1 + alpha)``.
+        key_positions: added to the keys, broadcastable to (B, H, M, d), or None.
+        eps, key_padding_mask, cu_seqlens, cu_seqlens_k: as :func:`pola_linear_attention` (no key positions
+            with packed sequences).
+        local: the local branch, (B, H, N', dv), added to the last ``N' ≤ N`` queries' outputs (the first
+            ``N − N'``, e.g. a class token, get none), or None.
+        gate: (B, H, N, dv) multiplying the output (the polarity coefficients), or None.
+        causal: query ``t`` sees keys ``0..t`` (:func:`~polaformer.ops.causal_pola_linear_attention`, ``chunk_size``
+            tokens per chunk).
+
+    Returns:
+        (B, H, N, dv) in ``v``'s dtype (over (B, N, H, dv) memory on the kernels).
+
+    On the Triton kernels (CUDA) the whole function is one launch forward and one backward at the models'
+    shapes: the softplus, the exponent and the positions in the kernels' prologue, their gradients from the
+    per-channel sums the backward makes anyway, the local branch and the gate in the epilogue, and q, k, v read
+    in their own dtype. Elsewhere (CPU, export) it is the same arithmetic in torch around
+    :func:`pola_linear_attention`; the causal form applies the scale in torch too, in the kernels' input dtype.
+    Reference: :func:`~polaformer.ops.naive_pola_layer_attention`.
+    """
+    check_qkv(q, k, v)
+    check_eps(eps)
+    _check_alpha(alpha)
+    target = (q.shape[0], q.shape[1], 1, q.shape[-1])
+    check_broadcast("scale", scale, target)
+    check_broadcast("power", power, target)
+    packed = cu_seqlens is not None or cu_seqlens_k is not None
+    if key_positions is not None:
+        check_broadcast("key_positions", key_positions, (*k.shape[:3], q.shape[-1]))
+        if packed:
+            raise ValueError("key_positions cannot be added to packed sequences (cu_seqlens): add them to k first")
+    check_layer_tensors(q, v, local, gate, packed)
+    if causal:
+        kernels = triton_kernels(q)
+        dtype = q.dtype if kernels is not None else None  # the causal kernels take half-precision q and k
+        q, k, power = _scaled_inputs(q, k, scale, power, alpha, key_positions, dtype)
+        out = causal_pola_linear_attention(q, k, v, power, eps, chunk_size, key_padding_mask, cu_seqlens=cu_seqlens,
+                                           cu_seqlens_k=cu_seqlens_k)
+        return local_and_gate(out, local, gate)
+    if packed:
+        cu_seqlens, cu_seqlens_k = _check_packed(q, k, key_padding_mask, cu_seqlens, cu_seqlens_k)
+    elif key_padding_mask is not None:
+        check_key_padding_mask(key_padding_mask, k)
+    kernels = triton_kernels(q)
+    if kernels is not None:
+        if packed and q.device.type == "cpu" and not capturing():  # the interpreter: the check costs no sync
+            _read_offsets(q, k, cu_seqlens, cu_seqlens_k)
+        mask = None if key_padding_mask is None else key_padding_mask.to(q.device)
+        return kernels.pola_attention(q, k, v, power, eps, mask, cu_seqlens, cu_seqlens_k, alpha=alpha, scale=scale,
+                                      key_positions=key_positions, local=local, gate=gate)
+    q, k, power = _scaled_inputs(q, k, scale, power, alpha, key_positions)
+    out = pola_linear_attention(q, k, v, power, eps, key_padding_mask, cu_seqlens=cu_seqlens,
+                                cu_seqlens_k=cu_seqlens_k)
+    return local_and_gate(out, local, gate)
 
 
 def power_linear_attention(

@@ -169,3 +169,30 @@ def test_the_gpu_script_runs_the_command_under_a_timeout():
     script = (REPO / "scripts" / "gpu_models_check.sh").read_text()
     assert "bench gpu-models" in script and "timeout -s INT -k 15" in script
     assert "POLAFORMER_OFFICIAL_DIR" in script and "POLAFORMERPP_OFFICIAL_DIR" in script
+
+
+def test_reduce_overhead_rows_compile_with_cuda_graphs_and_sizes_replace_a_familys(monkeypatch):
+    """``--variants reduce-overhead``: torch.compile's CUDA-graph mode; ``--size``: the LM at another length."""
+    family = gpu_models.FAMILIES["pola_lm_small"]
+    model = gpu_models._create("pola_lm_tiny", {}, family, 16)
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda m, **options: compiled.append(options) or m)
+    fields = gpu_models._measure(model, family=family, mode="train", variant="reduce-overhead", batch=2, size=16,
+                                 device=torch.device("cpu"), plan=gpu_models.Plan(steps=1, warmup=0,
+                                                                                  compile_on_cpu=True))
+    assert compiled == [{"mode": "reduce-overhead"}] and fields["error"] is None
+    built = []
+    monkeypatch.setattr(gpu_models, "_build", lambda family, impls, size, log: built.append(size) or [])
+    plan = gpu_models.Plan(models=("pola_lm_small",), sizes={"pola_lm_small": 8192}, steps=1, warmup=0)
+    gpu_models._run_family(family, "eager", plan, torch.device("cpu"), print, print, None)
+    assert built == [8192]
+
+
+@pytest.mark.parametrize("size, message", [
+    ("pola_lm_small", "--size takes NAME=SIZE with a whole number, got 'pola_lm_small'"),
+    ("no_such_model=64", "--size: unknown model 'no_such_model'"),
+])
+def test_bad_sizes_are_one_line(tmp_path, capsys, size, message):
+    assert main(["bench", "gpu-models", "--smoke", "--size", size, "--out", str(tmp_path / "x.csv")]) == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1, err

@@ -8,6 +8,8 @@ import pytest
 from torch import nn
 
 from polaformer.cli import main
+from polaformer.engine.distributed import DistContext
+from polaformer.engine.parallel import COMPILE_MODES, check_execution, prepare_model
 from polaformer.tasks.lra.listops import generate_listops
 from cli_helpers import quiet
 from tolerances import adam_drift_bound, assert_trainings_agree
@@ -131,8 +133,9 @@ def test_compile_trains_the_compiled_model(task, data, tmp_path_factory, tmp_pat
 
 @pytest.mark.parametrize("settings, message", [
     (["train.parallel", "zero"], "train.parallel must be one of ddp, fsdp, got 'zero'"),
-    (["train.compile", "no_such_backend"], "train.compile: unknown torch.compile backend 'no_such_backend'"),
-    (["train.compile", "[1]"], "train.compile must be true, false or a torch.compile backend name"),
+    (["train.compile", "no_such_backend"], "train.compile: unknown torch.compile mode or backend 'no_such_backend' "
+                                           "(modes: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, lite"),
+    (["train.compile", "[1]"], "train.compile must be true, false, a torch.compile mode or backend name"),
     (["train.grad_checkpointing", "1"], "train.grad_checkpointing expects bool"),
 ])
 def test_bad_execution_settings_are_one_line(settings, message, tmp_path, capsys):
@@ -140,6 +143,23 @@ def test_bad_execution_settings_are_one_line(settings, message, tmp_path, capsys
     assert main([*argv, *settings]) == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_compile_modes_are_inductors(monkeypatch):
+    """``train.compile`` takes inductor's modes by name (``reduce-overhead``: the compiled forward and backward
+    each replayed as one CUDA graph), backends by name, or true for inductor's default."""
+    import torch._inductor
+
+    assert set(COMPILE_MODES) == set(torch._inductor.list_mode_options())
+    compiled = []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compiled.append(options) or model)
+    for setting in ("reduce-overhead", "max-autotune-no-cudagraphs", True, "aot_eager"):
+        check_execution("ddp", setting, False, ("parallel", "compile", "grad_checkpointing"))
+        prepare_model(torch.nn.Linear(2, 2), ctx=DistContext(), device=torch.device("cpu"), parallel="ddp",
+                      compile=setting, grad_checkpointing=False, amp_dtype=None)
+    assert compiled == [{"backend": "inductor", "mode": "reduce-overhead"},
+                        {"backend": "inductor", "mode": "max-autotune-no-cudagraphs"}, {"backend": "inductor"},
+                        {"backend": "aot_eager"}]
 
 
 def test_fsdp_is_refused_where_the_task_does_not_shard(tmp_path, capsys):

@@ -159,9 +159,18 @@ class FusedPolaLinearAttention(PolaLinearAttention):
     """PolaFormer's attention with the local branch and gate fused: the heads' shared ``dwc`` as one
     depthwise conv over all channels (its kernel repeated per head), in one native pass without gradients."""
 
+    def _fusable(self, g, tokens: int, values: int) -> bool:
+        # ablated layers (no dwc or gate) and spatially reduced values take the plain path
+        return (self.local == "dwc" and g is not None and values == tokens and self.dwc.bias is not None
+                and not capturing() and _unhooked(self.dwc))
+
+    def attend(self, q, k, v, g, height, width):
+        if not self._fusable(g, q.shape[1], v.shape[1]):
+            return super().attend(q, k, v, g, height, width)
+        return self.local_branch_and_gate(self.attention(q, k, v, height, width), v, g, height, width)
+
     def local_branch_and_gate(self, out, v, g, height, width):
-        if (self.local != "dwc" or g is None or v.shape[1] != out.shape[1] or self.dwc.bias is None or capturing()
-                or not _unhooked(self.dwc)):  # ablated layers (no dwc or gate) take the plain path
+        if not self._fusable(g, out.shape[1], v.shape[1]):
             return super().local_branch_and_gate(out, v, g, height, width)
         heads = self.num_heads
         weight, bias = torch.cat([self.dwc.weight] * heads), torch.cat([self.dwc.bias] * heads)
@@ -171,14 +180,20 @@ class FusedPolaLinearAttention(PolaLinearAttention):
 class FusedLePEMixin:
     """PolaFormer++'s ``(out + lepe(v)) · gate`` in one native pass without gradients."""
 
+    def _fusable(self) -> bool:
+        return self.lepe.bias is not None and not capturing() and _unhooked(self.lepe)
+
     def local_branch_and_gate(self, out, v, gate, height, width):
-        if self.lepe.bias is None or capturing() or not _unhooked(self.lepe):
+        if not self._fusable():
             return super().local_branch_and_gate(out, v, gate, height, width)
         return _local_branch_and_gate(out, v, gate, self.lepe.weight, self.lepe.bias, 0, height, width)
 
 
 class FusedPacsLinearAttention(FusedLePEMixin, PacsLinearAttention):
-    pass
+    def attend(self, q, k, v, g, height, width, sin=None, cos=None):
+        if not self._fusable():
+            return super().attend(q, k, v, g, height, width, sin, cos)
+        return self.local_branch_and_gate(self.attention(q, k, v, sin, cos), v, g, height, width)
 
 
 class FusedRopeSoftmaxAttention(FusedLePEMixin, RopeSoftmaxAttention):

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from .common import accumulator_dtype, dot_precision, expm1, padded_width, unpadded_keys
+from .common import accumulator_dtype, dot, dots, expm1, padded_width, traceable, unpadded_keys
 
 __all__ = ["FEATURES", "causal_attention", "kernel_chunk"]
 
@@ -239,7 +239,7 @@ def _walk_kernel(
     HEADS, LENGTH, D, F, W0, W1, CHUNKS,
     CHUNK: tl.constexpr, FP: tl.constexpr, WP: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     STREAMS: tl.constexpr, FEATURE: tl.constexpr, ROPE: tl.constexpr, HAS_MASK: tl.constexpr,
-    PACKED: tl.constexpr, HAS_INITIAL: tl.constexpr, PRECISION: tl.constexpr,
+    PACKED: tl.constexpr, HAS_INITIAL: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The state entering every chunk of one (sequence, head): one (BF × BV) tile of a stream's ``S``, the
     key sum ``K`` over those BF channels (value tile 0 of stream 0) and the count (also head 0, feature tile
@@ -293,7 +293,7 @@ def _walk_kernel(
             cos = _tile(cos_ptr, rows, f, stride_rt, stride_rc, valid, f < F, acc_t)
             k_num = _rotate(phi, sin, cos, BF)
         values = _tile(v_base, rows, col0 + j, stride_vt, stride_vc, valid, j < width, acc_t)
-        state += tl.dot(tl.trans(k_num), values, input_precision=PRECISION, out_dtype=acc_t)
+        state += dot(tl.trans(k_num), values, DOT, PRECISION, acc_t)
         key_sum += tl.sum(phi, 0)
         count += tl.sum(keep.to(acc_t), 0)
     final = ((seq.to(tl.int64) * HEADS + head) * F + f[:, None]) * width + j[None, :]
@@ -317,7 +317,7 @@ def _output_kernel(
     stride_rt, stride_rc, stride_mb, stride_mt,
     HEADS, LENGTH, D, F, W0, W1, CHUNKS, SEQS, SEARCH_STEPS,
     CHUNK: tl.constexpr, FP: tl.constexpr, WP: tl.constexpr, STREAMS: tl.constexpr, FEATURE: tl.constexpr,
-    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Both streams' outputs of one chunk of one head, and per row and stream the normaliser's reciprocal and
     the row scale's (``stats`` (B, H, N, 4): [1/den_0, 1/den_1, 1/scale_0, 1/scale_1]). Grid: (items, H)."""
@@ -359,12 +359,11 @@ def _output_kernel(
             col_ok = j < (W0 if s == 0 else W1)
             values = _tile(v_ptr + b64 * stride_vb + h64 * stride_vh, rows, s * W0 + j, stride_vt, stride_vc, valid,
                            col_ok, acc_t)
-            scores = tl.where(seen, tl.dot(q_num, tl.trans(k_num), input_precision=PRECISION, out_dtype=acc_t), 0.0)
-            num = tl.dot(q_num, state, input_precision=PRECISION, out_dtype=acc_t)
-            num += tl.dot(scores, values, input_precision=PRECISION, out_dtype=acc_t)
+            scores = tl.where(seen, dot(q_num, tl.trans(k_num), DOT, PRECISION, acc_t), 0.0)
+            num = dot(q_num, state, DOT, PRECISION, acc_t)
+            num += dot(scores, values, DOT, PRECISION, acc_t)
             if ROPE:  # the normaliser pairs the features without rotation
-                scores = tl.where(seen, tl.dot(phi_q, tl.trans(phi_k), input_precision=PRECISION, out_dtype=acc_t),
-                                  0.0)
+                scores = tl.where(seen, dot(phi_q, tl.trans(phi_k), DOT, PRECISION, acc_t), 0.0)
             den = tl.sum(scores, 1) + tl.sum(phi_q * key_sum[None, :], 1) + eps * inv_scale * count
             inv_den = 1.0 / den
             out = num * inv_den[:, None]
@@ -390,7 +389,7 @@ def _walk_back_kernel(
     HEADS, LENGTH, D, F, W0, W1, CHUNKS,
     CHUNK: tl.constexpr, FP: tl.constexpr, WP: tl.constexpr, BF: tl.constexpr, BV: tl.constexpr,
     STREAMS: tl.constexpr, FEATURE: tl.constexpr, ROPE: tl.constexpr, PACKED: tl.constexpr,
-    HAS_FINAL_GRAD: tl.constexpr, HAS_FINAL_KEY_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_FINAL_GRAD: tl.constexpr, HAS_FINAL_KEY_GRAD: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """The gradients of a stream's state tile and key sum leaving every chunk (``dS += q̃ᵀ dnum`` and
     ``dK += φqᵀ dden`` over the later chunks, ``dnum = dO / den``, ``dden = −rowsum(dO ∘ O) / den``), walking
@@ -449,7 +448,7 @@ def _walk_back_kernel(
             cos = _tile(cos_ptr, rows, f, stride_rt, stride_rc, valid, f < F, acc_t)
             q_num = _rotate(phi, sin, cos, BF)
         grad_num = _tile(g_base, rows, col0 + j, stride_gt, stride_gc, valid, j < width, acc_t) * inv_den[:, None]
-        grad_state += tl.dot(tl.trans(q_num), grad_num, input_precision=PRECISION, out_dtype=acc_t)
+        grad_state += dot(tl.trans(q_num), grad_num, DOT, PRECISION, acc_t)
         if writes_keys:
             grad_out = _tile(g_base, rows, col0 + w, stride_gt, stride_gc, valid, w < width, acc_t)
             out = _tile(o_base, rows, col0 + w, stride_ot, stride_oc, valid, w < width, acc_t)
@@ -480,7 +479,7 @@ def _grads_kernel(
     stride_rt, stride_rc, stride_mb, stride_mt,
     HEADS, LENGTH, D, F, W0, W1, CHUNKS, SEQS, SEARCH_STEPS,
     CHUNK: tl.constexpr, FP: tl.constexpr, WP: tl.constexpr, STREAMS: tl.constexpr, FEATURE: tl.constexpr,
-    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
+    ROPE: tl.constexpr, HAS_MASK: tl.constexpr, PACKED: tl.constexpr, DOT: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Gradients of q, k and v over one chunk of one head, from the states entering it, the gradients leaving
     it and the saved rows; and the chunk's share of the exponent's (Pola, in ``grad_param[item, head, 0]``) or
@@ -543,18 +542,17 @@ def _grads_kernel(
             state_cell = (slot * STREAMS + s) * (FP * WP) + c[:, None] * WP + j[None, :]
             state = tl.load(states_ptr + state_cell)
             grad_state = tl.load(grad_states_ptr + state_cell)
-            scores = tl.where(seen, tl.dot(q_num, tl.trans(k_num), input_precision=PRECISION, out_dtype=acc_t), 0.0)
-            grad_scores = tl.where(seen, tl.dot(grad_num, tl.trans(values), input_precision=PRECISION,
-                                                out_dtype=acc_t), 0.0)
-            grad_v = tl.dot(tl.trans(scores), grad_num, input_precision=PRECISION, out_dtype=acc_t)
-            grad_v += tl.dot(k_num, grad_state, input_precision=PRECISION, out_dtype=acc_t)
+            scores = tl.where(seen, dot(q_num, tl.trans(k_num), DOT, PRECISION, acc_t), 0.0)
+            grad_scores = tl.where(seen, dot(grad_num, tl.trans(values), DOT, PRECISION, acc_t), 0.0)
+            grad_v = dot(tl.trans(scores), grad_num, DOT, PRECISION, acc_t)
+            grad_v += dot(k_num, grad_state, DOT, PRECISION, acc_t)
             tl.store(grad_v_ptr + b64 * stride_dvb + h64 * stride_dvh + rows[:, None] * stride_dvt
                      + cols[None, :] * stride_dvc, grad_v.to(grad_v_ptr.dtype.element_ty),
                      mask=valid[:, None] & col_ok[None, :])
-            grad_q_num = tl.dot(grad_num, tl.trans(state), input_precision=PRECISION, out_dtype=acc_t)
-            grad_q_num += tl.dot(grad_scores, k_num, input_precision=PRECISION, out_dtype=acc_t)
-            grad_k_num += tl.dot(tl.trans(grad_scores), q_num, input_precision=PRECISION, out_dtype=acc_t)
-            grad_k_num += tl.dot(values, tl.trans(grad_state), input_precision=PRECISION, out_dtype=acc_t)
+            grad_q_num = dot(grad_num, tl.trans(state), DOT, PRECISION, acc_t)
+            grad_q_num += dot(grad_scores, k_num, DOT, PRECISION, acc_t)
+            grad_k_num += dot(tl.trans(grad_scores), q_num, DOT, PRECISION, acc_t)
+            grad_k_num += dot(values, tl.trans(grad_state), DOT, PRECISION, acc_t)
             if ROPE:
                 grad_q_num = _rotate_back(grad_q_num, sin, cos, FP)
             grad_phi_q = grad_q_num + grad_den[:, None] * key_prefix
@@ -594,6 +592,10 @@ def _grads_kernel(
 # ---------------------------------------------------------------------------------------------------- launches
 
 
+def _as_is(kernel):
+    return kernel
+
+
 def _strides(x: torch.Tensor | None, n: int) -> tuple[int, ...]:
     return (0,) * n if x is None else tuple(x.stride())
 
@@ -621,7 +623,8 @@ class _Call:
             self.chunks = triton.cdiv(max(self.length, 1), self.chunk)
             self.items = self.batch * self.chunks
         self.acc = accumulator_dtype(*(t for t in (q, k, v, param0, param1) if t is not None))
-        self.precision = dot_precision(q, k, v)
+        # products of unbounded features and gradients: fp16 inputs multiply in TF32 (see common.dots)
+        self.dots = dots(q, k, v, bounded=False)
         # State tiles: smaller on a GPU, so that more programs share the sequential walk over the chunks; 16
         # under the interpreter, whose small test widths then span several tiles.
         tile = 32 if q.is_cuda else 16
@@ -629,7 +632,8 @@ class _Call:
         self.walk_grid = (self.seqs * self.heads, self.fp // self.bf, self.streams * (self.wp // self.bv))
         self.item_grid = (self.items, self.heads)
         self.flags = dict(CHUNK=self.chunk, FP=self.fp, WP=self.wp, STREAMS=self.streams, FEATURE=feature,
-                          ROPE=sin is not None, PACKED=self.packed, PRECISION=self.precision)
+                          ROPE=sin is not None, PACKED=self.packed, DOT=self.dots.operands,
+                          PRECISION=self.dots.precision)
         self.sizes = dict(HEADS=self.heads, LENGTH=self.length, D=self.d, F=self.f, W0=self.w0, W1=self.w1,
                           CHUNKS=self.chunks)
         self.has_mask = key_padding_mask is not None
@@ -706,8 +710,10 @@ def _sum_to(blocks: torch.Tensor, shape) -> torch.Tensor:
 
 
 def _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, kv0, kv1,
-             key_sum, count):
-    """The forward kernels; returns :meth:`_Call.forward_buffers` filled."""
+             key_sum, count, traced=False):
+    """The forward kernels; returns :meth:`_Call.forward_buffers` filled. ``traced``: launched as a registered op's
+    body (:func:`.common.traceable`)."""
+    launch = traceable if traced else _as_is
     call = _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size)
     buffers = call.forward_buffers(v)
     out, final0, final1, final_key, final_count, stats, states, keys, counts = buffers
@@ -715,13 +721,13 @@ def _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_pa
     initial_strides = (*_strides(kv0, 4), *_strides(kv1, 4), *_strides(key_sum, 3), *_strides(count, 3)[:1])
     a = call.shared_args(q, param0, param1, sin, cos, key_padding_mask, cu_seqlens)
     kv0, kv1, key_sum, count = (a.dummy if t is None else t for t in (kv0, kv1, key_sum, count))
-    _walk_kernel[call.walk_grid](
+    launch(_walk_kernel)[call.walk_grid](
         k, v, a.p0, a.sin, a.cos, a.mask, a.cu, kv0, kv1, key_sum, count, states, keys, counts, final0, final1,
         final_key, final_count, *k.stride(), *v.stride(), *a.param_strides[:3], *a.table_strides, *a.mask_strides,
         *initial_strides, **call.sizes, BF=call.bf, BV=call.bv, HAS_MASK=call.has_mask, HAS_INITIAL=has_initial,
         **call.flags,
     )
-    _output_kernel[call.item_grid](
+    launch(_output_kernel)[call.item_grid](
         q, k, v, a.p0, a.p1, a.sin, a.cos, a.mask, a.cu, states, keys, counts, out, stats, eps,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *a.param_strides, *a.table_strides, *a.mask_strides,
         **call.sizes, **call.search(), HAS_MASK=call.has_mask, **call.flags, num_warps=_CHUNK_WARPS,
@@ -730,9 +736,11 @@ def _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_pa
 
 
 def _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, out, stats,
-              states, keys, grad_out, grad_final0, grad_final1, grad_final_key):
+              states, keys, grad_out, grad_final0, grad_final1, grad_final_key, traced=False):
     """The backward kernels: (grad_q, grad_k, grad_v, grad kv₀, grad kv₁, the key sum's gradient per stream,
-    the parameters' per-chunk partial gradients); :func:`_finish` reduces the last two."""
+    the parameters' per-chunk partial gradients); :func:`_finish` reduces the last two. ``traced`` as
+    :func:`_forward`'s."""
+    launch = traceable if traced else _as_is
     call = _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size)
     grad_q, grad_k, grad_v, grad_kv0, grad_kv1, grad_key, grad_states, grad_keys, grad_param = \
         call.backward_buffers(q, k, v)
@@ -743,7 +751,7 @@ def _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_p
         grad_final1 = torch.zeros_like(grad_final0) if grad_final1 is None else grad_final1
     a = call.shared_args(q, param0, param1, sin, cos, key_padding_mask, cu_seqlens)
     final_strides = (*_strides(grad_final0, 4), *_strides(grad_final1, 4), *_strides(grad_final_key, 3))
-    _walk_back_kernel[call.walk_grid](
+    launch(_walk_back_kernel)[call.walk_grid](
         q, a.p0, a.p1, a.sin, a.cos, a.cu, out, grad_out, stats,
         *(a.dummy if t is None else t for t in (grad_final0, grad_final1, grad_final_key)),
         grad_states, grad_keys, grad_kv0, grad_kv1, grad_key,
@@ -751,7 +759,7 @@ def _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_p
         **call.sizes, BF=call.bf, BV=call.bv, HAS_FINAL_GRAD=grad_final0 is not None or grad_final1 is not None,
         HAS_FINAL_KEY_GRAD=grad_final_key is not None, **call.flags,
     )
-    _grads_kernel[call.item_grid](
+    launch(_grads_kernel)[call.item_grid](
         q, k, v, a.p0, a.p1, a.sin, a.cos, a.mask, a.cu, states, keys, out, grad_out, stats, grad_states, grad_keys,
         grad_q, grad_k, grad_v, grad_param,
         *q.stride(), *k.stride(), *v.stride(), *out.stride(), *grad_out.stride(), *grad_q.stride(),
@@ -800,7 +808,7 @@ class _CausalAttention(torch.autograd.Function):
         return None, None, None, *_finish(grads, feature, chunk_size, ctx.saved_tensors[:9], ctx.needs_input_grad[3:])
 
 
-@torch.library.custom_op("polaformer::causal_attention", mutates_args=())
+@torch.library.triton_op("polaformer::causal_attention", mutates_args=())
 def _attention_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, param0: Optional[torch.Tensor],
     param1: Optional[torch.Tensor], sin: Optional[torch.Tensor], cos: Optional[torch.Tensor],
@@ -812,16 +820,10 @@ def _attention_op(
     """:func:`_forward` as a graph op: (out, final kv₀, kv₁, key sum, count, and the rows and states saved for
     the backward)."""
     return _forward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, kv0,
-                    kv1, key_sum, count)
+                    kv1, key_sum, count, traced=True)
 
 
-@_attention_op.register_fake
-def _(q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, kv0, kv1, key_sum, count, feature, eps,
-      chunk_size):
-    return _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size).forward_buffers(v)
-
-
-@torch.library.custom_op("polaformer::causal_attention_backward", mutates_args=())
+@torch.library.triton_op("polaformer::causal_attention_backward", mutates_args=())
 def _attention_backward_op(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, param0: Optional[torch.Tensor],
     param1: Optional[torch.Tensor], sin: Optional[torch.Tensor], cos: Optional[torch.Tensor],
@@ -832,15 +834,7 @@ def _attention_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_backward` as a graph op."""
     return _backward(feature, eps, chunk_size, q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, out,
-                     stats, states, keys, grad_out, grad_final0, grad_final1, grad_final_key)
-
-
-@_attention_backward_op.register_fake
-def _(q, k, v, param0, param1, sin, cos, key_padding_mask, cu_seqlens, out, stats, states, keys, grad_out,
-      grad_final0, grad_final1, grad_final_key, feature, eps, chunk_size):
-    call = _Call(feature, q, k, v, param0, param1, sin, key_padding_mask, cu_seqlens, chunk_size)
-    grad_q, grad_k, grad_v, grad_kv0, grad_kv1, grad_key, _, _, grad_param = call.backward_buffers(q, k, v)
-    return grad_q, grad_k, grad_v, grad_kv0, grad_kv1, grad_key, grad_param
+                     stats, states, keys, grad_out, grad_final0, grad_final1, grad_final_key, traced=True)
 
 
 def _setup_context(ctx, inputs, output):

@@ -6,14 +6,18 @@ specialised on (``do_not_specialize``), so a new length compiles nothing."""
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
+from torch.library import wrap_triton
+from triton.runtime.interpreter import InterpretedFunction
+from triton.runtime.jit import JITFunction
 
-__all__ = ["FUSED_TOKENS", "Plan", "accumulator_dtype", "dot_precision", "padded_width", "plan", "pola_tile",
-           "program", "sequence_tokens", "share", "unpadded_keys", "warps"]
+__all__ = ["FUSED_TOKENS", "Dots", "Plan", "accumulator_dtype", "dot", "dots", "padded_width", "plan", "pola_tile",
+           "program", "sequence_tokens", "share", "sigmoid", "softplus", "traceable", "unpadded_keys", "warps"]
 
 
 def padded_width(n: int) -> int:
@@ -27,21 +31,101 @@ def accumulator_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
 
 
-def dot_precision(*tensors: torch.Tensor) -> str:
-    """``tl.dot``'s input precision. Half-precision inputs: TF32 (its 10-bit mantissa holds theirs, and the
-    tensor cores run it). fp32 inputs follow ``torch.get_float32_matmul_precision()``, as torch's own matmuls
-    do: ``"highest"`` (torch's default) exact fp32 products, ``"high"``/``"medium"`` TF32. fp64: exact."""
-    if all(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
-        return "tf32"
-    if any(t.dtype == torch.float64 for t in tensors) or torch.get_float32_matmul_precision() == "highest":
-        return "ieee"
-    return "tf32"
+@dataclass(frozen=True)
+class Dots:
+    """How a call's ``tl.dot`` products are formed (compile-time switches of the kernels).
+
+    ``operands``: the dtype the operands of the bounded products are rounded to (features are at most 1 in the
+    log domain, states at most the largest value); ``grad_operands``: the same for products of gradients, which
+    have no such bound; ``precision``: ``input_precision`` of the products whose operands are fp32."""
+
+    operands: tl.dtype
+    grad_operands: tl.dtype
+    precision: str
+
+    def constants(self) -> dict:
+        return dict(DOT=self.operands, GRAD_DOT=self.grad_operands, PRECISION=self.precision)
 
 
-# A sequence's work stays in one launch (each forward program building the key state itself, one backward
-# program per sequence and head) while a program walks at most this many tokens; longer sequences with too few
-# (sequence, head) pairs to fill the GPU split the keys over one more launch per pass and a partial-sum buffer.
+def dots(*tensors: torch.Tensor, bounded: bool = True) -> Dots:
+    """The products of a call on ``tensors`` (q, k, v), as torch's own matmuls would form them.
+
+    All bf16: every product on bf16 operands (the tensor cores' fastest; bf16 has fp32's range). All fp16:
+    fp16 operands where they are bounded (``bounded=False``: nowhere), TF32 for the gradients', which could
+    leave fp16's range. fp32 follows ``torch.get_float32_matmul_precision()``: ``"highest"`` (torch's default)
+    exact fp32 products (``ieee``), ``"high"``/``"medium"`` TF32; mixed half dtypes TF32 (its 10-bit mantissa
+    holds both); fp64 exact. Products always accumulate in the accumulator dtype (fp32, or fp64)."""
+    kinds = {t.dtype for t in tensors}
+    if kinds == {torch.bfloat16}:
+        return Dots(tl.bfloat16, tl.bfloat16, "tf32")
+    if kinds == {torch.float16}:
+        return Dots(tl.float16 if bounded else tl.float32, tl.float32, "tf32")
+    if torch.float64 in kinds:
+        return Dots(tl.float64, tl.float64, "ieee")
+    if kinds <= {torch.float16, torch.bfloat16} or torch.get_float32_matmul_precision() != "highest":
+        return Dots(tl.float32, tl.float32, "tf32")
+    return Dots(tl.float32, tl.float32, "ieee")
+
+
+# Triton's interpreter multiplies bf16 operands as raw 16-bit integers and truncates fp32 to bf16: under it the
+# kernels round the operands to nearest bf16 themselves (as the GPU's conversion does) and multiply in fp32.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """fp32 ``x`` rounded to the nearest bf16 (ties to even), kept in fp32."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def dot(a, b, DOT: tl.constexpr, PRECISION: tl.constexpr, ACC: tl.constexpr):
+    """``a·b`` accumulated in ``ACC``, the operands rounded to ``DOT`` first (see :func:`dots`)."""
+    if _INTERPRETED and DOT == tl.bfloat16:
+        return tl.dot(_round_to_bf16(a.to(tl.float32)), _round_to_bf16(b.to(tl.float32)), out_dtype=ACC)
+    return tl.dot(a.to(DOT), b.to(DOT), input_precision=PRECISION, out_dtype=ACC)
+
+
+class _Interpreted(JITFunction):
+    """A kernel of Triton's interpreter as ``wrap_triton`` traces a compiled one (it leaves interpreted kernels
+    untraceable): the JIT's view of the same function, launched in the interpreter."""
+
+    def __init__(self, interpreted):
+        super().__init__(interpreted.fn)
+        self.interpreted = interpreted
+
+    def run(self, *args, grid, warmup, **kwargs):
+        return self.interpreted.run(*args, grid=grid, warmup=warmup, **kwargs)
+
+    # by identity: the JIT's hash walks the helpers it calls, which are interpreted functions here
+    __hash__ = object.__hash__
+
+
+@functools.lru_cache(maxsize=None)
+def _jit_view(kernel):
+    return _Interpreted(kernel) if isinstance(kernel, InterpretedFunction) else kernel
+
+
+def traceable(kernel):
+    """``kernel`` as the body of a ``torch.library.triton_op`` launches it: through ``wrap_triton``, so that
+    torch.compile records the launch itself in its graph (inductor sees it, plans its buffers and fuses around
+    it). Under the interpreter the same tracing runs, with CPU tensors (``_Interpreted``)."""
+    return wrap_triton(_jit_view(kernel))
+
+
+# A sequence's forward stays in one launch (each program building the key state itself) while a program walks at
+# most this many tokens; longer sequences with too few (sequence, head) pairs to fill the GPU split the keys over a
+# state launch and a partial-sum buffer.
 FUSED_TOKENS = 8192
+# The backward of a (sequence, head) pair is one program while the pairs fill the GPU or a pair walks fewer than
+# this many tokens (queries and keys); past it, with too few pairs, it splits into token blocks: a query-side launch
+# (gradients of the queries, partial gradients of the state per span of blocks) and a key-side launch (the partials
+# added in span order, then the keys' and values' gradients, per span of key blocks). On an H200 (docs/gpu.md) the
+# split measured 1.56x faster at 3,185 tokens and 64 pairs (Pola-PVT stage 1, batch 64) and 0.83x at 833 tokens and
+# 128 pairs (stage 2): a tunable, until a card measures where between the two it starts to pay.
+BACKWARD_SPLIT_TOKENS = 2048
 # A forward program may rebuild the whole key state for as few as a quarter as many queries: more programs,
 # at most four times the key work.
 REBUILDS = 4
@@ -67,7 +151,7 @@ class Plan:
     0 when each of them builds the whole key state itself (one launch), else the programs per sequence of a
     separate key-state launch whose partial states the query programs merge. ``backward_spans``: 1 when one
     program per sequence does the whole backward (one launch), else the programs of the query-side pass,
-    followed by ``backward_key_splits`` programs of a key-side pass."""
+    followed by ``backward_key_splits`` programs of a key-side pass (``BACKWARD_SPLIT_TOKENS``)."""
 
     block: int
     query_spans: int
@@ -89,7 +173,7 @@ def plan(sequences: int, heads: int, query_tokens: int, key_tokens: int, block: 
         forward = (spans, 0)
     else:
         forward = (min(wanted, query_blocks, MAX_SPLITS), min(wanted, key_blocks, MAX_SPLITS))
-    if pairs >= target or query_tokens + key_tokens <= FUSED_TOKENS:
+    if pairs >= target or query_tokens + key_tokens < BACKWARD_SPLIT_TOKENS:
         backward = (1, 0)
     else:
         backward = (min(wanted, query_blocks, MAX_SPLITS), min(wanted, key_blocks, MAX_SPLITS))
@@ -165,3 +249,26 @@ def expm1(x):
     for n in tl.static_range(_EXPM1_TERMS, 1, -1):
         series = 1.0 + small / n * series
     return tl.where(near, small * series, tl.exp(x) - 1.0)
+
+
+@triton.jit
+def sigmoid(x):
+    """``1 / (1 + e^-x)``, exact at both ends (``e^-x`` may be 0 or infinite)."""
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+_ATANH_TERMS = tl.constexpr(17)  # s¹⁹/19 < 4e-19 at s = 1/9: float64's precision
+
+
+@triton.jit
+def softplus(x):
+    """``log(1 + e^x)`` (torch's ``softplus``) to the input's precision for every x: ``max(x, 0) + log1p(e^-|x|)``,
+    where ``log1p(y) = 2·atanh(y / (2 + y))`` by its series below y = 1/4 (a GPU's log is approximate near 1;
+    there ``s = y / (2 + y)`` is at most 1/9), ``log(1 + y)`` above."""
+    y = tl.exp(-tl.abs(x))
+    s = y / (2.0 + y)
+    s2 = s * s
+    series = s2 * 0.0 + 1.0 / _ATANH_TERMS
+    for n in tl.static_range(_ATANH_TERMS - 2, 0, -2):
+        series = 1.0 / n + s2 * series
+    return tl.maximum(x, 0.0) + tl.where(y < 0.25, 2.0 * s * series, tl.log(1.0 + y))

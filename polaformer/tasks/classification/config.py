@@ -13,7 +13,7 @@ keys), a few keys of Swin-Transformer's newer config that recipes use, and the e
 ``TRAIN.SAVE_FREQ_STEPS``       also write ``last.pth`` every N optimizer updates (0: off)
 ``TRAIN.FIND_UNUSED_PARAMETERS``  DDP's find_unused_parameters (official ``--find-unused-params``)
 ``TRAIN.PARALLEL``              under torchrun: ``ddp`` (replicated) or ``fsdp`` (sharded, FSDP2)
-``TRAIN.COMPILE``               ``torch.compile``: null/false off, true inductor, or a backend name
+``TRAIN.COMPILE``               ``torch.compile``: null/false off, true inductor, a mode, or a backend name
 ``TRAIN.USE_CHECKPOINT``        gradient checkpointing of every block (official key; the engine applies it)
 ``TRAIN.EMA.ENABLE/DECAY``      weight EMA (official PolaFormer++: ``--model-ema
                                 --model-ema-decay 0.99982`` on its command line)

@@ -8,10 +8,13 @@ import os
 
 import pytest
 import torch
+from graph_recording import GraphRecorder
+from interpreted_kernels import kernel_writes
 from launch_counting import counting
 
 import polaformer.ops.pola_attention as pola_ops
 from polaformer.backends.triton import common, pacs, pola
+from polaformer.layers import PolaLinearAttention
 from polaformer.ops import pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -33,13 +36,16 @@ MODEL_CALLS = {
 
 @pytest.mark.parametrize("batch", [1, 64])
 @pytest.mark.parametrize("call", MODEL_CALLS)
-def test_models_shapes_plan_one_launch_each_way(call, batch):
+def test_models_shapes_plan_one_forward_launch(call, batch):
     """On an H100-sized plan (the interpreter's), every model call runs its forward in one program per query
-    span and its backward in one program per (sequence, head), from batch 1 to 64."""
+    span, from batch 1 to 64; its backward is one program per (sequence, head) except where a pair walks
+    ``BACKWARD_SPLIT_TOKENS`` tokens without the pairs filling the device (tests/backends/triton/test_plans.py)."""
     heads, queries, keys, _ = MODEL_CALLS[call]
     for block in (64, 32, 16):  # Pola's (narrow and wide heads) and PaCS's token blocks on a GPU
         plan = common.plan(batch, heads, queries, keys, block, torch.device("cpu"))
-        assert plan.key_splits == 0 and plan.backward_spans == 1, plan
+        assert plan.key_splits == 0, plan
+        long_pairs = queries + keys >= common.BACKWARD_SPLIT_TOKENS and batch * heads < 264
+        assert (plan.backward_spans > 1) == long_pairs, plan
 
 
 def test_narrow_pola_heads_take_64_token_tiles_on_a_gpu_and_16_in_the_interpreter():
@@ -138,26 +144,57 @@ def test_pacs_launches_per_call(triton_backend, variant):
     assert forward.total + backward.total <= 3, (forward, backward)
 
 
-class _GraphRecorder:
-    """A torch.compile backend that keeps the FX graphs it is given and runs them as they are."""
-
-    def __init__(self):
-        self.graphs = []
-
-    def __call__(self, graph_module, example_inputs):
-        self.graphs.append(graph_module)
-        return graph_module.forward
-
-    def calls(self) -> list[str]:
-        return [str(node.target) for graph in self.graphs for node in graph.graph.nodes if node.op == "call_function"]
+def _layer_counts(layer, x, height, width):
+    """(forward counts, backward counts) of one layer call and its backward (every input and parameter)."""
+    leaves = [x, *layer.parameters()]
+    with counting() as forward:
+        out = layer(x, height, width)
+    grad = torch.randn_like(out)
+    with counting() as backward:
+        torch.autograd.grad(out, leaves, grad)
+    return forward, backward
 
 
-def _compiled_equals_eager(fn, leaves, op_name):
-    recorder = _GraphRecorder()
-    compiled = torch.compile(fn, backend=recorder, fullgraph=True)
-    out = compiled(*leaves)
-    assert any(op_name in call for call in recorder.calls()), recorder.calls()
-    grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+@pytest.mark.slow
+@interpreter_only
+def test_a_deit_layer_call_is_one_launch_forward_and_one_backward(triton_backend):
+    """Issue 52's target at Pola-DeiT-T's shape (PolaLinearAttention(192, 3), a class token and 14×14 tokens, two
+    images): the scale, the exponent, the local branch's add and the gate run in the kernels, so around the
+    launch only the layer's own projections, the conv and their gradients remain."""
+    torch.manual_seed(0)
+    layer = PolaLinearAttention(192, 3, fused_qkvg=True, num_prefix_tokens=1).to(DEVICE)
+    forward, backward = _layer_counts(layer, _leaf(torch.randn(2, 197, 192)), 14, 14)
+    assert forward.launches == ["_forward_kernel"] and len(forward.operations) <= 8, forward
+    assert backward.launches == ["_backward_kernel"] and len(backward.operations) <= 20, backward
+    # nothing of the layer's arithmetic around the attention is left to torch
+    assert not {"softplus", "sigmoid", "div", "mul", "cat"} & set(forward.operations), forward
+
+
+@interpreter_only
+def test_a_spatially_reduced_layer_call_adds_only_its_key_reduction(triton_backend):
+    """Pola-PVT's layout (keys and values through a strided conv and a LayerNorm, a key positional table, values
+    stretched back along the tokens for the local branch): the same launches, and beside the DeiT call's work only
+    the reduction's ops, the stretch, and the positions' gradient summed over the batch."""
+    torch.manual_seed(0)
+    layer = PolaLinearAttention(64, 1, sr_ratio=2, key_pos_tokens=16).to(DEVICE)
+    forward, backward = _layer_counts(layer, _leaf(torch.randn(2, 64, 64)), 8, 8)
+    reduction = {"convolution", "native_layer_norm", "upsample_linear1d"}
+    assert forward.launches == ["_forward_kernel"] and len(forward.operations) <= 8 + len(reduction), forward
+    assert backward.launches == ["_backward_kernel"] and len(backward.operations) <= 20 + len(reduction) + 1, backward
+    assert not {"softplus", "sigmoid", "div", "mul", "cat"} & set(forward.operations), forward
+
+
+def _compiled_equals_eager(fn, leaves, forward_kernel="_forward_kernel", backward_kernel="_backward_kernel"):
+    """``fn`` compiled whole (no graph break) equals eager, forward and backward bit for bit, and its AOT graphs
+    launch our kernels themselves (``wrap_triton``): the forward graph ``forward_kernel``, the backward graph
+    ``backward_kernel``."""
+    recorder = GraphRecorder()
+    with kernel_writes():
+        compiled = torch.compile(fn, backend=recorder.backend(), fullgraph=True)
+        out = compiled(*leaves)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    forward, backward = recorder.kernels
+    assert forward_kernel in forward and backward_kernel in backward, recorder.kernels
     expected = fn(*leaves)
     expected_grads = torch.autograd.grad(expected, leaves, torch.ones_like(expected))
     torch.testing.assert_close(out, expected, rtol=0, atol=0)
@@ -176,8 +213,7 @@ def test_compiled_pola_calls_the_kernels_op(triton_backend, variant):
         q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
         kwargs = dict(zip(("cu_seqlens", "cu_seqlens_k"), _on_device(torch.tensor([0, 15, 40]),
                                                                      torch.tensor([0, 10, 24]))))
-    _compiled_equals_eager(lambda *x: pola_linear_attention(*x, **kwargs), (q, k, v, power),
-                           "polaformer.pola_attention")
+    _compiled_equals_eager(lambda *x: pola_linear_attention(*x, **kwargs), (q, k, v, power))
 
 
 @pytest.mark.parametrize("variant", ["rope", "mask", "packed"])
@@ -192,8 +228,7 @@ def test_compiled_pacs_calls_the_kernels_op(triton_backend, variant):
     else:
         q, k, v = (t.detach()[:1].requires_grad_() for t in (q, k, v))
         kwargs["cu_seqlens"] = torch.tensor([0, 20, 36], device=DEVICE)
-    _compiled_equals_eager(lambda *x: pacs_linear_attention(*x, **kwargs), (q, k, v, ts, to),
-                           "polaformer.pacs_attention")
+    _compiled_equals_eager(lambda *x: pacs_linear_attention(*x, **kwargs), (q, k, v, ts, to))
 
 
 def _opcheck_pola(**options):
@@ -201,21 +236,26 @@ def _opcheck_pola(**options):
     mask = options.get("mask")
     if options.get("packed"):
         q, k, v = q[:1], k[:1], v[:1]
-    args = (q, k, v, power, 1e-6, mask, options.get("cu_seqlens"), options.get("cu_seqlens_k"), True)
+    layer = (None,) * 4
+    if options.get("layer"):  # raw scale and exponent weights, key positions, local branch (a class token) and gate
+        layer = (torch.randn_like(power), torch.randn_like(k[:1]), torch.randn_like(q[:, :, 1:]), torch.randn_like(q))
+    alpha = 4.0 if options.get("layer") else None
+    args = (q, k, v, power, *layer, 1e-6, alpha, mask, options.get("cu_seqlens"), options.get("cu_seqlens_k"), True)
     torch.library.opcheck(pola._pola_op, args)
     out, state = pola._pola_op(*args)
-    grad_args = (torch.randn_like(out), q, k, v, power, state, 1e-6, *args[5:8])
+    grad_args = (torch.randn_like(out), q, k, v, power, *layer, state, 1e-6, alpha, *args[10:13])
     torch.library.opcheck(pola._pola_backward_op, grad_args)
 
 
 @pytest.mark.slow
 def test_registered_pola_ops_pass_opcheck(triton_backend):
     """Schema, fake tensors (shapes, dtypes, strides) against the real kernels, autograd registration, and
-    ahead-of-time tracing, for the options: key mask, packed queries and keys."""
+    ahead-of-time tracing, for the options: key mask, packed queries and keys, a layer's call."""
     _opcheck_pola()
     _opcheck_pola(mask=(torch.rand(2, 12) < 0.3).to(DEVICE))
     _opcheck_pola(packed=True, cu_seqlens=torch.tensor([0, 5, 20], device=DEVICE),
                   cu_seqlens_k=torch.tensor([0, 4, 12], device=DEVICE))
+    _opcheck_pola(layer=True)
 
 
 @pytest.mark.slow
@@ -224,10 +264,13 @@ def test_registered_pacs_ops_pass_opcheck(triton_backend):
     sin, cos = _rope(16, 8)
     mask = (torch.rand(2, 16) < 0.3).to(DEVICE)
     offsets = torch.tensor([0, 6, 16], device=DEVICE)
-    for tables, mask, packed in (((sin, cos), None, None), ((None, None), mask, None), ((sin, cos), None, offsets)):
+    layer = (torch.randn_like(q), torch.randn_like(q))  # local branch and gate
+    for tables, mask, packed, epilogue in (((sin, cos), None, None, (None, None)), ((None, None), mask, None, layer),
+                                           ((sin, cos), None, offsets, (None, None))):
         inputs = (q[:1], k[:1], v[:1]) if packed is not None else (q, k, v)
-        args = (*inputs, ts, to, *tables, 1e-6, mask, packed, packed, True)
+        raw = epilogue[0] is not None
+        args = (*inputs, ts, to, *epilogue, *tables, 1e-6, raw, mask, packed, packed, True)
         torch.library.opcheck(pacs._pacs_op, args)
         out, state = pacs._pacs_op(*args)
-        torch.library.opcheck(pacs._pacs_backward_op, (torch.randn_like(out), *inputs, ts, to, *tables, state, 1e-6,
-                                                       mask, packed, packed))
+        torch.library.opcheck(pacs._pacs_backward_op, (torch.randn_like(out), *inputs, ts, to, *epilogue, *tables,
+                                                       state, 1e-6, raw, mask, packed, packed))

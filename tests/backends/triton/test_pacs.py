@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from precision import half_tolerance
 
 from polaformer.ops import pacs_linear_attention, rope_2d, rope_angles
 from polaformer.ops.naive import naive_pacs_linear_attention
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-TOLERANCE = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 5e-3}
+TOLERANCE = {torch.float32: 1e-5, torch.float16: half_tolerance(torch.float16),
+             torch.bfloat16: half_tolerance(torch.bfloat16)}
 
 
 def error_ratio(actual: torch.Tensor, expected: torch.Tensor) -> float:

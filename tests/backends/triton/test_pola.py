@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from precision import half_tolerance
 
 from polaformer.ops import dispatch, naive_pola_linear_attention, pola_linear_attention
 
@@ -94,9 +95,9 @@ def test_half_precision_matches_reference(triton_backend, device, dtype):
     out, grads = kernel_run(q, k, v, power, grad_out)
     ref_out, ref_grads = reference(q, k, v, power, grad_out)
     assert out.dtype == dtype
-    assert rms_ratio(out, ref_out) < 5e-3
+    assert rms_ratio(out, ref_out) < half_tolerance(dtype)
     for name, grad, ref_grad in zip("qkvp", grads, ref_grads):
-        assert rms_ratio(grad, ref_grad) < 5e-3, name
+        assert rms_ratio(grad, ref_grad) < half_tolerance(dtype), name
 
 
 def test_exact_zeros_and_large_magnitudes(triton_backend, device):
@@ -111,11 +112,11 @@ def test_exact_zeros_and_large_magnitudes(triton_backend, device):
     out, grads = kernel_run(q, k, v, power, grad_out)
     ref_out, ref_grads = reference(q, k, v, power, grad_out)
     assert torch.isfinite(out).all()
-    assert rms_ratio(out, ref_out) < 5e-3
+    assert rms_ratio(out, ref_out) < half_tolerance(torch.float16)
     assert torch.all(out[0, 0, 3] == 0)
     assert torch.all(grads[0][0, 1, :, :4] == 0) and torch.all(grads[1][0, 0, :, 5] == 0)
     for name, grad, ref_grad in zip("qkv", grads[:3], ref_grads[:3]):
-        assert rms_ratio(grad, ref_grad) < 5e-3, name
+        assert rms_ratio(grad, ref_grad) < half_tolerance(torch.float16), name
 
 
 def _per_sequence_reference(q, k, v, power, grad_out, query_offsets, key_offsets):
@@ -201,9 +202,9 @@ def test_kernels_write_inside_their_buffers_and_deterministically(device, packed
 
     grad_out = torch.randn_like(out)
     guarded = [_guarded(t.shape, torch.float32, device, transpose_tokens=i == 1) for i, t in enumerate((q, k, v))]
-    grads = pola_backward(call, q, k, v, power, state, 1e-6, grad_out, *(view for view, _ in guarded))
+    grads = pola_backward(call, q, k, v, power, state, 1e-6, grad_out, *(view for view, _ in guarded))[:4]
     assert all(_margins_intact(view, buffer) for view, buffer in guarded)
-    again = pola_backward(call, q, k, v, power, state, 1e-6, grad_out)
+    again = pola_backward(call, q, k, v, power, state, 1e-6, grad_out)[:4]
     assert all(torch.equal(first, second) for first, second in zip(grads, again))
 
 
