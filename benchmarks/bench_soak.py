@@ -127,8 +127,8 @@ def main_soak(args: argparse.Namespace) -> int:
             writer.writerow(["run", "step", "rss_kib", "wall_us", "cpu_us"])
             for name, samples in results.items():
                 writer.writerows([name, step, *sample] for step, sample in enumerate(samples, start=1))
-    print(f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} ({torch.backends.cpu.get_cpu_capability()}), "
-          f"{args.threads} thread(s); "
+    print(f"{cpu_name()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+          f"({torch.backends.cpu.get_cpu_capability()}), {args.threads} thread(s); "
           f"medians of the second -> last quarter of the steps")
     print("| run | steps | RSS (MiB) | CPU ms/step | wall ms/step | grew |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")

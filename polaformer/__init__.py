@@ -20,7 +20,7 @@ __all__ = ["LoadResult", "accelerate", "load_checkpoint"]
 
 def __getattr__(name: str):
     if name == "accelerate":
-        from .backends.cpu.accelerate import accelerate as value
+        from .acceleration import accelerate as value
     elif name in ("LoadResult", "load_checkpoint"):
         from . import checkpoint
 
@@ -37,5 +37,5 @@ def __dir__() -> list[str]:
 
 if not is_command_line():  # a library import: the models registered with timm, as ``import polaformer`` always did
     from . import models  # noqa: F401
-    from .backends.cpu.accelerate import accelerate
+    from .acceleration import accelerate
     from .checkpoint import LoadResult, load_checkpoint

@@ -32,19 +32,18 @@ import logging
 import os
 import pickle
 import re
-import uuid
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable
+from typing import Any
 
 import safetensors.torch
 import torch
 from torch import nn
 
-from .files import UnreadableFileError, open_regular
+from .files import UnreadableFileError, WriteError, atomic_write, open_regular  # noqa: F401  (re-exported)
 from .limits import available_memory
 
 __all__ = [
@@ -110,98 +109,6 @@ class ArchitectureMismatchError(CheckpointError, ValueError):
 
 class MissingWeightsError(CheckpointError, LookupError):
     """The requested weights (EMA or raw) are not in the file."""
-
-
-class WriteError(CheckpointError, OSError):
-    """A file could not be written (full disk, no permission); the previous file is unchanged."""
-
-    def __init__(self, path, error: OSError):
-        super().__init__(error.errno, f"cannot write {path}: {(error.strerror or str(error)).lower()} "
-                                      "(any previous version of the file is unchanged)")
-
-    def __str__(self) -> str:
-        return self.strerror
-
-
-# --- atomic writes ---------------------------------------------------------------------------
-
-def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
-    """Call ``write(file)`` on a temporary file next to ``path``, then rename it over ``path``.
-
-    Readers (and a crash at any moment) see either the old complete file or the new complete
-    one, never a half-written one. The temporary file lives in the same folder because
-    ``os.replace`` is only atomic within one file system; it is removed if ``write`` fails.
-    """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
-    try:
-        f = open(tmp, "xb")
-    except OSError as e:
-        raise WriteError(path, e) from e
-    recording = _RecordingFile(f)
-    try:
-        with f:
-            write(recording)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        interrupt = _interrupt_behind(e)
-        if interrupt is not None and interrupt is not e:
-            # Ctrl-C inside torch's zip writer: its cleanup fails ("unexpected pos") and would hide the interrupt
-            raise interrupt from None
-        if isinstance(e, OSError) and not isinstance(e, CheckpointError):
-            raise WriteError(path, e) from e
-        if recording.error is not None and isinstance(e, Exception):  # a writer turned it into its own error
-            raise WriteError(path, recording.error) from e
-        raise
-    _fsync_dir(path.parent)
-    return path
-
-
-def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
-    """The KeyboardInterrupt ``error`` is, or was raised while handling, if any."""
-    seen = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, KeyboardInterrupt):
-            return error
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
-    return None
-
-
-class _RecordingFile:
-    """The temporary file, remembering a failed write: torch's zip writer reports a full disk met after its
-    first record as ``RuntimeError: ... unexpected pos``, and the reason would be lost."""
-
-    def __init__(self, f: BinaryIO):
-        self._file, self.error = f, None
-
-    def write(self, data) -> int:
-        try:
-            return self._file.write(data)
-        except OSError as e:
-            self.error = e
-            raise
-
-    def __getattr__(self, name: str):
-        return getattr(self._file, name)
-
-
-def _fsync_dir(folder: Path) -> None:
-    # Makes the rename itself durable; not every platform lets a folder be opened for this.
-    try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 # --- reading files ---------------------------------------------------------------------------

@@ -79,5 +79,6 @@ def from_official(record: dict[str, Any]) -> nn.Module:
         raise ValueError(f"record lacks the field {err}; expected 'family', 'official_class' and 'constructor'")
     builder = OFFICIAL_BUILDERS.get(key)
     if builder is None:
-        raise ValueError(f"no equivalent for official {key[1]!r} of family {key[0]!r}; supported: {supported_official_classes()}")
+        raise ValueError(f"no equivalent for official {key[1]!r} of family {key[0]!r}; "
+                         f"supported: {supported_official_classes()}")
     return builder(constructor)

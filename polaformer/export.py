@@ -354,7 +354,11 @@ def export_model(
     """
     _require_onnx()
     from .checkpoint import (
-        ArchitectureMismatchError, load_checkpoint, read_checkpoint, select_weights, strip_wrapper_prefixes,
+        ArchitectureMismatchError,
+        load_checkpoint,
+        read_checkpoint,
+        select_weights,
+        strip_wrapper_prefixes,
     )
     from .engine.factory import create_model  # registers our models with timm
 

@@ -1,4 +1,4 @@
-"""The one way the package opens a file it reads: a regular file only, of a bounded size.
+"""The one way the package opens a file it reads (a regular file only, of a bounded size) and writes one (whole).
 
 Opening a FIFO for reading blocks until a writer appears (forever, for a user who passed one by mistake); a
 character device such as ``/dev/zero`` never ends; a socket cannot be opened at all. :func:`open_regular` opens
@@ -8,18 +8,20 @@ read into). :func:`read_image` adds the image decoder's own bomb check (PIL's pi
 
 Every reader of the package goes through here: configuration files, checkpoints (``torch.load`` and
 safetensors), images (data folders, ``analyze``, ``detect predict``, ``sr``), annotation and data files.
-Files are written by :func:`polaformer.checkpoint.atomic_write` and, for a command's outputs,
-:mod:`polaformer.engine.output`.
+Every file the package writes goes through :func:`atomic_write` (a command's outputs through
+:mod:`polaformer.engine.output`, which claims them first): a reader, or a crash at any moment, sees the old file or
+the new one whole, and a full disk is one :class:`WriteError` line.
 """
 from __future__ import annotations
 
 import os
 import stat
+import uuid
 from pathlib import Path
-from typing import BinaryIO
+from typing import Any, BinaryIO, Callable
 
-__all__ = ["MAX_CONFIG_BYTES", "MAX_IMAGE_BYTES", "UnreadableFileError", "open_regular", "read_bytes", "read_image",
-           "read_image_or_raise", "read_text"]
+__all__ = ["MAX_CONFIG_BYTES", "MAX_IMAGE_BYTES", "UnreadableFileError", "WriteError", "atomic_write", "open_regular",
+           "read_bytes", "read_image", "read_image_or_raise", "read_text"]
 
 MAX_CONFIG_BYTES = 16 * 2**20  # a configuration or annotation list written by hand is far smaller
 MAX_IMAGE_BYTES = 2**30  # an encoded image; its decoded pixels are capped by PIL's MAX_IMAGE_PIXELS
@@ -114,3 +116,95 @@ def read_image_or_raise(path: str | os.PathLike, error: type[Exception]):
         raise error(f"cannot read image {path}: no such file") from None
     except UnreadableFileError as e:
         raise error(f"cannot read image {path}: {e.detail}") from None
+
+
+# --- writing files ---------------------------------------------------------------------------
+
+class WriteError(OSError):
+    """A file could not be written (full disk, no permission); the previous file is unchanged (one line)."""
+
+    def __init__(self, path, error: OSError):
+        super().__init__(error.errno, f"cannot write {path}: {(error.strerror or str(error)).lower()} "
+                                      "(any previous version of the file is unchanged)")
+
+    def __str__(self) -> str:
+        return self.strerror
+
+
+def atomic_write(path: str | os.PathLike, write: Callable[[BinaryIO], Any]) -> Path:
+    """Call ``write(file)`` on a temporary file next to ``path``, then rename it over ``path``.
+
+    Readers (and a crash at any moment) see either the old complete file or the new complete
+    one, never a half-written one. The temporary file lives in the same folder because
+    ``os.replace`` is only atomic within one file system; it is removed if ``write`` fails.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:12]}.tmp")
+    try:
+        f = open(tmp, "xb")
+    except OSError as e:
+        raise WriteError(path, e) from e
+    recording = _RecordingFile(f)
+    try:
+        with f:
+            write(recording)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        interrupt = _interrupt_behind(e)
+        if interrupt is not None and interrupt is not e:
+            # Ctrl-C inside torch's zip writer: its cleanup fails ("unexpected pos") and would hide the interrupt
+            raise interrupt from None
+        if isinstance(e, OSError) and not isinstance(e, WriteError):
+            raise WriteError(path, e) from e
+        if recording.error is not None and isinstance(e, Exception):  # a writer turned it into its own error
+            raise WriteError(path, recording.error) from e
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The KeyboardInterrupt ``error`` is, or was raised while handling, if any."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+class _RecordingFile:
+    """The temporary file, remembering a failed write: torch's zip writer reports a full disk met after its
+    first record as ``RuntimeError: ... unexpected pos``, and the reason would be lost."""
+
+    def __init__(self, f: BinaryIO):
+        self._file, self.error = f, None
+
+    def write(self, data) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def __getattr__(self, name: str):
+        return getattr(self._file, name)
+
+
+def _fsync_dir(folder: Path) -> None:
+    # Makes the rename itself durable; not every platform lets a folder be opened for this.
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -139,7 +139,8 @@ def largest_layer_bytes(model: nn.Module, input_size: tuple[int, ...]) -> int:
 
 
 def check_forward_memory(model: nn.Module, batch_size: int, input_size: tuple[int, int, int],
-                         device: torch.device | str, error: type[Exception] = ValueError, *, half: bool = False) -> None:
+                         device: torch.device | str, error: type[Exception] = ValueError, *,
+                         half: bool = False) -> None:
     """Refuse a forward pass of ``batch_size`` images whose batch plus largest layer (see
     :func:`largest_layer_bytes`; halved for 16-bit ``half`` precision) exceed the memory available."""
     per_image = 4 * math.prod(input_size) + largest_layer_bytes(model, input_size) // (2 if half else 1)

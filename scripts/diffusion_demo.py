@@ -39,7 +39,8 @@ from polaformer.tasks.diffusion.train import build_model
 def _opts(args, attention: str) -> list[str]:
     return ["model.attention", attention, "model.hidden_size", str(args.dim), "model.depth", str(args.depth),
             "model.num_heads", str(args.heads), "model.patch_size", str(args.patch), "train.steps", str(args.steps),
-            "train.eval_every", str(args.eval_every or max(1, args.steps // 4)), "train.batch_size", str(args.batch_size),
+            "train.eval_every", str(args.eval_every or max(1, args.steps // 4)),
+            "train.batch_size", str(args.batch_size),
             "sample.steps", str(args.sample_steps), "sample.cfg_scale", str(args.cfg_scale),
             "train.ema_decay", str(args.ema), "train.lr", str(args.lr)]
 

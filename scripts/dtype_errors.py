@@ -18,8 +18,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402
 
-from polaformer.ops import (naive_pacs_layer_attention, naive_pola_layer_attention, pacs_layer_attention,  # noqa: E402
-                            pola_layer_attention, rope_2d, rope_angles)
+from polaformer.ops import (  # noqa: E402
+    naive_pacs_layer_attention,
+    naive_pola_layer_attention,
+    pacs_layer_attention,
+    pola_layer_attention,
+    rope_2d,
+    rope_angles,
+)
 from polaformer.ops.dispatch import set_attention_backend  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

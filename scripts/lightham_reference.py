@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
-from torch import nn
 
 HEAD = "downstream/segmentation/mmseg/models/decode_heads/ham_head.py"
 SEGMENTATION = "downstream/segmentation"
@@ -183,7 +182,8 @@ def main() -> None:
         with torch.no_grad():  # GroupNorm starts at (1, 0): randomise it so the test sees its parameters
             for key, value in head.state_dict().items():
                 if ".gn." in key:
-                    value.copy_(torch.rand_like(value) + 0.5 if key.endswith("weight") else torch.randn_like(value) * 0.1)
+                    weight = key.endswith("weight")
+                    value.copy_(torch.rand_like(value) + 0.5 if weight else torch.randn_like(value) * 0.1)
         b, s = cfg["batch"], cfg["size"]
         # a stage-1 map the head skips, then strides 8/16/32 as relative sizes
         inputs = [torch.randn(b, 2, 2 * s, 2 * s, dtype=torch.float64)]

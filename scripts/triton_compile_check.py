@@ -22,8 +22,9 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from polaformer.backends.triton import pacs, pola
 from polaformer.backends.triton.common import dots, padded_width, warps
+from polaformer.ops.pacs import triton as pacs
+from polaformer.ops.pola import triton as pola
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 ACCUMULATORS = ("part_ptr", "state_ptr", "grad_part_ptr", "grad_param_ptr", "grad_temp_ptr")

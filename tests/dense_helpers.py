@@ -9,8 +9,10 @@ from PIL import Image
 
 # Narrow, shallow versions of every family: quick to build and to train for a step.
 SMALL = {
-    "pola_pvt_tiny": dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 64), num_heads=(1, 2, 2, 2), mlp_ratios=(2, 2, 2, 2)),
-    "pola_pvt_v2_b0": dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 64), num_heads=(1, 2, 2, 2), mlp_ratios=(2, 2, 2, 2)),
+    "pola_pvt_tiny": dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 64), num_heads=(1, 2, 2, 2),
+                          mlp_ratios=(2, 2, 2, 2)),
+    "pola_pvt_v2_b0": dict(depths=(1, 1, 1, 1), embed_dims=(16, 32, 64, 64), num_heads=(1, 2, 2, 2),
+                           mlp_ratios=(2, 2, 2, 2)),
     "pola_swin_t": dict(depths=(1, 1, 2, 1), embed_dim=16, num_heads=(1, 2, 2, 4), mlp_ratio=2.0),
     "POLA_b0": dict(embed_dims=(16, 24, 32, 48), depths=(1, 2, 2, 1), num_heads=(1, 1, 2, 3), projection=64),
     "pola_deit_tiny_patch16_224": dict(depth=1, embed_dim=48, num_heads=2),
@@ -18,7 +20,8 @@ SMALL = {
 
 
 def kwarg_flags(name: str) -> list[str]:
-    return [x for k, v in SMALL[name].items() for x in ("--backbone-kwarg", f"{k}={list(v) if isinstance(v, tuple) else v}")]
+    return [x for k, v in SMALL[name].items()
+            for x in ("--backbone-kwarg", f"{k}={list(v) if isinstance(v, tuple) else v}")]
 
 
 def write_coco(root: Path, n_images: int = 3, size: tuple[int, int] = (48, 64)) -> tuple[Path, Path]:

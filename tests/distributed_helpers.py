@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from conftest import REPO
 from polaformer.cli import main
 from polaformer.engine.distributed import DistContext
-from conftest import REPO
 from tolerances import adam_drift_bound, assert_trainings_agree
 
 

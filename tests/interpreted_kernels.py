@@ -39,8 +39,8 @@ WRITES = {
 
 
 def _declared(kernel) -> tuple[str, ...] | None:
-    module = kernel.fn.__module__.rpartition(".")[2]
-    return WRITES.get(module, {}).get(kernel.fn.__name__)
+    op = kernel.fn.__module__.split(".")[-2]  # polaformer.ops.<op>.triton
+    return WRITES.get(op, {}).get(kernel.fn.__name__)
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """The package's layering, read from its import statements (those inside functions included):
-ops -> layers -> models -> engine -> tasks -> cli, backends beside ops, no import circle anywhere, the tasks
-siblings, and docs/architecture.md's graph equal to the imports between the package's top-level parts."""
+backends (kernels) -> ops -> layers -> models -> engine -> tasks -> cli, the module swaps (acceleration) above the
+models, no import circle anywhere, the tasks siblings, one folder per op holding all its forms, and
+docs/architecture.md's graph equal to the imports between the package's top-level parts."""
 from __future__ import annotations
 
 import ast
@@ -22,6 +23,17 @@ def _modules() -> dict[str, Path]:
 
 
 MODULES = _modules()
+
+# Old module paths kept for old imports: each only re-exports its names from their new home, and stands outside
+# the layering (its arrow runs from the old place to the new one).
+MOVED = {
+    "polaformer.ops.pola_attention": "polaformer.ops.pola",
+    "polaformer.ops.pacs_attention": "polaformer.ops.pacs",
+    "polaformer.ops.naive": "polaformer.ops",
+    "polaformer.backends.triton.pola": "polaformer.ops.pola.triton",
+    "polaformer.backends.triton.pacs": "polaformer.ops.pacs.triton",
+    "polaformer.backends.triton.causal": "polaformer.ops.causal.triton",
+}
 
 
 def _imports(name: str, path: Path):
@@ -52,6 +64,8 @@ def _owner(target: str) -> str | None:
 def _graph():
     edges, names = {m: set() for m in MODULES}, []
     for module, path in MODULES.items():
+        if module in MOVED:
+            continue
         for target, imported in _imports(module, path):
             owner = _owner(target)
             if owner and owner != module:
@@ -97,10 +111,26 @@ def _circles(edges):
 
 
 def test_the_reader_can_find_the_layers_this_test_reads():
-    for name in ("polaformer.ops.dispatch", "polaformer.backends.cpu.accelerate", "polaformer.layers.pola_attention",
-                 "polaformer.models.polapp"):
+    for name in ("polaformer.ops.dispatch", "polaformer.acceleration", "polaformer.capture",
+                 "polaformer.layers.pola_attention", "polaformer.models.polapp", *MOVED):
         assert name in MODULES
-    assert "polaformer.backends.cpu.accelerate" in EDGES["polaformer"]  # the graph sees relative imports
+    assert "polaformer.acceleration" in EDGES["polaformer"]  # the graph sees relative imports
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_a_moved_module_only_re_exports_its_new_home(old):
+    """An old path holds a docstring and imports from where its names live now, nothing else."""
+    tree = ast.parse(MODULES[old].read_text())
+    body = tree.body[1:] if isinstance(tree.body[0], ast.Expr) else tree.body
+    sources = set()
+    for node in body:
+        if isinstance(node, ast.ImportFrom):
+            base = old.split(".")[:-node.level] if node.level else []
+            sources.add(".".join(base + [node.module]))
+        else:
+            assert isinstance(node, ast.Assign) and [t.id for t in node.targets] == ["__all__"], ast.dump(node)
+    assert sources and all(source.startswith(MOVED[old]) for source in sources)
+    assert old not in {owner for _, owner, _ in IMPORTED_NAMES}, "nothing in the package imports an old path"
 
 
 def test_no_import_circle():
@@ -120,6 +150,23 @@ def test_models_and_layers_use_neither_backends_nor_private_ops(layer):
     assert offending == []
 
 
+def test_backends_are_kernels_below_the_ops():
+    """The kernels (native CPU library, CPU products, the Triton toolkit) import no part above them: the module
+    swaps that put them into models live in polaformer.acceleration."""
+    above = ("polaformer.ops", "polaformer.layers", "polaformer.models", "polaformer.acceleration",
+             "polaformer.engine", "polaformer.tasks", "polaformer.cli")
+    offending = [(module, owner) for module, owner, _ in IMPORTED_NAMES
+                 if module.startswith("polaformer.backends") and owner.startswith(above)]
+    assert offending == []
+
+
+def test_ops_import_only_kernels_and_common_modules():
+    allowed = ("polaformer.ops", "polaformer.backends", "polaformer.capture")
+    offending = [(module, owner) for module, owner, _ in IMPORTED_NAMES
+                 if module.startswith("polaformer.ops") and not owner.startswith(allowed)]
+    assert offending == []
+
+
 def test_no_layer_reaches_up():
     order = ["polaformer.ops", "polaformer.layers", "polaformer.models", "polaformer.engine", "polaformer.tasks",
              "polaformer.cli"]
@@ -127,6 +174,44 @@ def test_no_layer_reaches_up():
     offending = [(module, owner) for module, owner, _ in IMPORTED_NAMES for low, highs in upward.items()
                  if module.startswith(low) and owner.startswith(highs)]
     assert offending == []
+
+
+OPS = ("pola", "pacs", "causal")
+# what every op folder holds: its entries and the order of its paths (``_path``), its float64 reference, its
+# Triton kernels, its packed (variable-length) form
+OP_FORMS = ("op.py", "naive.py", "triton.py", "packed.py")
+
+
+def _decorated(path: Path):
+    """(function name, decorator source) for every decorated function of a file."""
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.FunctionDef):
+            for decorator in node.decorator_list:
+                yield node.name, ast.unparse(decorator)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_each_op_folder_holds_its_forms(op):
+    folder = PACKAGE / "ops" / op
+    assert sorted(f for f in OP_FORMS if not (folder / f).exists()) == []
+    entry = ast.parse((folder / "op.py").read_text())
+    assert "_path" in {n.name for n in entry.body if isinstance(n, ast.FunctionDef)}, "the order of the paths"
+    reference = ast.parse((folder / "naive.py").read_text())
+    assert any(n.name.startswith("naive_") for n in reference.body if isinstance(n, ast.FunctionDef))
+    decorators = list(_decorated(folder / "triton.py"))
+    assert any(d.startswith("triton.jit") and name.endswith("_kernel") for name, d in decorators)
+    assert any(d.startswith("torch.library.triton_op('polaformer::") for _, d in decorators)
+
+
+def test_no_module_outside_an_op_folder_defines_its_kernels():
+    """Triton programs (``*_kernel``) and the registered ops live in the op folders' ``triton.py`` only; the
+    shared toolkit (backends/triton/common.py) holds device functions, no program and no op."""
+    homes = {PACKAGE / "ops" / op / "triton.py" for op in OPS}
+    stray = [(str(path.relative_to(PACKAGE)), name) for path in MODULES.values() if path not in homes
+             for name, decorator in _decorated(path)
+             if (decorator.startswith("triton.jit") and name.endswith("_kernel")) or "triton_op(" in decorator
+             or "custom_op(" in decorator]
+    assert stray == []
 
 
 def test_tasks_are_siblings_over_the_engine():

@@ -66,3 +66,26 @@ def test_read_image_names_a_bomb_and_undecodable_data(tmp_path):
     good = tmp_path / "good.png"
     Image.new("RGB", (3, 2), (1, 2, 3)).save(good)
     assert read_image(good).getpixel((2, 1)) == (1, 2, 3)
+
+
+def test_atomic_write_lives_here_and_a_failed_write_keeps_the_old_file(tmp_path):
+    """The one writer (issue 53 moved it here from polaformer.checkpoint, which re-exports it): a full disk is one
+    WriteError line naming the file, and the previous file is untouched."""
+    import errno
+
+    import polaformer.checkpoint
+    from polaformer.files import WriteError, atomic_write
+
+    assert polaformer.checkpoint.atomic_write is atomic_write and polaformer.checkpoint.WriteError is WriteError
+    target = tmp_path / "out.bin"
+    atomic_write(target, lambda f: f.write(b"old"))
+
+    def full_disk(f):
+        f.write(b"new")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with pytest.raises(WriteError) as info:
+        atomic_write(target, full_disk)
+    assert str(info.value) == f"cannot write {target}: no space left on device (any previous version of the file " \
+                              "is unchanged)"
+    assert target.read_bytes() == b"old" and [p.name for p in tmp_path.iterdir()] == ["out.bin"]

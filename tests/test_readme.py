@@ -15,8 +15,9 @@ def test_readme_has_two_setup_commands_first():
     first_block = re.search(r"```bash\n(.*?)```", text, flags=re.S).group(1).strip().splitlines()
     assert len(first_block) == 2
     assert first_block[0].endswith("polaformer train")
-    # the suite, then the numerics-sensitive tests on torch's scalar kernels (tests/README.md)
-    assert first_block[1].endswith("python -m pytest -q && ATEN_CPU_CAPABILITY=default python -m pytest -q -m numerics")
+    # ruff, the suite, then the numerics-sensitive tests on torch's scalar kernels (tests/README.md)
+    assert first_block[1].endswith(
+        "ruff check . && python -m pytest -q && ATEN_CPU_CAPABILITY=default python -m pytest -q -m numerics")
 
 
 @pytest.mark.parametrize("index", range(len(BLOCKS)))

@@ -111,3 +111,20 @@ def assert_trainings_agree(a: dict, b: dict, bound: float) -> None:
         torch.testing.assert_close(a[key], b[key], rtol=0, atol=bound, msg=lambda m, key=key: f"{key}: {m}")
     far = sum(((a[k].double() - b[k].double()).abs() > FAR * bound).sum().item() for k in b)
     assert far <= FEW * sum(v.numel() for v in b.values()), (far, bound)
+
+
+def assert_same_tensors(a, b, what):
+    """``a`` and ``b`` (tensors, or dicts, lists and tuples of them) bit for bit equal: tolerance 0, for runs
+    that compute the same thing in the same order (a resumed run against one never stopped)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), what
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), what
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{what}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), what
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_same_tensors(x, y, f"{what}[{i}]")
+    else:
+        assert a == b, what

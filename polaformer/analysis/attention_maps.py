@@ -23,6 +23,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from ..engine.output import claim_outputs, write_output
+from ..files import read_image_or_raise
+from ..limits import check_allocation
 from ..ops import (
     elu_feature,
     focused_feature,
@@ -33,9 +36,6 @@ from ..ops import (
     relu_feature,
     softmax_attention_weights,
 )
-from ..limits import check_allocation
-from ..engine.output import claim_outputs, write_output
-from ..files import read_image_or_raise
 from .rank import layer_ranks
 
 __all__ = [

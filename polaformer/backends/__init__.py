@@ -1,1 +1,2 @@
-"""Kernels behind the ops and the module swaps of :func:`polaformer.accelerate`, one folder per device."""
+"""The kernels below the ops, one folder per device: the native CPU library and the CPU products
+(:mod:`.cpu`), and the Triton toolkit the ops' kernels share (:mod:`.triton`). Nothing here imports the ops."""

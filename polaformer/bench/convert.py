@@ -259,9 +259,17 @@ def _lm(out: Path, s: DemoSizes, show_progress: bool) -> dict:
 
 
 def _dit(out: Path, s: DemoSizes, show_progress: bool) -> dict:
-    from ..tasks.diffusion import (class_accuracy, diffusion_config, feature_network, frechet_distance, generate,
-                                   load_diffusion_model, train_diffusion, train_digits_classifier)
     from ..data.noised import digits_images
+    from ..tasks.diffusion import (
+        class_accuracy,
+        diffusion_config,
+        feature_network,
+        frechet_distance,
+        generate,
+        load_diffusion_model,
+        train_diffusion,
+        train_digits_classifier,
+    )
 
     size = DIT_SIZES["input_size"]
     _, _, real, _ = digits_images(size)

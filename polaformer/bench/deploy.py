@@ -230,7 +230,8 @@ def markdown(env: dict, rows: list, variants) -> str:
         "",
         "Images/s (× eager fp32); setup = compile (first call) or ONNX export + session; max |diff| vs eager fp32.",
         "",
-        "| model | batch | " + " | ".join(variants) + " | compile s | ONNX export s | max abs diff (cl / bf16 / compile / ort) |",
+        "| model | batch | " + " | ".join(variants)
+        + " | compile s | ONNX export s | max abs diff (cl / bf16 / compile / ort) |",
         "|---|---|" + "---|" * len(variants) + "---|---|---|",
     ]
     for r in rows:
@@ -248,9 +249,9 @@ def markdown(env: dict, rows: list, variants) -> str:
         setup = r["setup_s"]
         diffs = " / ".join(f"{r['max_abs_diff'][v]:.1e}" if v in r["max_abs_diff"] else "-"
                            for v in ("eager_channels_last", "eager_bf16", "compile_fp32", "onnxruntime_fp32"))
-        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(cells)
-                     + "".join(f" | {setup[v]:.0f}" if v in setup else " | -" for v in ("compile_fp32", "onnxruntime_fp32"))
-                     + f" | {diffs} |")
+        setup_cells = "".join(f" | {setup[v]:.0f}" if v in setup else " | -"
+                              for v in ("compile_fp32", "onnxruntime_fp32"))
+        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(cells) + setup_cells + f" | {diffs} |")
     errors = [(r["model"], r["batch"], v, e) for r in rows for v, e in r.get("errors", {}).items()]
     if errors:
         lines += ["", "Failed variants:", ""] + [f"- {m} batch {b}, {v}: {e}" for m, b, v, e in errors]

@@ -134,7 +134,7 @@ def _fla_chunk_linear_attn():
 def _pacs_kernels_available() -> bool:
     from polaformer.backends import triton as triton_backend
 
-    return triton_backend.available() and hasattr(triton_backend, "pacs_attention")
+    return triton_backend.available()
 
 
 def _pola_streams(attend, q, k, v, power):

@@ -34,9 +34,22 @@ import torch
 
 from ..engine.output import make_folder
 from ..runtime import tune_cpu_allocator
-from .harness import (check_device, loadavg, log_log_axes, machine_info, markdown_table as table, peak_rss_bytes,
-                      pyplot, release_freed_buffers, reset_peak_rss, rss_now_bytes, run_child, save_figure, write_json,
-                      write_text)
+from .harness import (
+    check_device,
+    loadavg,
+    log_log_axes,
+    machine_info,
+    markdown_table as table,
+    peak_rss_bytes,
+    pyplot,
+    release_freed_buffers,
+    reset_peak_rss,
+    rss_now_bytes,
+    run_child,
+    save_figure,
+    write_json,
+    write_text,
+)
 
 __all__ = [
     "DEFAULT_LENGTHS",
@@ -213,7 +226,8 @@ def _fmt_ratio(x: float | None) -> str:
 
 
 def markdown_table(results: dict) -> str:
-    """Table 6 shape: a row block per length (T and M per attention, ratio to softmax in parentheses), then the average."""
+    """Table 6 shape: a row block per length (T and M per attention, ratio to softmax in parentheses), then the
+    average."""
     rows = results["rows"]
     settings = results["settings"]
     machine = results["machine"]

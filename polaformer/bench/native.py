@@ -15,8 +15,8 @@ from typing import Callable
 import torch
 
 import polaformer.backends.cpu.native as native_module
-from polaformer.ops import learnable_power, pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
 from polaformer.backends.cpu.native import native_kernels
+from polaformer.ops import learnable_power, pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
 from .harness import interleaved, medians
 
@@ -57,7 +57,6 @@ def model_case(name, batch, train):
     import timm
 
     import polaformer.models  # noqa: F401  (registers the models)
-
     from polaformer import accelerate
 
     model = timm.create_model(name, num_classes=1000).train(train)

@@ -42,9 +42,9 @@ import torch.nn.functional as F
 import polaformer.models  # noqa: F401  (registers our architectures)
 from polaformer import accelerate
 from polaformer.layers import PolaLinearAttention
+from polaformer.models.pvt_v2 import DepthwiseConvMlp
 from polaformer.ops import official_pola_linear_attention
 from polaformer.ops._common import local_and_gate
-from polaformer.models.pvt_v2 import DepthwiseConvMlp
 
 from .harness import interleaved, loadavg, machine_info, markdown_table as table, medians
 
@@ -263,8 +263,8 @@ def cores_replaced(linear, softmax=None):
     """Our models with the Pola and PaCS cores replaced by ``linear`` (called as ``linear(q, k, v)``) and, if
     given, the softmax cores (SDPA and the explicit softmax op of Swin's windows and PolaFormer++'s softmax
     blocks) by ``softmax``."""
-    import polaformer.layers.pola_attention as pola_layer
     import polaformer.layers.pacs_attention as polapp_layer
+    import polaformer.layers.pola_attention as pola_layer
     import polaformer.layers.window_attention as window_layer
 
     saved = (pola_layer.pola_layer_attention, polapp_layer.pacs_layer_attention, F.scaled_dot_product_attention,

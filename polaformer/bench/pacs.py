@@ -1,6 +1,6 @@
 """PolaFormer++'s PaCS attention: the fused kernel against the plain functional formulation.
 
-"functional" is the op's graph-capture path (``_pacs_attention_graph``: features per stream, stacked,
+"functional" is the op's graph-capture path (``pacs_attention_graph``: features per stream, stacked,
 RoPE by ``apply_rope``, autograd backward), which was the eager implementation before the fused
 kernel. Shapes are the linear stages of POLA_b0 at 224 px (head_dim 32, RoPE on). Both are timed
 interleaved, several rounds, with torch.utils.benchmark; medians in ms.
@@ -12,11 +12,12 @@ from __future__ import annotations
 import torch
 
 from polaformer.ops import rope_2d, rope_angles
-from polaformer.ops.pacs_attention import _pacs_attention_graph, _PacsAttention
+from polaformer.ops.pacs.autograd import PacsAttention
+from polaformer.ops.pacs.formulation import pacs_attention_graph
 
 from .harness import interleaved, markdown_table, medians
 
-IMPLEMENTATIONS = {"functional": _pacs_attention_graph, "fused": _PacsAttention.apply}
+IMPLEMENTATIONS = {"functional": pacs_attention_graph, "fused": PacsAttention.apply}
 MODES = ("fwd", "fwd_bwd")
 SHAPES = ((1, 56), (2, 28), (4, 14))  # (heads, side) of POLA_b0's linear stages at 224 px
 HEAD_DIM = 32

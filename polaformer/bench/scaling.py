@@ -22,12 +22,30 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..ops import (elu_feature, focused_feature, learnable_power, linear_attention, official_pola_linear_attention,
-                   pola_linear_attention)
 from ..engine.output import make_folder
+from ..ops import (
+    elu_feature,
+    focused_feature,
+    learnable_power,
+    linear_attention,
+    official_pola_linear_attention,
+    pola_linear_attention,
+)
 from ..runtime import tune_cpu_allocator
-from .harness import (log_log_axes, machine_info, markdown_table, peak_rss_bytes, pyplot, release_freed_buffers,
-                      reset_peak_rss, rss_now_bytes, run_child, save_figure, time_call, write_json)
+from .harness import (
+    log_log_axes,
+    machine_info,
+    markdown_table,
+    peak_rss_bytes,
+    pyplot,
+    release_freed_buffers,
+    reset_peak_rss,
+    rss_now_bytes,
+    run_child,
+    save_figure,
+    time_call,
+    write_json,
+)
 
 __all__ = [
     "OP_METHODS",
@@ -278,8 +296,8 @@ def run_ops(cfg: BenchConfig, peak_gflops: float, log=None) -> list[dict]:
                     continue
                 seconds = time_call(_op_step(fn, inputs, mode), cfg.min_run_time)
                 flops = count_flops(fn, n, cfg.heads, cfg.head_dim, mode, cfg.batch)
-                row.update(skipped=False, seconds=seconds, ms=seconds * 1e3, flops=flops,
-                           gflops=flops / seconds / 1e9, roofline_fraction=roofline_fraction(flops, seconds, peak_gflops))
+                row.update(skipped=False, seconds=seconds, ms=seconds * 1e3, flops=flops, gflops=flops / seconds / 1e9,
+                           roofline_fraction=roofline_fraction(flops, seconds, peak_gflops))
                 rows.append(row)
                 _log(f"op N={n:>6} {name:<15} {mode:<8} {seconds * 1e3:10.2f} ms "
                      f"{row['gflops']:7.1f} GFLOP/s ({100 * row['roofline_fraction']:.0f}% of matmul)", log)
@@ -459,8 +477,8 @@ def markdown_tables(results: dict) -> str:
         f"{k} {v:.3f}" for k, v in summary["exponents"].items() if v is not None))
     mem = results.get("op_memory")
     if mem:
-        rows = [[r["tokens"], r.get("error") or f"{r['op_peak_mb']:.1f}", "" if "error" in r else f"{r['input_mb']:.1f}"]
-                for r in mem["rows"]]
+        rows = [[r["tokens"], r.get("error") or f"{r['op_peak_mb']:.1f}",
+                 "" if "error" in r else f"{r['input_mb']:.1f}"] for r in mem["rows"]]
         lines += ["", markdown_table(["N", "fused Pola fwd+bwd peak above baseline (MB)", "inputs (MB)"], rows)]
         if mem.get("growth_exponent") is not None:
             lines.append(f"\nMemory growth exponent over N in {mem['growth_range']}: {mem['growth_exponent']:.3f}")

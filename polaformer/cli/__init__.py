@@ -33,8 +33,8 @@ from .ablate import add_ablate_parser
 from .bench import add_bench_parser
 from .checkpoint import add_checkpoint_parser
 from .classification import add_classification_parsers
-from .convert import add_convert_parser
 from .common import INTERRUPTED, MAX_MESSAGE, OneLineParser, one_line, usage_error
+from .convert import add_convert_parser
 from .data import add_data_parser
 from .dense import add_dense_parsers
 from .diffusion import add_diffusion_parser
@@ -89,11 +89,11 @@ def _user_errors() -> tuple[type[Exception], ...]:
     from ..data import UnknownDatasetError
     from ..data.folder import DatasetError
     from ..engine import CheckpointError, ConfigError, ModelBuildError, TrainingDivergedError
-    from ..files import UnreadableFileError
+    from ..files import UnreadableFileError, WriteError
     from ..tasks.classification.evaluation import EvalError
 
     return (CheckpointError, ModelBuildError, UnknownDatasetError, ConfigError, DatasetError, EvalError,
-            UnreadableFileError, TrainingDivergedError, FloatingPointError)
+            UnreadableFileError, WriteError, TrainingDivergedError, FloatingPointError)
 
 
 def _run(args, errors: tuple[type[Exception], ...]) -> int:

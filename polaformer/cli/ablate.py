@@ -16,7 +16,8 @@ def add_ablate_parser(commands) -> None:
                     "test top-1 as mean ± std beside the paper's numbers. See docs/ablations.md.",
     )
     ablate.add_argument("--config", "--cfg", required=True, metavar="FILE", help="ablation file (configs/ablations/)")
-    ablate.add_argument("--data-path", metavar="DIR", help="ImageNet-layout folder for the ImageNet rows (DATA.DATA_PATH)")
+    ablate.add_argument("--data-path", metavar="DIR",
+                        help="ImageNet-layout folder for the ImageNet rows (DATA.DATA_PATH)")
     ablate.add_argument("--output", metavar="DIR", help="output folder (default: runs/ablations/<config file name>)")
     ablate.add_argument("--seeds", nargs="+", type=int, metavar="S", help="seeds to train (ABLATION.SEEDS)")
     ablate.add_argument("--rows", nargs="+", metavar="NAME", help="train only these rows (by NAME)")
@@ -46,7 +47,8 @@ def cmd_ablate(args: argparse.Namespace) -> int:
     if args.rows:
         unknown = sorted(set(args.rows) - {row.name for row in rows})
         if unknown:
-            raise ConfigError(f"unknown rows {', '.join(unknown)} (in {args.config}: {', '.join(r.name for r in rows)})")
+            known = ", ".join(r.name for r in rows)
+            raise ConfigError(f"unknown rows {', '.join(unknown)} (in {args.config}: {known})")
         rows = [row for row in rows if row.name in args.rows]
     output = args.output or str(Path("runs") / "ablations" / Path(args.config).stem)
     run_ablation(train_cfg, rows, seeds, output, reference=reference, overwrite=args.overwrite)

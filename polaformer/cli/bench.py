@@ -188,11 +188,13 @@ def add_bench_parser(commands) -> None:
     deploy.add_argument("--img-size", type=positive_int, default=224)
     deploy.add_argument("--variants", nargs="+", metavar="NAME",
                         help="eager_fp32 eager_channels_last eager_bf16 compile_fp32 onnxruntime_fp32 (default: all)")
-    deploy.add_argument("--threads", type=int, default=0, help="torch and onnxruntime intra-op threads (0: torch's default)")
+    deploy.add_argument("--threads", type=int, default=0,
+                        help="torch and onnxruntime intra-op threads (0: torch's default)")
     deploy.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds per row")
     deploy.add_argument("--min-run-time", type=float, default=1.0, metavar="S", help="seconds per variant and round")
     deploy.add_argument("--row-budget", type=float, default=240.0, metavar="S",
-                        help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take longer")
+                        help="skip a row whose timing rounds are estimated (from the eager batch-1 time) to take "
+                             "longer")
     deploy.add_argument("--warm-cache", action="store_true",
                         help="keep inductor's usual cache folder (compile times then depend on earlier runs)")
     add_overwrite(deploy, "results in --out")
@@ -225,8 +227,15 @@ def _print_line(msg: str) -> None:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from ..bench.scaling import (
-        DEFAULT_METHODS, DEFAULT_MODELS, DEFAULT_SIZES, DEFAULT_TOKENS, OP_METHODS, QUICK_SIZES, QUICK_TOKENS,
-        BenchConfig, run_bench,
+        DEFAULT_METHODS,
+        DEFAULT_MODELS,
+        DEFAULT_SIZES,
+        DEFAULT_TOKENS,
+        OP_METHODS,
+        QUICK_SIZES,
+        QUICK_TOKENS,
+        BenchConfig,
+        run_bench,
     )
     from ..engine.output import claim_outputs
 

@@ -4,8 +4,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .common import (FLAG_KEYS, add_allow_changed, add_overwrite, print_summary, one_line, parse_model_kwarg,
-                     positive_int, set_flags, usage_error)
+from .common import (
+    FLAG_KEYS,
+    add_allow_changed,
+    add_engine_options,
+    add_overwrite,
+    one_line,
+    option_values,
+    parse_model_kwarg,
+    positive_int,
+    print_summary,
+    set_flags,
+    usage_error,
+)
 
 __all__ = ["add_classification_parsers"]
 
@@ -59,20 +70,9 @@ def add_classification_parsers(commands) -> None:
         help="extra keyword argument for timm.create_model (MODEL.KWARGS); repeatable (e.g. --model-kwarg depth=2)",
     )
     train.add_argument("--data", choices=DATASET_NAMES, help=f"embedded data set (default: {DEFAULT_DATA})")
-    train.add_argument("--epochs", type=positive_int, metavar="N", help="number of epochs (TRAIN.EPOCHS)")
-    train.add_argument("--batch-size", type=positive_int, metavar="B", help="batch size per process (DATA.BATCH_SIZE)")
-    train.add_argument("--lr", type=float, metavar="LR", help="peak learning rate (TRAIN.BASE_LR)")
-    train.add_argument("--weight-decay", type=float, help="AdamW weight decay (TRAIN.WEIGHT_DECAY)")
-    train.add_argument("--warmup-epochs", type=int, help="linear warm-up length, in epochs (TRAIN.WARMUP_EPOCHS)")
     train.add_argument("--label-smoothing", type=float, help="label smoothing of the training loss")
-    train.add_argument("--clip-grad", type=float, help="max gradient norm (0 disables clipping)")
     train.add_argument("--augment", action=argparse.BooleanOptionalAction, help="digits: random ±1 pixel shifts")
-    train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (AMP)")
-    train.add_argument(
-        "--use-checkpoint", action="store_true", default=None,
-        help="activation checkpointing, to save memory (TRAIN.USE_CHECKPOINT)",
-    )
-    train.add_argument("--seed", type=int, metavar="S", help="seed for initialisation, shuffling and augmentation")
+    add_engine_options(train, "train")
     train.add_argument("--device", help="'cpu', 'cuda', ... (default: cuda if available)")
     train.add_argument("--output", metavar="DIR", help="output folder (default: runs/digits, or runs/MODEL.NAME)")
     train.set_defaults(handler=cmd_train)
@@ -229,7 +229,8 @@ def add_classification_parsers(commands) -> None:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from ..engine.config import merge_opts
-    from ..tasks.classification import load_config, make_config, run_training
+    from ..tasks.classification import load_config, run_training
+    from ..tasks.classification.config import digits_config
 
     if args.data is not None and args.data_path is not None:
         return usage_error("train", f"give --data {args.data} or --data-path DIR, not both")
@@ -247,18 +248,14 @@ def cmd_train(args: argparse.Namespace) -> int:
         extra += ["ALLOW_CHANGED", list(args.allow_changed)]
     if args.overwrite:
         extra += ["OVERWRITE", True]
-    if args.amp is not None:
-        extra += ["AMP", args.amp]
-    if args.use_checkpoint:
-        extra += ["TRAIN.USE_CHECKPOINT", True]
-    opts = [*args.opts, *extra]
 
     if args.config is None and args.data_path is None:  # the digits demo
         overrides = {flag: getattr(args, flag) for flag in FLAG_KEYS["train"]
                      if flag not in ("model", "data", "data_path")}
-        config = make_config(args.model or DEFAULT_MODEL, args.data or DEFAULT_DATA,
-                             model_kwargs=dict(args.model_kwargs or []), **overrides)
-        metrics = run_training(config, opts=opts)
+        config, option_opts = digits_config(args.model or DEFAULT_MODEL, args.data or DEFAULT_DATA,
+                                            option_values("train", args), model_kwargs=dict(args.model_kwargs or []),
+                                            **overrides)
+        metrics = run_training(config, opts=[*args.opts, *option_opts, *extra])
         print_summary(f"final test top-1: {metrics['final_test_top1']:.2f}% "
                       f"(epochs={config.epochs}, time={metrics['wall_time_s']:.1f}s) -> {metrics['checkpoint']}")
         return 0

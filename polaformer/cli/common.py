@@ -1,9 +1,11 @@
-"""What every ``polaformer`` subcommand shares: one-line errors, exit statuses, option types, and the table of the
-options that set configuration keys."""
+"""What every ``polaformer`` subcommand shares: one-line errors, exit statuses, option types, and the options that set
+configuration keys: each training command's own (:data:`FLAG_KEYS`) and the engine options, every ``train``
+command's flags read from their one declaration (:mod:`polaformer.engine.options`)."""
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import yaml
 
 from .._startup import INTERRUPTED  # noqa: F401  (the status of Ctrl-C, before and after main starts)
 from ..engine.config import load_yaml
+from ..engine.options import Option, keyed_values, options_of
 
 USAGE_ERROR = 2  # argparse's exit status for bad usage; checkpoint errors use it too
 MAX_MESSAGE = 500  # characters of an error line: a message may quote a value of any size
@@ -71,57 +74,57 @@ def parse_model_kwarg(text: str) -> tuple[str, object]:
 
 
 
-# The options of each training command and the configuration keys they set (option dest -> dotted key):
-# classification's keys are yacs-style (configs/), the step-based tasks' lower case.
+# Each training command's own options and the configuration keys they set (option dest -> dotted key):
+# classification's keys are yacs-style (configs/), the others lower case. Its engine options come from their
+# declarations (TRAIN_TASKS names the configuration each command's options are keys of).
 FLAG_KEYS = {
     "train": {
-        "model": "MODEL.NAME", "data": "DATA.DATASET", "data_path": "DATA.DATA_PATH", "epochs": "TRAIN.EPOCHS",
-        "batch_size": "DATA.BATCH_SIZE", "lr": "TRAIN.BASE_LR", "weight_decay": "TRAIN.WEIGHT_DECAY",
-        "warmup_epochs": "TRAIN.WARMUP_EPOCHS", "label_smoothing": "MODEL.LABEL_SMOOTHING",
-        "clip_grad": "TRAIN.CLIP_GRAD", "augment": "AUG.DIGITS_SHIFT", "seed": "SEED", "device": "DEVICE",
+        "model": "MODEL.NAME", "data": "DATA.DATASET", "data_path": "DATA.DATA_PATH",
+        "label_smoothing": "MODEL.LABEL_SMOOTHING", "augment": "AUG.DIGITS_SHIFT", "device": "DEVICE",
         "output": "OUTPUT",
     },
     "lra train": {
-        "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
-        "warmup_steps": "train.warmup_steps", "eval_every": "train.eval_every", "eval_batches": "train.eval_batches",
-        "save_every": "train.save_every", "seed": "train.seed", "workers": "train.num_workers",
-        "limit_train": "train.limit_train", "limit_dev": "train.limit_dev", "limit_test": "train.limit_test",
-        "amp": "train.amp",
+        "eval_batches": "train.eval_batches", "limit_train": "train.limit_train", "limit_dev": "train.limit_dev",
+        "limit_test": "train.limit_test",
     },
     "lm train": {
-        "model": "model.name", "attention": "model.attention", "context": "model.context", "steps": "train.steps",
-        "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every",
-        "max_bytes": "data.max_bytes", "seed": "train.seed",
+        "model": "model.name", "attention": "model.attention", "context": "model.context",
+        "max_bytes": "data.max_bytes",
     },
     "sr train": {
         "scale": "model.scale", "train_hr": "data.train_hr", "train_lr": "data.train_lr", "valid_hr": "data.valid_hr",
-        "valid_lr": "data.valid_lr", "patch_size": "data.patch_size", "steps": "train.steps",
-        "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
+        "valid_lr": "data.valid_lr", "patch_size": "data.patch_size",
     },
     "dense train": {  # detect train and segment train
-        "backbone": "model.backbone", "backbone_weights": "model.backbone_weights", "steps": "train.steps",
-        "epochs": "train.epochs", "batch_size": "data.batch_size", "lr": "train.lr",
-        "weight_decay": "train.weight_decay", "warmup_steps": "train.warmup_steps", "eval_every": "train.eval_every",
-        "save_every": "train.save_every", "seed": "train.seed", "workers": "data.workers",
-        "train_size": "data.train_size", "val_size": "data.val_size",
+        "backbone": "model.backbone", "backbone_weights": "model.backbone_weights", "train_size": "data.train_size",
+        "val_size": "data.val_size",
     },
     "convert train": {
         "stage": "stage", "source": "model.source", "teacher": "model.teacher", "target": "model.target",
         "init": "init", "data": "data.name", "data_path": "data.path", "pretrained": "model.pretrained",
-        "lora": "finetune.lora", "attention_weight": "transfer.attention_weight", "steps": "train.steps",
-        "batch_size": "train.batch_size", "lr": "train.lr", "eval_every": "train.eval_every", "seed": "train.seed",
+        "lora": "finetune.lora", "attention_weight": "transfer.attention_weight",
     },
     "diffusion train": {
         "model": "model.name", "attention": "model.attention", "data": "data.name", "image_size": "data.image_size",
-        "channels": "data.channels", "steps": "train.steps", "batch_size": "train.batch_size", "lr": "train.lr",
-        "eval_every": "train.eval_every", "seed": "train.seed",
+        "channels": "data.channels",
     },
 }
+# the task (polaformer.engine.options) whose configuration each training command sets
+TRAIN_TASKS = {"train": "classification", "lra train": "lra", "lm train": "lm", "sr train": "sr",
+               "dense train": "dense", "convert train": "convert", "diffusion train": "diffusion"}
+
+
+def option_values(command: str, args: argparse.Namespace) -> dict[str, object]:
+    """``{option name: value}`` of the engine options of ``command`` given on the command line."""
+    return {option.name: getattr(args, option.name) for option in options_of(TRAIN_TASKS[command])
+            if getattr(args, option.name, None) is not None}
 
 
 def flag_values(command: str, args: argparse.Namespace) -> dict[str, object]:
-    """``{config key: value}`` of the options of ``command`` (:data:`FLAG_KEYS`) given on the command line."""
-    return {key: getattr(args, flag) for flag, key in FLAG_KEYS[command].items() if getattr(args, flag) is not None}
+    """``{config key: value}`` of the options of ``command`` (its own, :data:`FLAG_KEYS`, and its engine options)
+    given on the command line."""
+    own = {key: getattr(args, flag) for flag, key in FLAG_KEYS[command].items() if getattr(args, flag) is not None}
+    return {**own, **dict(keyed_values(TRAIN_TASKS[command], option_values(command, args)))}
 
 
 def set_flags(cfg, command: str, args: argparse.Namespace) -> None:
@@ -129,6 +132,57 @@ def set_flags(cfg, command: str, args: argparse.Namespace) -> None:
     for flag, key in FLAG_KEYS[command].items():
         if getattr(args, flag) is not None:
             cfg.set_path(key, getattr(args, flag), source=f"--{flag.replace('_', '-')}")
+    for name, value in option_values(command, args).items():
+        for key, setting in keyed_values(TRAIN_TASKS[command], {name: value}):
+            cfg.set_path(key, setting, source=f"--{name.replace('_', '-')}")
+
+
+def _parse_as(option: Option, task: str):
+    """The argparse type of a number ``option``: text that is no number of its kind is refused at once, in the words
+    of its range; the range itself is checked with the configuration, once, naming the key
+    (:func:`polaformer.engine.options.check_options`)."""
+    rule = option.rule(task)
+
+    def parse(text: str):
+        try:
+            if option.kind is int or (option.kind == "number" and re.fullmatch(r"[+-]?\d+", text.strip())):
+                return int(text)
+            return float(text)
+        except ValueError:
+            what = rule.but(optional=False, note="").describe() if rule is not None else (
+                f"be {'an integer' if option.kind is int else 'a number'}")
+            raise argparse.ArgumentTypeError(f"must {what}, got {text!r}") from None
+
+    return parse
+
+
+def _parse_switch(text: str):
+    """A setting that is off (``false``, ``null``), on (``true``) or a name (``torch.compile``'s backend)."""
+    try:
+        value = load_yaml(text)
+    except yaml.YAMLError:
+        return text
+    return False if value is None else value
+
+
+def add_engine_options(parser: argparse.ArgumentParser, command: str) -> None:
+    """A flag for every engine option of ``command``'s task, from its declaration: its type (or choices) and help
+    text ending with the configuration key it sets. Each defaults to None (the configuration's value)."""
+    task = TRAIN_TASKS[command]
+    for option in options_of(task):
+        flags = option.flags or ("--" + option.name.replace("_", "-"),)
+        kwargs: dict = {"dest": option.name, "default": None, "help": f"{option.help} ({option.key(task)})"}
+        if option.kind is bool:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif option.choices:
+            kwargs["choices"] = option.choices
+        elif option.kind == "any":
+            kwargs.update(type=_parse_switch, nargs="?", const=True, metavar=option.metavar)
+        elif option.kind is str:
+            kwargs["metavar"] = option.metavar
+        else:
+            kwargs.update(type=_parse_as(option, task), metavar=option.metavar)
+        parser.add_argument(*flags, **kwargs)
 
 
 def add_command_group(commands, name: str, help: str, description: str, **defaults):
@@ -139,36 +193,27 @@ def add_command_group(commands, name: str, help: str, description: str, **defaul
     return parser.add_subparsers(dest=f"{name}_command", required=True, metavar="COMMAND")
 
 
-# What the options several step-based train commands share mean: dest -> (type, meaning); FLAG_KEYS names the key
-# each sets, which its help text ends with.
+# What the options of several train commands that are not engine options mean: dest -> (type, meaning); FLAG_KEYS
+# names the key each sets, which its help text ends with.
 TRAIN_FLAG_MEANINGS = {
-    "steps": (positive_int, "optimizer steps"),
-    "epochs": (float, "epochs"),
-    "batch_size": (positive_int, "examples per optimizer step"),
-    "lr": (float, "peak learning rate"),
-    "weight_decay": (float, "AdamW weight decay"),
-    "warmup_steps": (int, "warm-up steps"),
-    "eval_every": (positive_int, "evaluate every N steps"),
     "eval_batches": (int, "validation batches per evaluation, 0 = all"),
-    "save_every": (positive_int, "also write last.pth every N steps"),
-    "seed": (int, "seed of initialisation and data order"),
-    "workers": (int, "data loading processes"),
 }
 
 
 def add_train_options(parser: argparse.ArgumentParser, command: str, own=(), *, output: str,
                       opts_example: str) -> None:
-    """The options of the step-based ``train`` subcommand ``command`` after those it adds itself, in the order of
-    ``FLAG_KEYS[command]``: each its ``own`` ``(dest, type, meaning)`` row or else its row of
-    :data:`TRAIN_FLAG_MEANINGS`, the help text ending with its key; then ``--opts``, ``--output`` (default:
-    ``output``), ``--resume``, ``--allow-changed``, ``--overwrite`` and ``--device``, which :func:`run_options`
-    hands on."""
+    """The options of the step-based ``train`` subcommand ``command`` after those it adds itself: its own, in the
+    order of ``FLAG_KEYS[command]`` (each its ``own`` ``(dest, type, meaning)`` row or else its row of
+    :data:`TRAIN_FLAG_MEANINGS`, the help text ending with its key), its engine options (:func:`add_engine_options`);
+    then ``--opts``, ``--output`` (default: ``output``), ``--resume``, ``--allow-changed``, ``--overwrite`` and
+    ``--device``, which :func:`run_options` hands on."""
     keys = FLAG_KEYS[command]
     rows = {**TRAIN_FLAG_MEANINGS, **{dest: (kind, meaning) for dest, kind, meaning in own}}
     for dest, key in keys.items():
         if dest in rows:
             kind, meaning = rows[dest]
             parser.add_argument("--" + dest.replace("_", "-"), type=kind, help=f"{meaning} ({key})")
+    add_engine_options(parser, command)
     parser.add_argument("--opts", nargs="+", default=[], metavar="KEY VALUE",
                         help=f"override any config key, e.g. --opts {opts_example}")
     parser.add_argument("--output", metavar="DIR", help=f"output folder (default: {output})")

@@ -8,8 +8,15 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg,
-                     print_summary, train_into)
+from .common import (
+    add_command_group,
+    add_overwrite,
+    add_train_options,
+    flag_values,
+    parse_model_kwarg,
+    print_summary,
+    train_into,
+)
 
 __all__ = ["add_convert_parser"]
 

@@ -4,8 +4,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary,
-                     parse_model_kwarg, positive_int, run_options, usage_error)
+from .common import (
+    add_command_group,
+    add_overwrite,
+    add_train_options,
+    flag_values,
+    parse_model_kwarg,
+    positive_int,
+    print_summary,
+    run_options,
+    usage_error,
+)
 
 __all__ = ["add_dense_parsers"]
 
@@ -15,18 +24,18 @@ def _task_group(commands, task: str, model: str, help: str, description: str):
     group (for ``eval`` and ``predict``) and the ``train`` parser (for the task's own options)."""
     sub = add_command_group(commands, task, help, description)
     parser = sub.add_parser("train", help=f"train a {model}; writes last.pth/best.pth (atomically) and metrics.json")
-    parser.add_argument("--config", metavar="FILE", help="YAML recipe (configs/dense/); default: the embedded digits recipe")
+    parser.add_argument("--config", metavar="FILE",
+                        help="YAML recipe (configs/dense/); default: the embedded digits recipe")
     parser.add_argument("--backbone", metavar="NAME", help="timm model name of the backbone (model.backbone)")
     parser.add_argument("--backbone-weights", metavar="FILE",
                         help="ImageNet checkpoint for the backbone (ours or the authors'); position tables resampled")
     parser.add_argument("--backbone-kwarg", dest="backbone_kwargs", action="append", type=parse_model_kwarg,
-                        metavar="KEY=VALUE", help="timm.create_model option of the backbone, e.g. img_size=512; repeatable")
+                        metavar="KEY=VALUE",
+                        help="timm.create_model option of the backbone, e.g. img_size=512; repeatable")
     add_train_options(parser, "dense train", (
-        ("steps", positive_int, "optimizer steps, overriding the epochs"),
-        ("eval_every", positive_int, "evaluate every N steps (default: at the end)"),
         ("train_size", positive_int, "digits: number of training canvases"),
         ("val_size", positive_int, "digits: number of validation canvases"),
-    ), output=f"runs/{task}/BACKBONE", opts_example="train.lr 1e-4 data.batch_size 4")
+    ), output=f"runs/{task}/BACKBONE", opts_example="train.lr 1e-4 train.batch_size 4")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return sub, parser
 
@@ -80,7 +89,8 @@ def add_dense_parsers(commands) -> None:
         "(docs/dense.md). Without --root: the embedded digit scenes.",
     )
     train.add_argument("--decoder", choices=("fpn", "upernet", "lightham"), help="model.decoder")
-    train.add_argument("--root", metavar="DIR", help="ADE20K-layout folder (images/ and annotations/, training and validation)")
+    train.add_argument("--root", metavar="DIR",
+                       help="ADE20K-layout folder (images/ and annotations/, training and validation)")
     train.add_argument("--num-classes", type=positive_int, help="ADE layout: number of classes (data.num_classes, 150)")
     train.add_argument("--crop-size", type=positive_int, help="ADE layout: training crop (data.crop_size, 512)")
     train.set_defaults(handler=cmd_segment_train)

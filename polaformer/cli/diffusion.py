@@ -7,8 +7,15 @@ import argparse
 from pathlib import Path
 
 from ..engine.config import ConfigError
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary, positive_int,
-                     train_into)
+from .common import (
+    add_command_group,
+    add_overwrite,
+    add_train_options,
+    flag_values,
+    positive_int,
+    print_summary,
+    train_into,
+)
 
 __all__ = ["add_diffusion_parser"]
 
@@ -113,8 +120,13 @@ def cmd_diffusion_sample(args: argparse.Namespace) -> int:
 
 
 def cmd_diffusion_fid(args: argparse.Namespace) -> int:
-    from ..tasks.diffusion import (class_accuracy, feature_network, frechet_distance, load_diffusion_model,
-                                   train_digits_classifier)
+    from ..tasks.diffusion import (
+        class_accuracy,
+        feature_network,
+        frechet_distance,
+        load_diffusion_model,
+        train_digits_classifier,
+    )
     from ..tasks.diffusion.data import load_images
 
     loaded = load_diffusion_model(args.checkpoint)

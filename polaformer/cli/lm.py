@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from .common import add_command_group, add_train_options, flag_values, print_summary, positive_int, train_into
+from .common import add_command_group, add_train_options, flag_values, positive_int, print_summary, train_into
 
 __all__ = ["add_lm_parser"]
 
@@ -94,7 +94,6 @@ def cmd_lm_eval(args: argparse.Namespace) -> int:
 
 def cmd_lm_sample(args: argparse.Namespace) -> int:
     import torch
-
     from tqdm import tqdm
 
     from ..tasks.lm import load_lm_model

@@ -4,8 +4,17 @@ from __future__ import annotations
 import argparse
 
 from .bench import add_lra_bench_arguments
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, parse_model_kwarg, positive_int,
-                     print_summary, train_into, usage_error)
+from .common import (
+    add_command_group,
+    add_overwrite,
+    add_train_options,
+    flag_values,
+    parse_model_kwarg,
+    positive_int,
+    print_summary,
+    train_into,
+    usage_error,
+)
 
 __all__ = ["add_lra_parser"]
 
@@ -26,15 +35,14 @@ def add_lra_parser(commands) -> None:
                     "to --output. Files understood in --data: see docs/lra.md.",
     )
     train.add_argument("--task", choices=TASK_NAMES, help="the LRA task (or the config file's)")
-    train.add_argument("--config", metavar="FILE", help="YAML recipe (default: the task's recipe, configs/lra/TASK.yaml)")
+    train.add_argument("--config", metavar="FILE",
+                       help="YAML recipe (default: the task's recipe, configs/lra/TASK.yaml)")
     train.add_argument("--data", required=True, metavar="DIR", help="folder with the task's files")
     train.add_argument("--attention", metavar="NAME", help="token mixer (default: the config's; see docs/lra.md)")
     train.add_argument("--attention-option", dest="attention_options", action="append", type=parse_model_kwarg,
-                       metavar="KEY=VALUE", help="option of that attention, e.g. alpha=3 or gate_init=zeros; repeatable")
-    train.add_argument("--amp", action=argparse.BooleanOptionalAction, help="mixed precision (bf16 on CPU, fp16 on CUDA)")
+                       metavar="KEY=VALUE",
+                       help="option of that attention, e.g. alpha=3 or gate_init=zeros; repeatable")
     add_train_options(train, "lra train", (
-        ("warmup_steps", int, "one-cycle warm-up steps"),
-        ("eval_every", positive_int, "evaluate the dev split every N steps"),
         ("limit_train", positive_int, "use the first N training examples"),
         ("limit_dev", positive_int, "use the first N dev examples"),
         ("limit_test", positive_int, "use the first N test examples"),
@@ -57,9 +65,12 @@ def add_lra_parser(commands) -> None:
     generate.add_argument("--val", type=positive_int, default=2_000, help="validation examples (default: %(default)s)")
     generate.add_argument("--test", type=positive_int, default=2_000, help="test examples (default: %(default)s)")
     generate.add_argument("--min-length", type=positive_int, default=500, help="minimum tokens (default: %(default)s)")
-    generate.add_argument("--max-length", type=positive_int, default=2000, help="maximum tokens (default: %(default)s)")
-    generate.add_argument("--max-depth", type=positive_int, default=10, help="maximum tree depth (default: %(default)s)")
-    generate.add_argument("--max-args", type=positive_int, default=10, help="arguments per operator (default: %(default)s)")
+    generate.add_argument("--max-length", type=positive_int, default=2000,
+                          help="maximum tokens (default: %(default)s)")
+    generate.add_argument("--max-depth", type=positive_int, default=10,
+                          help="maximum tree depth (default: %(default)s)")
+    generate.add_argument("--max-args", type=positive_int, default=10,
+                          help="arguments per operator (default: %(default)s)")
     generate.add_argument("--seed", type=int, default=0)
     generate.add_argument("--overwrite", action="store_true", help="replace the data set files already in --out")
     generate.set_defaults(handler=cmd_lra_generate)
@@ -112,8 +123,9 @@ def cmd_lra_eval(args: argparse.Namespace) -> int:
     device = resolve_device(args.device)
     loader = DataLoader(dataset, batch_size=args.batch_size, collate_fn=collate_lra)
     result = evaluate_lra(place_model(model, device, inference=True), loader, device)
-    print(f"{args.split} accuracy: {result['accuracy']:.2f}% (loss {result['loss']:.4f}, {result['examples']} examples; "
-          f"{task}, {checkpoint['config']['attention']}, step {checkpoint.get('num_updates', '?')}) <- {args.checkpoint}")
+    print(f"{args.split} accuracy: {result['accuracy']:.2f}% (loss {result['loss']:.4f}, "
+          f"{result['examples']} examples; {task}, {checkpoint['config']['attention']}, "
+          f"step {checkpoint.get('num_updates', '?')}) <- {args.checkpoint}")
     return 0
 
 

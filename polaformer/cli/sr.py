@@ -6,8 +6,15 @@ import argparse
 import json
 from pathlib import Path
 
-from .common import (add_command_group, add_overwrite, add_train_options, flag_values, print_summary, positive_int,
-                     train_into)
+from .common import (
+    add_command_group,
+    add_overwrite,
+    add_train_options,
+    flag_values,
+    positive_int,
+    print_summary,
+    train_into,
+)
 
 __all__ = ["add_sr_parser"]
 

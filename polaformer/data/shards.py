@@ -51,8 +51,15 @@ from PIL import Image
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..files import MAX_CONFIG_BYTES, MAX_IMAGE_BYTES, UnreadableFileError, open_regular, read_bytes, read_text
-from .folder import (IMG_EXTENSIONS, DatasetError, ImageFolderDataset, build_transform, collate_skip_corrupt,
-                     mixup_active, to_rgb)
+from .folder import (
+    IMG_EXTENSIONS,
+    DatasetError,
+    ImageFolderDataset,
+    build_transform,
+    collate_skip_corrupt,
+    mixup_active,
+    to_rgb,
+)
 
 __all__ = ["INFO_NAMES", "ShardError", "ShardStream", "SplitInfo", "build_shard_datasets", "find_info",
            "open_eval_split", "read_info", "read_split", "write_shards"]

@@ -1,7 +1,8 @@
 """Training and evaluation: configuration, the one loop under every task, devices, model creation, checkpoints.
 
 The names below are imported from their modules on first use, so that importing one light module of the engine
-(``polaformer.engine.config``, which the command line's parser reads option values with) does not import torch.
+(``polaformer.engine.config`` and ``polaformer.engine.options``, which the command line's parser reads) does not
+import torch.
 """
 import importlib
 
@@ -13,7 +14,7 @@ _SOURCES = {
     "ModelBuildError": "factory", "create_model": "factory", "create_model_from_checkpoint": "factory",
     "build_optimizer": "optim", "build_scheduler": "optim",
     "amp_dtype": "device", "autocast": "device", "resolve_device": "device",
-    "Engine": "loop", "LoopSettings": "loop", "StepOutput": "loop", "Task": "loop", "TrainingDivergedError": "loop",
+    "Engine": "loop", "LoopSettings": "task", "StepOutput": "task", "Task": "task", "TrainingDivergedError": "loop",
     "TrainingInterrupted": "loop", "train": "loop",
     "StepTask": "steps", "load_task_model": "steps", "step_settings": "steps",
 }

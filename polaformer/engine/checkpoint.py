@@ -29,20 +29,19 @@ from typing import Any
 import torch
 from torch import nn
 
-from .parallel import SHARDED
-
-# The errors, the atomic writer and the safe reader are shared with the public loader.
+# The errors and the safe reader are shared with the public loader.
 from ..checkpoint import (  # noqa: F401  (re-exported)
     ArchitectureMismatchError,
     CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
-    atomic_write,
     check_weight_values,
     compare_state_dicts,
     read_checkpoint,
     with_checksum,
 )
+from ..files import atomic_write
+from .parallel import SHARDED
 
 REQUIRED_KEYS = ("model", "arch", "model_kwargs", "num_classes")
 TRAINING_STATE_KEYS = ("optimizer", "lr_scheduler", "epoch")
@@ -174,7 +173,8 @@ def read_task_checkpoint(path: str | os.PathLike, task: str, *, sharded: bool = 
 def read_training_state(path: str | os.PathLike, task: str, hint: str) -> dict:
     """A checkpoint of ``task`` that holds a training state to resume; ``hint`` says what to do otherwise."""
     checkpoint = read_task_checkpoint(path, task, sharded=True)
-    missing = [key for key in TRAINING_STATE_KEYS if key not in checkpoint and not (key == "optimizer" and SHARDED in checkpoint)]
+    missing = [key for key in TRAINING_STATE_KEYS
+               if key not in checkpoint and not (key == "optimizer" and SHARDED in checkpoint)]
     if missing:
         raise CorruptCheckpointError(path, f"holds weights but no training state ({', '.join(missing)}): {hint}")
     return checkpoint

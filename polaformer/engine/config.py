@@ -1,4 +1,4 @@
-"""The one configuration system of every task: nested keys, typed and strict, YAML files plus overrides.
+"""The configuration trees of every task: nested keys, typed and strict, YAML files plus overrides.
 
 A task describes its settings as a tree of defaults (:class:`Config`); :func:`configure` merges a YAML
 file (with its ``BASE:`` files, relative to the including file) and ``KEY VALUE`` overrides into it.
@@ -8,11 +8,12 @@ at that level, nodes made with ``new_allowed=True`` take any keys (model keyword
 aliases are refused. The classification task's tree is the official PolaFormer ``config.py``
 (:mod:`polaformer.tasks.classification.config`); the other tasks' trees live beside their tasks.
 
-Every task declares the range of each setting beside its defaults (a :class:`Range` per dotted key: a
-positive integer, a finite number > 0, a probability in [0, 1), a seed...); :func:`check_settings` checks
-them all, once, after the file, the overrides and the command-line flags are merged, and names the key in
-its one-line error. Settings that are not keys (a sampling flag) are checked with :meth:`Range.check`.
-Files are read through :func:`polaformer.files.read_text` (regular files of a bounded size only).
+Every task declares the range of each of its own settings beside its defaults (a :class:`Range` per dotted key:
+a positive integer, a finite number > 0, a probability in [0, 1), a seed...; the engine options' ranges are in
+their one declaration, :mod:`.options`); :func:`check_settings` checks them all, once, after the file, the
+overrides and the command-line flags are merged, and names the key in its one-line error. Settings that are not
+keys (a sampling flag) are checked with :meth:`Range.check`. Files are read through
+:func:`polaformer.files.read_text` (regular files of a bounded size only).
 """
 from __future__ import annotations
 
@@ -302,7 +303,8 @@ class Config:
 
     def to_dict(self) -> dict:
         """Plain nested dicts (tuples become lists, as YAML and JSON have them)."""
-        return {key: value.to_dict() if isinstance(value, Config) else _plain(value) for key, value in self._values.items()}
+        return {key: value.to_dict() if isinstance(value, Config) else _plain(value)
+                for key, value in self._values.items()}
 
     def dump(self) -> str:
         return yaml.safe_dump(self.to_dict(), sort_keys=False)

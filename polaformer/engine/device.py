@@ -53,7 +53,7 @@ def place_model(model: torch.nn.Module, device: torch.device, *, inference: bool
     """``model`` moved to ``device``; on the CPU also with :func:`polaformer.accelerate`'s fused modules unless
     ``fused`` is false (the same function and state_dict keys; with ``inference`` the model is put in eval mode and
     its BatchNorms are folded into their convs, so it is for evaluation only). Returns the model."""
-    from ..backends.cpu.accelerate import accelerate
+    from ..acceleration import accelerate
 
     model = model.to(device)
     if device.type == "cpu" and fused:

@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from .. import models  # noqa: F401  (registers our architectures with timm)
-from .checkpoint import check_arch, load_model_state
 from ..limits import check_model_kwargs
+from .checkpoint import check_arch, load_model_state
 
 
 class ModelBuildError(ValueError):

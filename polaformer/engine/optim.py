@@ -82,7 +82,8 @@ def build_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
     groups = param_groups(model, cfg.TRAIN.WEIGHT_DECAY)
     name = opt.NAME.lower()
     if name == "adamw":
-        return torch.optim.AdamW(groups, lr=lr, betas=tuple(opt.BETAS), eps=opt.EPS, weight_decay=cfg.TRAIN.WEIGHT_DECAY)
+        return torch.optim.AdamW(groups, lr=lr, betas=tuple(opt.BETAS), eps=opt.EPS,
+                                 weight_decay=cfg.TRAIN.WEIGHT_DECAY)
     if name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=opt.MOMENTUM, nesterov=True, weight_decay=cfg.TRAIN.WEIGHT_DECAY)
     raise ConfigError(f"TRAIN.OPTIMIZER.NAME must be 'adamw' or 'sgd', got {opt.NAME!r}")

@@ -9,7 +9,7 @@ The other commands' files (pictures, samples, exported models, tables, benchmark
 :func:`claim_outputs` before any work starts, then :func:`write_output`: a file that exists already is
 refused in one line unless ``overwrite`` (``--overwrite``), several outputs that would share a name get
 distinct ones (:func:`distinct_names`: ``x.png``, ``x-2.png``...), and each is written atomically
-(:func:`polaformer.checkpoint.atomic_write`: a reader, or a crash, sees the old file or the new one whole).
+(:func:`polaformer.files.atomic_write`: a reader, or a crash, sees the old file or the new one whole).
 
 Both make their folders through :func:`make_folder`, which records what it created: ``polaformer.cli.main``
 removes those a failed command left empty (:func:`remove_empty_made_folders`).
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..checkpoint import atomic_write
+from ..files import atomic_write
 from .config import ConfigError
 
 __all__ = ["LOCK_NAME", "OutputLock", "claim_outputs", "distinct_names", "forget_made_folders", "make_folder",

@@ -34,7 +34,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..checkpoint import CorruptCheckpointError, atomic_write, read_checkpoint, with_checksum
+from ..checkpoint import CorruptCheckpointError, read_checkpoint, with_checksum
+from ..files import atomic_write
 from .config import ConfigError
 from .distributed import DistContext
 
@@ -217,7 +218,8 @@ def load_sharded(folder: Path, model: nn.Module, optimizer, ema: nn.Module | Non
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             dcp.load(states, checkpoint_id=str(folder), no_dist=not (dist.is_available() and dist.is_initialized()))
     except Exception as e:  # CheckpointException gathers every process's failure: its first line says enough
-        raise ValueError(f"the shard folder {folder.name} does not fit this run: {str(e).strip().splitlines()[0]}") from e
+        first_line = str(e).strip().splitlines()[0]
+        raise ValueError(f"the shard folder {folder.name} does not fit this run: {first_line}") from e
     set_model_state_dict(model, states["model"])
     set_optimizer_state_dict(model, optimizer, states["optimizer"])
     if ema is not None:

@@ -1,5 +1,5 @@
-"""What the step-based tasks (language models, super-resolution, diffusion, LRA) share, so that each states only its
-model, data, loss and evaluation.
+"""What the step-based tasks (language models, super-resolution, diffusion, LRA, conversion) share, so that each
+states only its model, data, loss and evaluation.
 
 Each such task is configured by one config tree (:class:`~.config.Config`) whose ``train`` section says how the
 loop runs. Its ``train_*`` function checks the tree once, builds its :class:`StepTask` (the data) and hands both to
@@ -18,64 +18,55 @@ from torch import nn
 from ..checkpoint import CorruptCheckpointError
 from .checkpoint import load_task_weights, read_task_checkpoint
 from .config import Config, ConfigError
-from .loop import Engine, LoopSettings, Task
-from .parallel import check_execution
+from .loop import Engine
+from .options import OPTIONS, check_options, loop_kwargs, resumable_keys, section_values, train_section
+from .task import LoopSettings, Task
 
 __all__ = ["EXECUTION_DEFAULTS", "EXECUTION_KEYS", "OPTIONAL_TRAIN_KEYS", "StepTask", "check_execution_keys",
-           "load_task_model", "saved_config", "step_settings", "train_defaults"]
+           "check_train_options", "load_task_model", "saved_config", "step_settings", "train_defaults"]
 
-# How the engine runs the model (engine/parallel.py), in every step task's ``train`` section and the dense
-# recipes': 'ddp' or 'fsdp' under torchrun; torch.compile (null/false: off, true: inductor, an inductor mode such as
-# 'reduce-overhead', or a backend name such as 'eager'); gradient checkpointing of every block. None changes what is
-# computed, so a resumed run may change them.
-EXECUTION_DEFAULTS = {"parallel": "ddp", "compile": None, "grad_checkpointing": False}
+# Earlier names, read from the declarations (polaformer.engine.options): how the engine runs the model, and the
+# ``train`` keys that set a LoopSettings field.
+EXECUTION_DEFAULTS = {option.name: option.default for option in OPTIONS
+                      if option.name in ("parallel", "compile", "grad_checkpointing")}
 EXECUTION_KEYS = tuple(f"train.{key}" for key in EXECUTION_DEFAULTS)
-
-# ``train`` keys a task's configuration may have -> the LoopSettings field each sets (clipping and EMA: 0 is off)
-OPTIONAL_TRAIN_KEYS = {"clip_grad_norm": "clip_grad_norm", "clip_grad_value": "clip_grad_value",
-                       "ema_decay": "ema_decay", "amp": "amp", "save_every": "save_every_steps",
-                       **{key: key for key in EXECUTION_DEFAULTS}}
-_ZERO_IS_OFF = ("clip_grad_norm", "clip_grad_value", "ema_decay")
+OPTIONAL_TRAIN_KEYS = {option.name: option.loop_field for option in OPTIONS if option.loop_field is not None}
 
 
-def train_defaults(*, steps: int, batch_size: int, eval_every: int, seed: int = 0, **task_keys: Any) -> dict:
-    """A step task's default ``train`` section: what :func:`step_settings` reads (``steps``, ``batch_size``,
-    ``eval_every``, ``seed``; no loader workers; ``amp`` off, which when on is bfloat16 on the CPU and float16 with a
-    GradScaler on CUDA; :data:`EXECUTION_DEFAULTS`) around the task's own keys (its optimiser, schedule and
-    evaluation size)."""
-    return {"steps": steps, "batch_size": batch_size, **task_keys, "eval_every": eval_every, "seed": seed,
-            "num_workers": 0, "amp": False, **EXECUTION_DEFAULTS}
+def train_defaults(task: str | None = None, /, **values: Any) -> dict:
+    """A step task's default ``train`` section: every engine option ``task`` has (:mod:`.options`: steps, batch
+    size, learning rate, evaluation and checkpoint cadence, seed, workers, precision, parallelism...), at the value
+    the task gives (``steps``, ``batch_size``, ``lr`` have none of their own) or its declared default, then the
+    task's own keys (its optimiser, schedule and evaluation size)."""
+    return train_section(task, values)
+
+
+def check_train_options(cfg: Config, task: str | None = None, error: type[Exception] = ConfigError, *,
+                        unsharded: str | None = None) -> None:
+    """The engine options of ``cfg.train`` against their declarations, one line naming the key; ``unsharded``: the
+    task's models, when it does not train them with ``parallel: fsdp``."""
+    check_options(cfg, task, error, unsharded=unsharded)
 
 
 def check_execution_keys(train: Config | dict, error: type[Exception] = ConfigError, *,
                          unsharded: str | None = None) -> None:
-    """The :data:`EXECUTION_DEFAULTS` keys of a ``train`` section, one line for a value no run can use;
-    ``unsharded``: the task's models, when it does not train them with ``parallel: fsdp``."""
-    values = [train.get(key, default) for key, default in EXECUTION_DEFAULTS.items()]
-    try:
-        check_execution(*values, keys=EXECUTION_KEYS)
-    except ConfigError as e:
-        raise error(str(e)) from None
-    if unsharded and values[0] == "fsdp":
-        raise error(f"train.parallel fsdp is not supported for {unsharded}: use ddp")
+    """:func:`check_train_options` of a ``train`` section alone (the name of earlier versions)."""
+    check_options({"train": train}, None, error, unsharded=unsharded)
 
 
 def step_settings(cfg: Config, output: str | os.PathLike, *, resume: str | os.PathLike | None = None,
                   overwrite: bool = False, device: str = "auto", show_progress: bool = True, allow_changed=(),
                   on_update: Callable[[int], None] | None = None) -> LoopSettings:
-    """The engine's settings of a step-based run: ``cfg.train``'s ``steps``, ``batch_size``, ``eval_every``,
-    ``seed`` and ``num_workers``, and those of :data:`OPTIONAL_TRAIN_KEYS` it has; the rest from the command.
+    """The engine's settings of a step-based run: the engine options ``cfg.train`` holds (:func:`.options.loop_kwargs`),
+    the rest from the command.
 
     ``resume``: ``'auto'`` (``output/last.pth`` if it exists) or a checkpoint; ``allow_changed``: settings a
-    resumed run may change (see :class:`~.loop.Engine`); ``on_update(step)``: called after every update."""
-    t = cfg.train
-    optional = {field: t[key] for key, field in OPTIONAL_TRAIN_KEYS.items() if key in t}
-    optional.update({key: optional[key] or None for key in _ZERO_IS_OFF if key in optional})
+    resumed run may change (see :func:`~.resume.check_same_settings`); ``on_update(step)``: called after every
+    update."""
     return LoopSettings(
-        output=Path(output), batch_size=t.batch_size, steps=t.steps, eval_every=t.eval_every, seed=t.seed,
-        num_workers=t.num_workers, device=device, resume=None if resume is None else str(resume),
+        output=Path(output), device=device, resume=None if resume is None else str(resume),
         allow_changed=tuple(allow_changed), overwrite=overwrite, show_progress=show_progress, on_update=on_update,
-        **optional,
+        **loop_kwargs(section_values(cfg.train)),
     )
 
 
@@ -84,7 +75,7 @@ class StepTask(Task):
     the model, data, loss and evaluation; :meth:`opening`, :meth:`evaluation_line` and :meth:`run_summary` give
     its log lines and ``metrics.json`` the form of every other step-based task's."""
 
-    execution_keys = EXECUTION_KEYS
+    execution_keys = resumable_keys(None)  # the run's length and cadence, its workers, how the model runs
 
     def __init__(self, cfg: Config):
         self.cfg = cfg

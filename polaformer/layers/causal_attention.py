@@ -15,9 +15,18 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..ops import (CausalState, causal_linear_attention, causal_pacs_linear_attention, causal_pacs_step,
-                   causal_pola_linear_attention, causal_pola_step, elu_feature, learnable_power, pacs_temperature,
-                   rope_1d)
+from ..ops import (
+    CausalState,
+    causal_linear_attention,
+    causal_pacs_linear_attention,
+    causal_pacs_step,
+    causal_pola_linear_attention,
+    causal_pola_step,
+    elu_feature,
+    learnable_power,
+    pacs_temperature,
+    rope_1d,
+)
 from .pola_attention import check_heads
 from .sequence_attention import GATE_INITS
 

@@ -23,11 +23,25 @@ import torch
 from timm.layers import Attention
 from torch import nn
 
-from .baseline_attention import (CosformerAttention, FocusedLinearAttention, KernelizedAttention, LinearAttention,
-                                 LinformerAttention, NystromAttention, PerformerAttention, SkyformerAttention,
-                                 SoftmaxAttention, check_mixer_inputs, check_mixer_sizes)
-from .causal_attention import (EluCausalSelfAttention, PacsCausalSelfAttention, PolaCausalSelfAttention,
-                               SoftmaxCausalSelfAttention)
+from .baseline_attention import (
+    CosformerAttention,
+    FocusedLinearAttention,
+    KernelizedAttention,
+    LinearAttention,
+    LinformerAttention,
+    NystromAttention,
+    PerformerAttention,
+    SkyformerAttention,
+    SoftmaxAttention,
+    check_mixer_inputs,
+    check_mixer_sizes,
+)
+from .causal_attention import (
+    EluCausalSelfAttention,
+    PacsCausalSelfAttention,
+    PolaCausalSelfAttention,
+    SoftmaxCausalSelfAttention,
+)
 from .pacs_grid_attention import PacsGridAttention
 from .sequence_attention import PacsSequenceAttention, PolaSequenceAttention
 

@@ -166,7 +166,8 @@ class _SequenceAttention(nn.Module):
         out = out.transpose(1, 2).reshape(query.shape)
         if self_attention and self.local != "none":
             if causal and self.local != "dwc":
-                raise ValueError(f"causal attention needs local='dwc' or 'none': a {self.local} branch sees later tokens")
+                raise ValueError(
+                    f"causal attention needs local='dwc' or 'none': a {self.local} branch sees later tokens")
             # causal: the same kernel shifted to end at each token (its left half-width of extra zeros)
             shift = self.dwc.kernel_size[0] // 2 if causal else 0
             out = out + self._local(F.pad(v, (0, 0, shift, 0)))[:, :v.shape[1]]

@@ -36,11 +36,11 @@ from timm.layers import get_device_dtype, trunc_normal_
 from timm.models import register_model, register_notrace_function, register_notrace_module
 from torch import nn
 
+from ..capture import capturing, legacy_onnx_export
 from ..checkpoint import official_checkpoint_globals
 from ..layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention, SpatialReductionAttention
 from ..limits import check_model_memory
 from ..ops import resample_grid_table
-from ..ops.dispatch import capturing, legacy_onnx_export
 
 __all__ = ["ClassifierMixin", "build_image_model", "build_model_with_cfg", "check_global_pool", "check_image",
            "checkpoint_filter_fn", "empty_batch", "factory_kwargs", "image_cfg", "pos_table_for_grid",
@@ -140,8 +140,8 @@ def _first_rows(out, rows: int):
     return out
 
 
-def check_architecture(drop_path_rate: float = 0.0, *, rate_name: str = "drop_path_rate", num_classes: int | None = None,
-                       ratios: Mapping[str, object] | None = None, **sizes) -> None:
+def check_architecture(drop_path_rate: float = 0.0, *, rate_name: str = "drop_path_rate",
+                       num_classes: int | None = None, ratios: Mapping[str, object] | None = None, **sizes) -> None:
     """Refuse what a constructor would otherwise build into a broken model (a 0-block model, a division by zero
     heads, 0 input channels, an MLP of no width, NaN stochastic depth, -1 classes), one ValueError naming the
     argument. ``sizes``: counts (depth, num_heads, in_chans, sr_ratios, window_size...), each a positive integer

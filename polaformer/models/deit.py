@@ -23,17 +23,27 @@ from __future__ import annotations
 from functools import partial
 
 import torch
-from torch import nn
 from timm.layers import DropPath, Mlp, PatchEmbed, trunc_normal_
 from timm.models import generate_default_cfgs
 from timm.models._features import feature_take_indices
+from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    ClassifierMixin, build_image_model, check_architecture, check_global_pool, check_grid, check_image, empty_batch,
-    factory_kwargs, image_cfg, pos_table_for_grid, register_variants, trunc_normal_init,
+    ClassifierMixin,
+    build_image_model,
+    check_architecture,
+    check_global_pool,
+    check_grid,
+    check_image,
+    empty_batch,
+    factory_kwargs,
+    image_cfg,
+    pos_table_for_grid,
+    register_variants,
+    trunc_normal_init,
 )
 
 __all__ = ["PolaDeiT"]

@@ -19,8 +19,8 @@ from timm.models import generate_default_cfgs
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..capture import capturing
 from ..layers.registry import sequence_attentions
-from ..ops.dispatch import capturing
 from ._helpers import check_architecture, refuse_unknown_kwargs, register_variants
 
 __all__ = ["ATTENTIONS", "PolaDiT", "sincos_pos_table", "timestep_frequencies"]

@@ -18,8 +18,8 @@ from timm.models import generate_default_cfgs
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from ..capture import capturing
 from ..layers.registry import sequence_attentions
-from ..ops.dispatch import capturing
 from ._helpers import check_architecture, refuse_unknown_kwargs, register_variants
 
 __all__ = ["ATTENTIONS", "PolaLM"]
@@ -142,7 +142,8 @@ class PolaLM(nn.Module):
             raise ValueError(f"the prompt must be (batch, tokens) with at least one token, got {tuple(prompt.shape)}")
         if isinstance(new_tokens, bool) or not isinstance(new_tokens, int) or new_tokens < 0:
             raise ValueError(f"new_tokens must be an integer >= 0, got {new_tokens!r}")
-        if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 <= temperature < math.inf:
+        number = isinstance(temperature, (int, float)) and not isinstance(temperature, bool)
+        if not number or not 0 <= temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), got {temperature!r}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0: all), got {top_k!r}")

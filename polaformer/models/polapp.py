@@ -23,18 +23,24 @@ from typing import Sequence
 import torch
 from timm.layers import DropPath, SelectAdaptivePool2d, get_device_dtype
 from timm.models import generate_default_cfgs
-from timm.models._registry import register_model_deprecations
 from timm.models._features import feature_take_indices
+from timm.models._registry import register_model_deprecations
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .official import register_official
 from ..layers import PacsLinearAttention, RoPE2d, RopeSoftmaxAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    build_image_model, check_architecture, check_image, empty_batch, factory_kwargs, image_cfg, register_variants,
+    build_image_model,
+    check_architecture,
+    check_image,
+    empty_batch,
+    factory_kwargs,
+    image_cfg,
+    register_variants,
     trunc_normal_init,
 )
+from .official import register_official
 
 __all__ = ["PolaFormerPP"]
 

@@ -36,13 +36,23 @@ from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .official import register_official
 from ..layers import PolaLinearAttention, SpatialReductionAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    ClassifierMixin, build_image_model, check_architecture, check_global_pool, check_grid, check_image, empty_batch,
-    factory_kwargs, image_cfg, pos_table_for_grid, register_variants, trunc_normal_init,
+    ClassifierMixin,
+    build_image_model,
+    check_architecture,
+    check_global_pool,
+    check_grid,
+    check_image,
+    empty_batch,
+    factory_kwargs,
+    image_cfg,
+    pos_table_for_grid,
+    register_variants,
+    trunc_normal_init,
 )
+from .official import register_official
 
 __all__ = ["HeldNorm", "PolaPVT", "PyramidBase"]
 

@@ -23,7 +23,12 @@ from torch.utils.checkpoint import checkpoint
 from ..layers import PolaLinearAttention
 from ..ops import tokens_to_map
 from ._helpers import (
-    build_image_model, check_architecture, check_global_pool, factory_kwargs, image_cfg, register_variants,
+    build_image_model,
+    check_architecture,
+    check_global_pool,
+    factory_kwargs,
+    image_cfg,
+    register_variants,
     trunc_normal_init,
 )
 from .pvt import PyramidBase
@@ -100,7 +105,8 @@ class PolaPVTv2(PyramidBase):
             setattr(self, f"patch_embed{i + 1}", embed)
             setattr(self, f"block{i + 1}", nn.ModuleList(
                 PolaPVTv2Block(embed_dims[i], num_heads[i], mlp_ratios[i], grid * grid, dpr[cur + j], norm_layer,
-                               alpha, kernel_size, dict(polarity=polarity, polarity_coefficients=polarity_coefficients, local=local))
+                               alpha, kernel_size,
+                               dict(polarity=polarity, polarity_coefficients=polarity_coefficients, local=local))
                 for j in range(depth)
             ))
             setattr(self, f"norm{i + 1}", norm_layer(embed_dims[i]))

@@ -54,12 +54,22 @@ from timm.models._features import feature_take_indices
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .official import register_official
 from ..layers import PolaLinearAttention, WindowAttention
 from ._helpers import (
-    ClassifierMixin, build_image_model, check_architecture, check_global_pool, check_grid, check_image, empty_batch,
-    factory_kwargs, image_cfg, pos_table_for_grid, register_variants, trunc_normal_init,
+    ClassifierMixin,
+    build_image_model,
+    check_architecture,
+    check_global_pool,
+    check_grid,
+    check_image,
+    empty_batch,
+    factory_kwargs,
+    image_cfg,
+    pos_table_for_grid,
+    register_variants,
+    trunc_normal_init,
 )
+from .official import register_official
 
 __all__ = ["PolaSwinTransformer", "shifted_window_mask"]
 
@@ -286,7 +296,8 @@ class PolaSwinTransformer(ClassifierMixin, nn.Module):
     def __init__(self, img_size=224, patch_size=4, in_chans=3, num_classes=1000, embed_dim=96, depths=(2, 2, 6, 2),
                  num_heads=(3, 6, 12, 24), window_size=7, mlp_ratio=4.0, qkv_bias=True, qk_scale=None, drop_rate=0.0,
                  attn_drop_rate=0.0, drop_path_rate=0.1, norm_layer=nn.LayerNorm, ape=False, patch_norm=True,
-                 alpha=4, kernel_size=5, attn_type="LLLL", global_pool="avg", polarity=True, polarity_coefficients=True, local="dwc"):
+                 alpha=4, kernel_size=5, attn_type="LLLL", global_pool="avg", polarity=True, polarity_coefficients=True,
+                 local="dwc"):
         super().__init__()
         check_architecture(drop_path_rate, depths=list(depths), num_heads=list(num_heads), embed_dim=embed_dim,
                            in_chans=in_chans, patch_size=patch_size, window_size=window_size,

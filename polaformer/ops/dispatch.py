@@ -1,10 +1,11 @@
-"""Where the ops choose their kernel: the one capture check and the one backend switch.
+"""Which kernels an op may call: the one backend switch (which kernels are allowed) and what is available.
 
-Every op has a plain torch formulation, the one export, ONNX, TorchScript and FX tracing see. In eager mode
-the ops call the native kernels of :mod:`polaformer.backends.cpu` on CPU tensors and the Triton kernels of
-:mod:`polaformer.backends.triton` on CUDA tensors, where those are available and allowed; under torch.compile
-the Triton kernels too (as registered ops), the CPU kernels not. Nothing else in the package asks these
-questions.
+Every op has a plain torch formulation, the one export, ONNX, TorchScript and FX tracing see (the capture
+questions are :mod:`polaformer.capture`'s). In eager mode the ops call the native kernels of
+:mod:`polaformer.backends.cpu` on CPU tensors (:func:`cpu_kernels`) and their own Triton kernels
+(``ops/<op>/triton.py``) on CUDA tensors where :func:`triton_allowed` says so; under torch.compile the Triton
+kernels too (as registered ops), the CPU kernels not. The order in which an op tries its paths is written once,
+in its ``ops/<op>/op.py`` (``_path``).
 
 Switches:
 
@@ -22,12 +23,9 @@ import os
 
 import torch
 
+from ..backends import triton as triton_backend
 from ..backends.cpu import native
-
-try:
-    from torch.fx._symbolic_trace import is_fx_symbolic_tracing as _fx_tracing
-except ImportError:  # older torch: only the flag that torch.export sets as well
-    from torch.fx._symbolic_trace import is_fx_tracing as _fx_tracing
+from ..capture import capturing, exporting, legacy_onnx_export  # noqa: F401  (re-exported from their old home)
 
 __all__ = [
     "attention_backend",
@@ -37,7 +35,7 @@ __all__ = [
     "legacy_onnx_export",
     "on_gpu",
     "set_attention_backend",
-    "triton_kernels",
+    "triton_allowed",
 ]
 
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
@@ -66,37 +64,6 @@ def set_attention_backend(name: str | None) -> str | None:
     return previous
 
 
-def capturing() -> bool:
-    """True while a graph is being captured: torch.compile, torch.export, the ONNX exporters, TorchScript, or
-    FX symbolic tracing (where tensors are proxies). Capture gets no eager CPU kernel (their in-place and
-    ``out=`` writes break or mis-trace there) and no check that reads a value; under torch.compile the Triton
-    kernels stay, as registered ops (:func:`triton_kernels`)."""
-    return torch.compiler.is_compiling() or exporting()
-
-
-def exporting() -> bool:
-    """True while a graph is captured for another runtime (torch.export, ONNX, TorchScript, FX symbolic
-    tracing): these keep the plain torch formulation, which every runtime can run."""
-    if torch.compiler.is_compiling():
-        # Under dynamo only torch.export can be exporting, and the other checks need not be traced (torch
-        # 2.11's dynamo breaks the graph on some of them). The flag is read, not is_exporting() called: dynamo
-        # before torch 2.12 folds that call to True under torch.compile, which sent compiled calls on a GPU
-        # to the torch formulation.
-        return bool(getattr(torch.compiler, "_is_exporting_flag", False))
-    return (
-        torch.compiler.is_exporting()
-        or torch.onnx.is_in_onnx_export()
-        or torch.jit.is_tracing()
-        or torch.jit.is_scripting()
-        or _fx_tracing()
-    )
-
-
-def legacy_onnx_export() -> bool:
-    """True inside ``torch.onnx.export(..., dynamo=False)``, whose TorchScript tracer lacks some operators."""
-    return torch.onnx.is_in_onnx_export() and torch.jit.is_tracing()
-
-
 def cpu_kernels(x: torch.Tensor):
     """The compiled CPU kernels for a float32/float64 CPU tensor ``x``, or None (then the torch formulation
     runs). For eager calls: a caller under :func:`capturing` takes the plain formulation before asking."""
@@ -113,35 +80,33 @@ def on_gpu(x: torch.Tensor) -> bool:
     return x.device.type == "cuda"
 
 
-def triton_kernels(x: torch.Tensor):
-    """The Triton kernels module (:mod:`polaformer.backends.triton`) for a call on ``x``, or None: CUDA
-    tensors under the ``auto`` or ``triton`` backend, CPU tensors only under ``triton`` with
-    ``TRITON_INTERPRET=1``; float64 CUDA tensors take the torch formulation. Eager calls and torch.compile
-    both get the kernels (under compile each entry point is a ``torch.library`` op, so the graph holds it);
-    :func:`exporting` gets None. Imported on first use, so importing polaformer never imports triton.
+def triton_allowed(x: torch.Tensor) -> bool:
+    """Whether a call on ``x`` runs an op's Triton kernels: CUDA tensors under the ``auto`` or ``triton``
+    backend, CPU tensors only under ``triton`` with ``TRITON_INTERPRET=1``; float64 CUDA tensors take the torch
+    formulation. Eager calls and torch.compile both get the kernels (under compile each entry point is a
+    ``torch.library`` op, so the graph holds it); :func:`~polaformer.capture.exporting` gets False. The op
+    imports its kernels only then, so importing polaformer never imports triton.
 
     Raises RuntimeError when the ``triton`` backend was asked for explicitly and cannot run on ``x``.
     """
     backend = attention_backend()
     if backend not in ("auto", "triton") or exporting():
-        return None
+        return False
     gpu = on_gpu(x)
     if gpu and x.dtype == torch.float64:
         # Triton's fp64 products do not compile for every shape on a GPU (an abort, not an error): float64
         # takes the torch formulation there; the CPU interpreter runs it (the tests' gradcheck).
-        return None
+        return False
     if not gpu:
         if backend == "auto":
-            return None
+            return False
         if x.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError(
                 f"attention backend 'triton' needs CUDA tensors (or CPU tensors with TRITON_INTERPRET=1 set "
                 f"before triton is imported); got a {x.device.type} tensor"
             )
-    from ..backends import triton as triton_backend
-
     if triton_backend.available():
-        return triton_backend
+        return True
     if backend == "triton":
         raise RuntimeError("attention backend 'triton' needs the triton package, which is not installed")
-    return None
+    return False

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import legacy_onnx_export
+from ..capture import legacy_onnx_export
 
 __all__ = [
     "polarity_split",

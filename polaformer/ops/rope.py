@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .dispatch import capturing, cpu_kernels
+from ..capture import capturing
+from .dispatch import cpu_kernels
 
 __all__ = ["rope_angles", "rope_1d", "rope_2d", "apply_rope", "rotate_pairs"]
 

@@ -28,7 +28,8 @@ def check_cu_seqlens(cu_seqlens: torch.Tensor, total: int, name: str = "cu_seqle
     check_offsets(cu_seqlens, name)
     offsets = cu_seqlens.tolist()
     if offsets[0] != 0 or offsets[-1] != total:
-        raise ValueError(f"{name} must start at 0 and end at the packed token count {total}; got {offsets[0]}…{offsets[-1]}")
+        raise ValueError(f"{name} must start at 0 and end at the packed token count {total}; "
+                         f"got {offsets[0]}…{offsets[-1]}")
     if any(b < a for a, b in zip(offsets, offsets[1:])):
         raise ValueError(f"{name} must be non-decreasing, got {offsets}")
     return offsets

@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .dispatch import capturing
+from ..capture import capturing
 
 __all__ = ["window_softmax_attention"]
 

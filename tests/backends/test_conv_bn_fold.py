@@ -1,4 +1,5 @@
-"""accelerate(model, inference=True): PolaFormer++'s stem and PatchMerging convs with their BatchNorm folded in, GELU fused.
+"""accelerate(model, inference=True): PolaFormer++'s stem and PatchMerging convs with their BatchNorm folded in, GELU
+fused.
 
 Tolerances (tests/README.md, tests/tolerances.py): float64 folded against unfolded at 1e-12, far above reorder_rtol(n,
 float64) (3x3 x 8 channels: 72 terms, 1.6e-14·κ); float32 against float64 at 1e-5 is probable_rtol of those 72 terms

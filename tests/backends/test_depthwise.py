@@ -1,5 +1,5 @@
-"""polaformer.backends.cpu.conv.depthwise_conv2d: F.conv2d's values and gradients, with the weight gradient from the native
-kernel where it applies (5×5 and larger, channels-last, with gradients).
+"""polaformer.backends.cpu.conv.depthwise_conv2d: F.conv2d's values and gradients, with the weight gradient from the
+native kernel where it applies (5×5 and larger, channels-last, with gradients).
 
 Tolerances (tests/README.md, tests/tolerances.py): float64 against F.conv2d and autograd at 1e-12, far above
 reorder_rtol(n, float64) for sums of at most a 9x9 window over a 33x7x9 batch (n ≤ 2,000: 4.4e-13·κ); float32 against
@@ -187,9 +187,9 @@ def _branch_case(dim, heads, k, prefix, grid, seed=0, dtype=F64):
 
 
 @needs_kernel
-@pytest.mark.parametrize("dim,heads,k,prefix,grid", [(24, 3, 5, 0, (6, 7)), (32, 2, 5, 1, (5, 5)), (16, 4, 3, 0, (4, 9)),
-                                                     (12, 3, 7, 1, (3, 3)), (40, 2, 5, 0, (1, 1)), (96, 3, 5, 0, (9, 13)),
-                                                     (36, 2, 3, 1, (8, 11)), (34, 2, 5, 0, (7, 12))])
+@pytest.mark.parametrize("dim,heads,k,prefix,grid", [
+    (24, 3, 5, 0, (6, 7)), (32, 2, 5, 1, (5, 5)), (16, 4, 3, 0, (4, 9)), (12, 3, 7, 1, (3, 3)),
+    (40, 2, 5, 0, (1, 1)), (96, 3, 5, 0, (9, 13)), (36, 2, 3, 1, (8, 11)), (34, 2, 5, 0, (7, 12))])
 def test_fused_local_branch_matches_the_plain_ops_in_float64(dim, heads, k, prefix, grid):
     layer, out, v, g = _branch_case(dim, heads, k, prefix, grid)
     ref = _plain_local_branch(layer, out, v, g, prefix, *grid)
@@ -221,7 +221,7 @@ def test_fused_local_branch_is_skipped_with_gradients_or_while_tracing(monkeypat
     layer = accelerate(layer)
     v.requires_grad_()
     assert layer.local_branch_and_gate(out, v, g, 6, 7) is not out
-    import polaformer.backends.cpu.accelerate as accelerated
+    import polaformer.acceleration as accelerated
 
     monkeypatch.setattr(accelerated, "capturing", lambda: True)
     with torch.no_grad():

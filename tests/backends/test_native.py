@@ -13,11 +13,17 @@ import torch
 
 import polaformer.backends.cpu.native as native_mod
 import polaformer.ops.dispatch as dispatch
-import polaformer.ops.pacs_attention as pacs
-import polaformer.ops.pola_attention as pa
-from polaformer.ops import _common
+import polaformer.ops.pacs.autograd as pacs
+import polaformer.ops.pola.autograd as pa
+from polaformer.ops import (
+    _common,
+    learnable_power,
+    naive_pola_linear_attention,
+    pola_linear_attention,
+    rope_2d,
+    rope_angles,
+)
 from polaformer.ops._common import sum_to
-from polaformer.ops import learnable_power, naive_pola_linear_attention, pola_linear_attention, rope_2d, rope_angles
 
 F64 = torch.float64
 
@@ -166,7 +172,8 @@ def test_query_features_with_normalisers_match_torch_ops(native, d, keep_log):
     res = _x((b, h, n, 7), seed=3)
     out = pa._token_major_output(x, res)
     native.divide_streams(res, z, 4, out)
-    torch.testing.assert_close(out, torch.cat([res[..., :4] / z[..., :1], res[..., 4:] / z[..., 1:]], -1), rtol=0, atol=0)
+    divided = torch.cat([res[..., :4] / z[..., :1], res[..., 4:] / z[..., 1:]], -1)
+    torch.testing.assert_close(out, divided, rtol=0, atol=0)
     with pytest.raises(RuntimeError, match="key_means must be"):
         native.power_features_dots(x, power, key_means[..., 1:], 1e-6, keep_log)
 

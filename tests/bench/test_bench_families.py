@@ -9,11 +9,11 @@ import sys
 
 import pytest
 
+from conftest import REPO
+from polaformer.backends.cpu.native import native_kernels
 from polaformer.bench import harness
 from polaformer.bench.native import run_native
 from polaformer.cli import main
-from polaformer.backends.cpu.native import native_kernels
-from conftest import REPO
 
 # The torch ops, not the native kernels: these runs check the benchmarks, not the kernels, and should not
 # wait on a native build that another process holds.

@@ -33,8 +33,8 @@ def test_smoke_run_writes_a_row_per_method_and_mode(tmp_path):
             ("sdpa", "fwd", "False"), ("pola_triton", "fwd_bwd", "True"), ("sdpa", "fwd_bwd", "True")} <= cells
     assert all(row["error"] == "" and float(row["ms"]) > 0 and row["dtype"] == "bf16" for row in rows)
     # compiled and CUDA-graph timings are GPU-only: each row gives the reason in place of a time
-    assert all(row["compiled_ms"] == row["graph_ms"] == "" and row["compiled_error"] == row["graph_error"] == "CUDA only"
-               for row in rows)
+    assert all(row["compiled_ms"] == row["graph_ms"] == ""
+               and row["compiled_error"] == row["graph_error"] == "CUDA only" for row in rows)
     machine = (f"cpu ({platform.machine()})", torch.__version__, triton.__version__)
     assert all((row["device"], row["torch"], row["triton"]) == machine for row in rows)
 
@@ -43,8 +43,10 @@ def test_a_failing_method_is_a_row_with_its_reason(monkeypatch):
     def broken(q, k, v, extra):
         raise RuntimeError("no kernel for this shape\nsecond line")
 
-    monkeypatch.setattr(gpu, "methods", lambda shape, smoke: {
-        "broken": gpu.Method(broken), "sdpa": gpu.Method(lambda q, k, v, extra: F.scaled_dot_product_attention(q, k, v))})
+    def sdpa(q, k, v, extra):
+        return F.scaled_dot_product_attention(q, k, v)
+
+    monkeypatch.setattr(gpu, "methods", lambda shape, smoke: {"broken": gpu.Method(broken), "sdpa": gpu.Method(sdpa)})
     rows = gpu.run_gpu(smoke=True, dtypes=("fp32",), modes=("fwd",), log=lambda line: None)
     assert [(row["method"], row["error"], row["ms"] is None) for row in rows[:2]] == [
         ("broken", "no kernel for this shape", True), ("sdpa", None, False)]

@@ -41,8 +41,10 @@ def test_smoke_writes_a_row_per_model_impl_mode_and_variant(tmp_path, capsys, mo
         for impl in ("ours", "softmax")
     ] + [("pola_lm_small", impl, mode, variant) for variant in ("eager", "compile") for mode in ("train", "infer")
          for impl in ("ours", "softmax")
-    ] + [("pola_pvt_v2_b0", impl, "fwd_bwd", variant) for variant in ("eager", "compile") for impl in ("ours", "softmax")]
-    assert {r["counterpart"] for r in rows if r["impl"] == "softmax"} == {"pvt_v2_b0", "pola_lm_small attention=softmax"}
+    ] + [("pola_pvt_v2_b0", impl, "fwd_bwd", variant) for variant in ("eager", "compile")
+         for impl in ("ours", "softmax")]
+    counterparts = {r["counterpart"] for r in rows if r["impl"] == "softmax"}
+    assert counterparts == {"pvt_v2_b0", "pola_lm_small attention=softmax"}
     for r in rows:
         assert r["batch"] == "1" and r["peak_mib"] == ""
         assert (r["device"], r["torch"]) == (f"cpu ({platform.machine()})", torch.__version__)
@@ -86,7 +88,8 @@ def test_official_pair_is_checked_equal_before_timing(tmp_path, monkeypatch):
     rows = gpu_models.run_gpu_models(models=["pola_dit_s_2"], impls=["official"], modes=["infer"],
                                      variants=["eager"], smoke=True, log=lambda line: None)
     assert len(checked) == 1
-    assert [(r["impl"], r["ms"], r["error"]) for r in rows] == [("official", None, "pola_dit_s_2: outputs differ by 0.5")]
+    assert [(r["impl"], r["ms"], r["error"]) for r in rows] == [
+        ("official", None, "pola_dit_s_2: outputs differ by 0.5")]
 
 
 def test_a_compiled_row_times_the_compiled_model_and_a_failed_compile_is_its_error(monkeypatch):

@@ -11,9 +11,9 @@ import sys
 import pytest
 import torch
 
+from conftest import REPO
 from polaformer.cli import build_parser, main
 from polaformer.cli.common import FLAG_KEYS, TRAIN_FLAG_MEANINGS
-from conftest import REPO
 
 TINY = [
     "--model", "vit_tiny_patch16_224",
@@ -77,7 +77,8 @@ def test_eval_reproduces_the_final_top1(trained, capsys):
 
 def test_eval_with_the_right_model_name(trained, capsys):
     output, _ = trained
-    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "vit_tiny_patch16_224"], capsys)
+    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "vit_tiny_patch16_224"],
+                            capsys)
     assert code == 0, err
 
 
@@ -98,7 +99,8 @@ def test_eval_corrupt_checkpoint(tmp_path, capsys):
 
 def test_eval_checkpoint_of_another_architecture(trained, capsys):
     output, _ = trained
-    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "pola_deit_digits"], capsys)
+    code, _, err = run_main(["eval", "--checkpoint", str(output / "checkpoint.pth"), "--model", "pola_deit_digits"],
+                            capsys)
     assert code == 2
     assert_one_line_error(err, "'vit_tiny_patch16_224'", "'pola_deit_digits'")
 
@@ -118,8 +120,9 @@ def test_eval_checkpoint_whose_weights_do_not_fit(trained, tmp_path, capsys):
     [
         (["train", "--no-such-option"], "unrecognized arguments: --no-such-option"),
         (["train", "--epoch", "3"], "unrecognized arguments: --epoch 3"),  # no silent abbreviations
-        (["train", "--epochs", "many"], "must be a positive integer, got 'many'"),
-        (["train", "--batch-size", "0"], "must be a positive integer, got '0'"),
+        (["train", "--epochs", "many"], "argument --epochs: must be a finite number > 0, got 'many'"),
+        (["train", "--batch-size", "two"], "argument --batch-size: must be a positive integer, got 'two'"),
+        (["train", "--batch-size", "0"], "DATA.BATCH_SIZE must be a positive integer, got 0"),  # with the config
         (["train", "--model-kwarg", "depth"], "expected KEY=VALUE"),
         (["train", "--data", "imagenet"], "invalid choice: 'imagenet'"),
         (["eval"], "the following arguments are required: --checkpoint"),
@@ -166,8 +169,9 @@ def _subparser(parser, path):
 
 @pytest.mark.parametrize("command", [c for c in FLAG_KEYS if c != "dense train"] + ["detect train", "segment train"])
 def test_every_flag_of_the_table_is_an_option_of_its_command(command):
-    """FLAG_KEYS is the one flag -> key path: each of a command's options is on its parser, and a step-based
-    command's help names the key the option sets (detect and segment train share 'dense train')."""
+    """FLAG_KEYS is the one flag -> key path of a command's own options (its engine options: tests/engine/
+    test_options.py): each is on its parser, and a step-based command's help names the key the option sets (detect
+    and segment train share 'dense train')."""
     table = FLAG_KEYS["dense train" if command in ("detect train", "segment train") else command]
     actions = {a.dest: a for a in _subparser(build_parser(), command.split())._actions}
     assert set(table) <= set(actions), set(table) - set(actions)

@@ -19,12 +19,12 @@ import pytest
 import torch
 from PIL import Image
 
-import polaformer.checkpoint
+import polaformer.files
+from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
+from conftest import REPO
 from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
-from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot
-from conftest import REPO
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
@@ -117,8 +117,8 @@ RESUME = ["train", *TINY, "--batch-size", "128", "--output", f"{R}/new", "--epoc
 
 CASES = [
     # settings
-    ("negative lr", [*TRAIN_DIGITS, "--lr", "-1"], "TRAIN.BASE_LR must be a finite number >= 0, got -1.0"),
-    ("NaN lr", [*TRAIN_DIGITS, "--lr", "nan"], "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
+    ("negative lr", [*TRAIN_DIGITS, "--lr", "-1"], "TRAIN.BASE_LR must be a finite number > 0, got -1.0"),
+    ("NaN lr", [*TRAIN_DIGITS, "--lr", "nan"], "TRAIN.BASE_LR must be a finite number > 0, got nan"),
     ("negative weight decay", [*TRAIN_DIGITS, "--weight-decay", "-0.1"], "TRAIN.WEIGHT_DECAY must be a finite"),
     ("label smoothing 1.5", [*TRAIN_DIGITS, "--label-smoothing", "1.5"], "MODEL.LABEL_SMOOTHING must lie in [0, 1)"),
     ("negative NUM_WORKERS", [*TRAIN_FOLDER, "--opts", "DATA.NUM_WORKERS", "-1"],
@@ -259,7 +259,7 @@ def test_full_disk_keeps_the_old_checkpoint(work, capsys, monkeypatch):
             return FullDisk(path, mode)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_full_disk, raising=False)
+    monkeypatch.setattr(polaformer.files, "open", open_on_full_disk, raising=False)
     before = snapshot(work)
     code, _, err = run_main(["train", *TINY, "--epochs", "2", "--batch-size", "128", "--output", run,
                              "--resume", "auto"], capsys)

@@ -23,6 +23,7 @@ import torch
 from PIL import Image
 
 import polaformer.checkpoint
+import polaformer.files
 from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot, within
 from conftest import REPO
 from polaformer.cli import main
@@ -118,7 +119,8 @@ CASES = [
     ("diffusion sample --cfg-scale nan", [*SAMPLE, "--output", f"{R}/new.png", "--cfg-scale", "nan"],
      "sample.cfg_scale must be a finite number >= 0 (1: no guidance), got nan"),
     ("diffusion sample --cfg-scale 1e308", [*SAMPLE, "--output", f"{R}/new.png", "--cfg-scale", "1e308"],
-     "sampling produced NaN or infinite values (sample.cfg_scale 1e+308, ddim with 2 steps): use a smaller --cfg-scale"),
+     "sampling produced NaN or infinite values (sample.cfg_scale 1e+308, ddim with 2 steps): "
+     "use a smaller --cfg-scale"),
     ("diffusion sample over an existing file", [*SAMPLE, "--output", f"{R}/samples.png"],
      "samples.png already exists: --overwrite replaces it, or choose another --output"),
     ("diffusion train.ema_decay .nan", [*DIFF_TRAIN, "train.ema_decay", ".nan", "--output", f"{R}/new"],
@@ -191,7 +193,7 @@ CASES = [
     # ablate and bench
     ("ablate, bad learning rate", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                                    f"{R}/new", "--opts", "TRAIN.BASE_LR", ".nan"],
-     "TRAIN.BASE_LR must be a finite number >= 0, got nan"),
+     "TRAIN.BASE_LR must be a finite number > 0, got nan"),
     ("ablate --seeds 2**70", ["ablate", "--config", str(REPO / "configs/ablations/digits.yaml"), "--output",
                               f"{R}/new", "--seeds", BIG_SEED], "ABLATION.SEEDS must be an integer in [-2**63"),
     ("ablate, a row with local: bogus", ["ablate", "--config", f"{R}/bogus_row.yaml", "--output", f"{R}/new"],
@@ -343,9 +345,9 @@ RESUMES = [
                       r / "lm" / "last.pth", "--output", r / "new"], "train.lr", ["--lr", "0.5"]),
     ("lm", lambda r: ["lm", "train", *LM[:2], "--batch-size", "2", "--steps", "4", *LM[6:], "--resume",
                       r / "lm" / "last.pth", "--output", r / "new"], "train.batch_size", []),
-    ("sr", lambda r: ["sr", "train", "--scale", "2", "--train-hr", r / "hr", "--valid-hr", r / "hr", "--patch-size", "16",
-                      "--steps", "4", "--batch-size", "2", "--eval-every", "2", *SR_TINY, "--resume",
-                      r / "sr" / "last.pth", "--output", r / "new"], "train.lr", ["--lr", "0.5"]),
+    ("sr", lambda r: ["sr", "train", "--scale", "2", "--train-hr", r / "hr", "--valid-hr", r / "hr",
+                      "--patch-size", "16", "--steps", "4", "--batch-size", "2", "--eval-every", "2", *SR_TINY,
+                      "--resume", r / "sr" / "last.pth", "--output", r / "new"], "train.lr", ["--lr", "0.5"]),
     ("classification", lambda r: ["train", *TINY, "--epochs", "2", "--batch-size", "256", "--resume",
                                   r / "digits" / "checkpoint.pth", "--output", r / "new"], "TRAIN.BASE_LR",
      ["--lr", "0.5"]),
@@ -389,7 +391,7 @@ def test_lm_train_onto_a_full_disk_is_the_documented_line(work, tmp_path, capsys
             return io.BufferedWriter(FillsUp(path, mode.replace("b", "")))
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_a_small_disk, raising=False)
+    monkeypatch.setattr(polaformer.files, "open", open_on_a_small_disk, raising=False)
     code, _, err = run_main(["lm", "train", *LM, "--output", tmp_path / "run"], capsys)
     assert code == 2, err
     assert error_line(err, logs_allowed=True).endswith(

@@ -13,13 +13,13 @@ import pytest
 import torch
 from PIL import Image
 
-import polaformer.checkpoint
+import polaformer.files
+from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot, within
+from dense_helpers import write_ade, write_coco
 from polaformer.checkpoint import with_checksum
 from polaformer.cli import main
 from polaformer.engine.output import OutputLock
 from polaformer.tasks.lra.listops import generate_listops
-from cli_helpers import assert_unchanged, error_line, quiet, run_main, snapshot, within
-from dense_helpers import write_ade, write_coco
 
 TINY = ["--model", "vit_tiny_patch16_224", "--model-kwarg", "patch_size=2", "--model-kwarg", "embed_dim=16",
         "--model-kwarg", "depth=1", "--model-kwarg", "num_heads=1"]
@@ -133,13 +133,15 @@ def coco_train(root, name):
 
 CASES = [
     # finished and busy output folders
-    ("lra train into a finished folder", lambda r: lra_train(r, "--output", r / "lra"), "already holds a run (last.pth"),
+    ("lra train into a finished folder", lambda r: lra_train(r, "--output", r / "lra"),
+     "already holds a run (last.pth"),
     ("detect train into a finished folder", lambda r: detect_train("--output", r / "detect"),
      "already holds a run (last.pth"),
     ("segment train into a finished folder", lambda r: segment_train("--output", r / "segment"),
      "already holds a run (last.pth"),
     ("lra generate into a data set", lambda r: ["lra", "generate", "listops", "--out", r / "listops", "--train", "4",
-                                                "--val", "2", "--test", "2", "--min-length", "10", "--max-length", "20"],
+                                                "--val", "2", "--test", "2", "--min-length", "10",
+                                                "--max-length", "20"],
      "already holds a data set (basic_train.tsv"),
     # weights that would load silently wrong
     ("lra eval, NaN weights", lambda r: ["lra", "eval", "--checkpoint", r / "nan_lra.pth", "--data", r / "listops"],
@@ -153,7 +155,8 @@ CASES = [
     ("segment eval, NaN weights", lambda r: ["segment", "eval", "--checkpoint", r / "nan_segment.pth", "--val-size",
                                              "1", "--device", "cpu"], "holds NaN or infinite values"),
     ("detect train --resume, NaN weights", lambda r: detect_train("--output", r / "new", "--steps", "2", "--resume",
-                                                                  r / "nan_detect.pth"), "holds NaN or infinite values"),
+                                                                  r / "nan_detect.pth"),
+     "holds NaN or infinite values"),
     ("train --finetune, inf weights", lambda r: ["train", *TINY, "--epochs", "1", "--finetune", r / "inf_head.pth",
                                                  "--output", r / "new"],
      "weight 'head.weight' holds NaN or infinite values"),
@@ -177,7 +180,8 @@ CASES = [
                                                                  "--output", r / "new"),
      "a batch of data.crop_size 100000 crops (1 x 3 x 100000 x 100000) needs"),
     ("train --seed 1e20", lambda r: ["train", *TINY, "--epochs", "1", "--seed", "99999999999999999999", "--output",
-                                     r / "new"], "SEED must be an integer in [-2**63, 2**63), got 99999999999999999999"),
+                                     r / "new"],
+     "SEED must be an integer in [-2**63, 2**63), got 99999999999999999999"),
     ("COCO bbox 1e30", lambda r: coco_train(r, "bbox_1e30"), "bbox [1e+30, 2, 5, 5] lies outside its 48x64 image"),
     ("COCO bbox outside the image", lambda r: coco_train(r, "bbox_outside"), "lies outside its 48x64 image"),
     ("COCO RLE of 1e6 x 1e6", lambda r: coco_train(r, "rle_huge"), "RLE size must be [height, width] of at most"),
@@ -189,8 +193,9 @@ CASES = [
      "file_name '../../../../etc/passwd' leaves the image folder"),
     ("COCO \"segmentation\": []", lambda r: coco_train(r, "segmentation_empty"),
      "segmentation is an empty list; give polygons or an RLE, or leave the key out"),
-    ("detect predict over an existing drawing", lambda r: ["detect", "predict", "--checkpoint", r / "detect" / "last.pth",
-                                                           r / "x.png", "--out", r / "drawn", "--device", "cpu"],
+    ("detect predict over an existing drawing", lambda r: ["detect", "predict", "--checkpoint",
+                                                           r / "detect" / "last.pth", r / "x.png", "--out", r / "drawn",
+                                                           "--device", "cpu"],
      "drawn/x.png already exists: --overwrite replaces it, or choose another --out"),
     ("lra train --resume, another learning rate", lambda r: lra_train(r, "--output", r / "new", "--steps", "4",
                                                                       "--resume", r / "lra" / "last.pth", "--lr",
@@ -343,7 +348,7 @@ def test_full_disk_and_a_killed_runs_temporary(runs, task, capsys, tmp_path, mon
             return FullDisk(path, mode)
         return real_open(path, mode, *args, **kwargs)
 
-    monkeypatch.setattr(polaformer.checkpoint, "open", open_on_full_disk, raising=False)
+    monkeypatch.setattr(polaformer.files, "open", open_on_full_disk, raising=False)
     last = (run / "last.pth").read_bytes()
     code, out, err = run_main([*argv, "--resume", "auto"], capsys)
     assert code == 2, err

@@ -22,8 +22,7 @@ from polaformer.checkpoint import (
     MissingWeightsError,
     UnsafeCheckpointError,
 )
-from polaformer.engine import read_run_checkpoint
-from polaformer.engine import save_checkpoint
+from polaformer.engine import read_run_checkpoint, save_checkpoint
 
 # A yacs configuration as the official scripts build it (nested nodes, None, lists, tuples).
 CONFIG = {

@@ -16,10 +16,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from polaformer.tasks.classification import build_trainer, evaluate_checkpoint, load_config, run_training
-from polaformer.engine.optim import unwrap
 from conftest import REPO
 from distributed_helpers import assert_same_training, assert_scored_alone, free_port, one_thread
+from polaformer.engine.optim import unwrap
+from polaformer.tasks.classification import build_trainer, evaluate_checkpoint, load_config, run_training
 from tolerances import forward_rtol
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -11,11 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from distributed_helpers import (RUN_FILES, assert_rank0_wrote, assert_same_first_step, assert_same_training,
-                                 assert_scored_alone, checkpoint, finish, free_port, history, launch, one_process,
-                                 scored_alone, torchrun, weights)
-from test_resume import assert_same_tensors
-from tolerances import forward_rtol
+from distributed_helpers import (
+    RUN_FILES,
+    assert_rank0_wrote,
+    assert_same_first_step,
+    assert_same_training,
+    assert_scored_alone,
+    checkpoint,
+    finish,
+    free_port,
+    history,
+    launch,
+    one_process,
+    scored_alone,
+    torchrun,
+    weights,
+)
+from tolerances import assert_same_tensors, forward_rtol
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 

@@ -11,9 +11,20 @@ import pytest
 import torch
 
 from dense_helpers import kwarg_flags
-from distributed_helpers import (RUN_FILES, assert_rank0_wrote, assert_same_first_step, assert_same_training,
-                                 assert_scored_alone, checkpoint, history, metrics, one_process, one_thread,
-                                 scored_alone, torchrun)
+from distributed_helpers import (
+    RUN_FILES,
+    assert_rank0_wrote,
+    assert_same_first_step,
+    assert_same_training,
+    assert_scored_alone,
+    checkpoint,
+    history,
+    metrics,
+    one_process,
+    one_thread,
+    scored_alone,
+    torchrun,
+)
 from tolerances import forward_rtol
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]

@@ -3,36 +3,46 @@
 Tolerances (tests/README.md, tests/tolerances.py): learning rates and losses compared with pytest.approx are the same
 float64 arithmetic in another order (1e-6 relative); the gradient accumulation states its bound inline."""
 import json
+import math
 import re
 
 import pytest
+import timm
 import torch
+from timm.data import Mixup
+from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+from polaformer.checkpoint import atomic_write
 from polaformer.engine import (
     ArchitectureMismatchError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     ModelBuildError,
+    build_optimizer,
+    build_scheduler,
     create_model,
     create_model_from_checkpoint,
     load_model_state,
     read_run_checkpoint,
     save_checkpoint,
 )
-from polaformer.checkpoint import atomic_write
+from polaformer.engine.config import ConfigError
+from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task
+from polaformer.engine.optim import global_batch_size, lr_scale, no_weight_decay_names
 from polaformer.tasks.classification import (
     DEFAULT_MODEL,
     TrainConfig,
+    TrainData,
+    build_trainer,
     evaluate,
     evaluate_checkpoint,
+    load_config,
     make_config,
     run_training,
 )
-from polaformer.engine.config import ConfigError
-from polaformer.engine.loop import Engine, LoopSettings, StepOutput, Task
-from polaformer.tasks.classification.train import model_kwargs_for
+from polaformer.tasks.classification.train import build_criterion, model_kwargs_for
 
 # A ViT small enough to train for an epoch on digits in about a second.
 TINY_ARCH = "vit_tiny_patch16_224"
@@ -341,21 +351,11 @@ def test_run_training_writes_checkpoint_and_metrics(tmp_path):
 
 # --- optimisation ----------------------------------------------------------------------------
 
-import math  # noqa: E402
-
-import timm  # noqa: E402
-from timm.data import Mixup  # noqa: E402
-from timm.loss import LabelSmoothingCrossEntropy, SoftTargetCrossEntropy  # noqa: E402
-
-from polaformer.engine import build_optimizer, build_scheduler
-from polaformer.tasks.classification import TrainData, build_trainer, load_config
-from polaformer.engine.optim import global_batch_size, lr_scale, no_weight_decay_names  # noqa: E402
-from polaformer.tasks.classification.train import build_criterion  # noqa: E402
-
 ATTENTION_TEMPERATURES = ("scale", "power", "positional_encoding", "s1", "s2")
 
 
-@pytest.mark.parametrize("name", ["pola_deit_tiny_patch16_224", "pola_pvt_tiny", "pola_pvt_v2_b0", "pola_swin_t", "POLA_b0"])
+@pytest.mark.parametrize("name",
+                         ["pola_deit_tiny_patch16_224", "pola_pvt_tiny", "pola_pvt_v2_b0", "pola_swin_t", "POLA_b0"])
 def test_no_weight_decay_on_norms_biases_positions_and_temperatures(name):
     with torch.device("meta"):
         model = timm.create_model(name)
@@ -613,8 +613,8 @@ def test_resume_compares_every_setting_and_allows_what_is_named(tmp_path):
     constant = lambda optimizer, per_epoch: torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)  # noqa: E731
 
     def run(folder, settings, steps, **loop):
-        engine = Engine(SettingsTask(settings, x, y, sgd, constant),
-                        LoopSettings(output=folder, device="cpu", show_progress=False, batch_size=8, steps=steps, **loop))
+        engine = Engine(SettingsTask(settings, x, y, sgd, constant), LoopSettings(
+            output=folder, device="cpu", show_progress=False, batch_size=8, steps=steps, **loop))
         try:
             engine.fit()
         finally:
@@ -626,8 +626,9 @@ def test_resume_compares_every_setting_and_allows_what_is_named(tmp_path):
     longer = {**first, "train": {**first["train"], "steps": 4}}
     run(tmp_path / "b", longer, 4, resume=str(last))  # the length may change
     changed = {**first, "train": {**first["train"], "lr": 0.5, "steps": 4}}
-    with pytest.raises(ConfigError, match=rf"^{re.escape(str(last))} was trained with train.lr = 0.1, this run asks for "
-                                          r"0.5: --allow-changed train.lr continues the run with the new value$"):
+    message = (rf"^{re.escape(str(last))} was trained with train.lr = 0.1, this run asks for "
+               r"0.5: --allow-changed train.lr continues the run with the new value$")
+    with pytest.raises(ConfigError, match=message):
         run(tmp_path / "c", changed, 4, resume=str(last))
     run(tmp_path / "d", changed, 4, resume=str(last), allow_changed=("train.lr",))
     model = {**first, "model": {"dims": [4, 5]}}

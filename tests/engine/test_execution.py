@@ -2,16 +2,16 @@
 ``TRAIN.COMPILE`` / ``TRAIN.USE_CHECKPOINT``), through the real commands, each run tiny: gradient checkpointing
 recomputes the blocks' forward passes and ends on the same weights; ``torch.compile`` (the 'eager' backend: dynamo
 captures the graphs, no code generation) trains the same run."""
+import pytest
 import torch
 import torch._dynamo
-import pytest
 from torch import nn
 
+from cli_helpers import quiet
 from polaformer.cli import main
 from polaformer.engine.distributed import DistContext
 from polaformer.engine.parallel import COMPILE_MODES, check_execution, prepare_model
 from polaformer.tasks.lra.listops import generate_listops
-from cli_helpers import quiet
 from tolerances import adam_drift_bound, assert_trainings_agree
 
 DIT = ["--opts", "model.hidden_size", "16", "model.depth", "2", "model.num_heads", "2", "train.eval_samples", "8"]
@@ -20,7 +20,8 @@ DEIT = ["--backbone", "pola_deit_tiny_patch16_224", "--backbone-kwarg", "depth=2
 PVT = ["--backbone", "pola_pvt_tiny", "--backbone-kwarg", "depths=[1, 1, 1, 1]", "--backbone-kwarg",
        "embed_dims=[16, 32, 64, 64]", "--backbone-kwarg", "num_heads=[1, 2, 2, 2]", "--backbone-kwarg",
        "mlp_ratios=[2, 2, 2, 2]"]
-DENSE = ["--steps", "2", "--batch-size", "1", "--no-progress", "--device", "cpu", "--train-size", "2", "--val-size", "1"]
+DENSE = ["--steps", "2", "--batch-size", "1", "--no-progress", "--device", "cpu", "--train-size", "2",
+         "--val-size", "1"]
 
 # task -> (argv of a tiny run into {out} whose last option is --opts, its keys: compile, grad checkpointing)
 STEP_KEYS = ("train.compile", "train.grad_checkpointing")
@@ -41,24 +42,25 @@ TASKS = {
     "classification": (["train", "--model", "pola_deit_digits", "--model-kwarg", "depth=2", "--epochs", "1",
                         "--batch-size", "512", "--device", "cpu", "--output", "{out}", "--opts", "MODEL.DROP_PATH_RATE",
                         "0", "TRAIN.WARMUP_EPOCHS", "0"], ("TRAIN.COMPILE", "TRAIN.USE_CHECKPOINT")),
-    "detect": (["detect", "train", "--detector", "fcos", *DEIT, *DENSE, "--output", "{out}", "--opts", "train.seed", "0"],
-               STEP_KEYS),
-    "segment": (["segment", "train", "--decoder", "fpn", *PVT, *DENSE, "--output", "{out}", "--opts", "train.seed", "0"],
-                STEP_KEYS),
+    "detect": (["detect", "train", "--detector", "fcos", *DEIT, *DENSE, "--output", "{out}",
+                "--opts", "train.seed", "0"], STEP_KEYS),
+    "segment": (["segment", "train", "--decoder", "fpn", *PVT, *DENSE, "--output", "{out}",
+                 "--opts", "train.seed", "0"], STEP_KEYS),
 }
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    from PIL import Image
     import numpy as np
+    from PIL import Image
 
     root = tmp_path_factory.mktemp("data")
     generate_listops(root / "listops", train=16, val=8, test=8, min_length=10, max_length=30, max_depth=3, seed=0,
                      progress=False)
     (root / "hr").mkdir()
     for i in range(2):
-        Image.fromarray(np.random.RandomState(i).randint(0, 255, (32, 40, 3), dtype=np.uint8)).save(root / "hr" / f"{i}.png")
+        pixels = np.random.RandomState(i).randint(0, 255, (32, 40, 3), dtype=np.uint8)
+        Image.fromarray(pixels).save(root / "hr" / f"{i}.png")
     return root
 
 
@@ -133,8 +135,9 @@ def test_compile_trains_the_compiled_model(task, data, tmp_path_factory, tmp_pat
 
 @pytest.mark.parametrize("settings, message", [
     (["train.parallel", "zero"], "train.parallel must be one of ddp, fsdp, got 'zero'"),
-    (["train.compile", "no_such_backend"], "train.compile: unknown torch.compile mode or backend 'no_such_backend' "
-                                           "(modes: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, lite"),
+    (["train.compile", "no_such_backend"],
+     "train.compile: unknown torch.compile mode or backend 'no_such_backend' "
+     "(modes: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs, lite"),
     (["train.compile", "[1]"], "train.compile must be true, false, a torch.compile mode or backend name"),
     (["train.grad_checkpointing", "1"], "train.grad_checkpointing expects bool"),
 ])

@@ -8,10 +8,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from distributed_helpers import free_port
 from polaformer.cli import main
 from polaformer.engine.parallel import blocks
 from polaformer.tasks.diffusion.train import load_diffusion_model
-from distributed_helpers import free_port
 from tolerances import adam_drift_bound, assert_trainings_agree
 
 RUN = ["diffusion", "train", "--batch-size", "4", "--image-size", "8", "--eval-every", "2", "--device", "cpu"]
@@ -26,7 +26,8 @@ def _two_processes(rank: int, port: int, root: str) -> None:
     dist.init_process_group("gloo")
     try:
         for parallel in ("fsdp", "ddp"):
-            assert main([*RUN, "--steps", "2", "--output", f"{root}/{parallel}", *TINY, "train.parallel", parallel]) == 0
+            code = main([*RUN, "--steps", "2", "--output", f"{root}/{parallel}", *TINY, "train.parallel", parallel])
+            assert code == 0
     finally:
         dist.destroy_process_group()
 
@@ -106,8 +107,9 @@ def test_consolidated_checkpoint_resumes_and_loaders_refuse_the_sharded_file(run
 
 
 def test_blocks_are_the_innermost_block_lists():
-    import polaformer.models  # noqa: F401  (registers the families)
     import timm
+
+    import polaformer.models  # noqa: F401  (registers the families)
 
     dit = timm.create_model("pola_dit_s_2", input_size=8, in_channels=1, num_classes=10, depth=2, hidden_size=16,
                             num_heads=2)

@@ -279,4 +279,5 @@ def test_the_recorders_see_value_reads_and_blocking_uploads():
         torch.as_tensor(x, device="meta")  # already there: no copy
         torch.tensor([4.0])
     assert [name for _, name, _ in reads.calls] == ["_to_copy", "copy_", "_local_scalar_dense"]
-    assert [where.rsplit(":", 1)[1] for where in uploads] == ["test_the_recorders_see_value_reads_and_blocking_uploads"] * 2
+    functions = [where.rsplit(":", 1)[1] for where in uploads]
+    assert functions == ["test_the_recorders_see_value_reads_and_blocking_uploads"] * 2

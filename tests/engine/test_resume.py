@@ -13,8 +13,9 @@ import time
 import pytest
 import torch
 
-from polaformer.tasks.classification import load_config
 from conftest import REPO
+from polaformer.tasks.classification import load_config
+from tolerances import assert_same_tensors
 
 OPTS = [
     "DATA.DATASET", "digits", "MODEL.NAME", "pola_deit_digits", "MODEL.DROP_PATH_RATE", "0.1",
@@ -41,21 +42,6 @@ def finish(process, timeout=300):
     stdout, stderr = process.communicate(timeout=timeout)
     assert process.returncode == 0, stderr[-3000:]
     return stdout, stderr
-
-
-def assert_same_tensors(a, b, what):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), what
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), what
-        for key in a:
-            assert_same_tensors(a[key], b[key], f"{what}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), what
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_same_tensors(x, y, f"{what}[{i}]")
-    else:
-        assert a == b, what
 
 
 @pytest.mark.slow
@@ -109,7 +95,8 @@ def test_resume_errors_are_one_line(tmp_path, capsys, resume):
     from polaformer.cli import main
 
     if resume == "auto":  # nothing to resume: starts from scratch (same command for every restart)
-        code = main(["train", "--config", str(_tiny_config(tmp_path)), "--output", str(tmp_path / "o"), "--resume", "auto"])
+        code = main(["train", "--config", str(_tiny_config(tmp_path)), "--output", str(tmp_path / "o"),
+                     "--resume", "auto"])
         assert code == 0 and (tmp_path / "o" / "last.pth").is_file()
         return
     code = main(["train", "--config", str(_tiny_config(tmp_path)), "--resume", str(tmp_path / "missing.pth")])

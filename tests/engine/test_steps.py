@@ -10,11 +10,11 @@ import pytest
 import torch
 from torch import nn
 
+from call_counting import counted
 from polaformer.checkpoint import CorruptCheckpointError, with_checksum
 from polaformer.cli import main
 from polaformer.engine.config import Config, ConfigError
 from polaformer.engine.steps import load_task_model, saved_config, step_settings
-from call_counting import counted
 
 
 def train_section(**extra) -> Config:

@@ -9,18 +9,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from token_mixer_helpers import (
-    DIM,
-    HEAD_DIM,
-    HEADS,
-    MAX_LEN,
-    check_finite_outputs_and_gradients,
-    check_input_errors,
-    check_padded_contents_never_reach_valid_outputs,
-    check_right_padding_gives_the_unpadded_output,
-    padded_batch,
-    randomize_zero_init,
-)
 
 from polaformer.layers import (
     CosformerAttention,
@@ -33,6 +21,18 @@ from polaformer.layers import (
     SkyformerAttention,
     SoftmaxAttention,
     iterative_pinv,
+)
+from token_mixer_helpers import (
+    DIM,
+    HEAD_DIM,
+    HEADS,
+    MAX_LEN,
+    check_finite_outputs_and_gradients,
+    check_input_errors,
+    check_padded_contents_never_reach_valid_outputs,
+    check_right_padding_gives_the_unpadded_output,
+    padded_batch,
+    randomize_zero_init,
 )
 
 pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
@@ -267,7 +267,8 @@ def test_linformer_matches_its_formula():
     torch.testing.assert_close(core(q, k, v, pad), ref, atol=1e-12, rtol=0)
     assert core.E.shape == (HEADS, 5, MAX_LEN) and core.E.requires_grad
     fixed = make("linformer", share_kv=False, learn_projection=False)
-    assert {"core.E", "core.F"} <= set(fixed.state_dict()) and not any("core." in n for n, _ in fixed.named_parameters())
+    assert {"core.E", "core.F"} <= set(fixed.state_dict())
+    assert not any("core." in n for n, _ in fixed.named_parameters())
 
 
 def test_cosformer_matches_explicit_cos_reweighting():

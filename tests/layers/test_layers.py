@@ -8,6 +8,7 @@ from conftest import load_vector
 from polaformer.compat import from_official
 from polaformer.layers import PacsLinearAttention, PolaLinearAttention, RoPE2d, RopeSoftmaxAttention
 
+
 @pytest.mark.parametrize("case", ["attn_polapp", "attn_polapp_vanilla"])
 def test_rope_tables_equal_official(case):
     record, tensors = load_vector(case)

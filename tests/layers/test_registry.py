@@ -3,8 +3,13 @@ import pytest
 import torch
 from timm.layers import Attention
 
-from polaformer.layers import (PacsCausalSelfAttention, PacsSequenceAttention, PolaCausalSelfAttention,
-                               SoftmaxAttention, SoftmaxCausalSelfAttention)
+from polaformer.layers import (
+    PacsCausalSelfAttention,
+    PacsSequenceAttention,
+    PolaCausalSelfAttention,
+    SoftmaxAttention,
+    SoftmaxCausalSelfAttention,
+)
 from polaformer.layers.pacs_grid_attention import PacsGridAttention
 from polaformer.layers.registry import SEQUENCE_ATTENTIONS, SequenceLayerAdapter, sequence_attentions
 from polaformer.models import pola_dit, pola_lm

@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
-from call_counting import counted
-from models.test_timm_conformance import SMALLEST
 
 import polaformer.models  # noqa: F401  (registers the models)
+from call_counting import counted
+from models.test_timm_conformance import SMALLEST
 from polaformer import ops
 from polaformer.layers import PolaMultiheadAttention
 from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig

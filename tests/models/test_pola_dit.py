@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from dit_helpers import use_recorded_embedding
 from safetensors.torch import load_file
 
 import polaformer.models  # noqa: F401  (registers pola_dit_*)
+from dit_helpers import use_recorded_embedding
 from polaformer.models.pola_dit import PolaDiT, sincos_pos_table, timestep_frequencies
 
 DATA = Path(__file__).resolve().parent.parent / "data" / "pola_dit"

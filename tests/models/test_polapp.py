@@ -9,10 +9,9 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import polaformer.models  # noqa: F401  (registers the models)
+from conftest import load_vector, official_state_dict
 from polaformer.compat import from_official
 from polaformer.models import PolaFormerPP
-
-from conftest import load_vector, official_state_dict
 from zoo_helpers import load_manifest
 
 VARIANTS = [f"POLA_b{i}" for i in range(6)]

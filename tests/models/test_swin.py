@@ -10,10 +10,10 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from conftest import load_vector, official_state_dict
-from zoo_helpers import load_manifest
 from polaformer.compat import from_official
 from polaformer.layers import WindowAttention
 from polaformer.models.swin import PolaSwinBlock, PolaSwinTransformer, block_attn_types, shifted_window_mask
+from zoo_helpers import load_manifest
 
 VARIANTS = ["pola_swin_t", "pola_swin_s", "pola_swin_b", "pola_swin_b_384"]
 VECTORS = ["swin_tiny_cfg", "swin_official_layout_cfg"]

@@ -20,9 +20,9 @@ from torchvision import transforms
 
 import polaformer.models  # noqa: F401  (registers the zoo with timm)
 from polaformer.data.folder import build_transform
+from polaformer.finetune import load_for_finetune
 from polaformer.tasks.classification.config import default_config
 from polaformer.tasks.classification.evaluation import eval_transform, evaluate_folder_checkpoint
-from polaformer.finetune import load_for_finetune
 
 # The smallest variant of each family and the (C, H, W) input it is checked at.
 SMALLEST = {

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import timm
 import torch
-from torch import nn
 from PIL import Image
+from torch import nn
 
 import polaformer.models  # noqa: F401  (registers the zoo with timm)
 from polaformer.checkpoint import CorruptCheckpointError, check_weight_values, load_checkpoint
@@ -17,7 +17,6 @@ from polaformer.data.folder import ImageFolderDataset, to_rgb
 from polaformer.engine import ModelBuildError, create_model, create_model_from_checkpoint
 from polaformer.finetune import load_for_finetune
 from polaformer.ops import pacs_linear_attention, pola_linear_attention
-
 
 # --- data folders ------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from polaformer.ops import (
     pola_linear_attention,
     rope_1d,
 )
-from polaformer.ops.naive import linear_attention_weights
+from polaformer.ops.causal import naive_causal_linear_attention
 from tolerances import linear_attention_atol
 
 pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
@@ -168,7 +168,7 @@ def test_plain_causal_linear_attention_matches_its_weights():
     g = torch.Generator().manual_seed(1)
     phi_q, phi_k = (torch.rand(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(2))
     v = torch.randn(B, H, N, 3, generator=g, dtype=torch.float64)
-    ref = linear_attention_weights(phi_q, phi_k, causal=True) @ v
+    ref = naive_causal_linear_attention(phi_q, phi_k, v)
     torch.testing.assert_close(causal_linear_attention(phi_q, phi_k, v, chunk_size=5)[0], ref)
     torch.testing.assert_close(causal_linear_attention(phi_q, phi_k, v, recurrent=True)[0], ref)
 

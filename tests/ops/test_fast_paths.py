@@ -1,4 +1,5 @@
-"""Shortcuts of the fast paths (layouts, cached tables, the blocked no-gradient forward): same values as the plain forms, never stale.
+"""Shortcuts of the fast paths (layouts, cached tables, the blocked no-gradient forward): same values as the plain
+forms, never stale.
 
 Tolerances (tests/README.md, tests/tolerances.py): float64 forms of one computation added in other orders agree to
 reorder_rtol(n, float64)·κ = 2.2e-16·n·κ; the sums here have at most 64 terms (24 channels x a 3x3 conv, 23 keys x 4
@@ -22,7 +23,7 @@ from polaformer.ops import (
     rope_angles,
     tokens_to_map,
 )
-from polaformer.ops.pacs_attention import _ROPE_TABLE_CACHE
+from polaformer.ops.pacs.autograd import _ROPE_TABLE_CACHE
 
 pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 

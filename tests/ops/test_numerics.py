@@ -51,7 +51,8 @@ def _weighted_sum(log_q, log_k, v, eps, mixing=None):
 
 def _pacs_reference(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps=1e-6):
     """float64 PaCS attention: features ``exp(x) − 1``, so ``log φ = x + log(1 − e^-x)``."""
-    log_exp_minus_one = lambda x: x + torch.log(-torch.expm1(-x))
+    def log_exp_minus_one(x):
+        return x + torch.log(-torch.expm1(-x))
     log_k = _log_features(k, log_exp_minus_one)
     mixing = None
     if sin is not None:  # (R_t a)·(R_j b) = aᵀ R(θ_j − θ_t) b per channel pair
@@ -70,10 +71,12 @@ def _pacs_reference(q, k, v, temp_same, temp_opposite, sin=None, cos=None, eps=1
 
 def _pola_reference(q, k, v, power, eps=1e-6):
     """float64 PolaFormer attention: features ``|x|ᵖ``, so ``log φ = p·log|x|`` per channel."""
-    log_power = lambda x: power * torch.log(x)
+    def log_power(x):
+        return power * torch.log(x)
     log_q, log_k = _log_features(q, log_power), _log_features(k, log_power)
     d = q.shape[-1]
-    swap = lambda t: torch.cat([t[..., d:], t[..., :d]], -1)
+    def swap(t):
+        return torch.cat([t[..., d:], t[..., :d]], -1)
     half = (v.shape[-1] + 1) // 2
     return torch.cat([_weighted_sum(log_q, log_k, v[..., :half], eps),
                       _weighted_sum(swap(log_q), log_k, v[..., half:], eps)], -1)
@@ -135,7 +138,8 @@ def test_pacs_with_rope_is_finite_and_exact_at_large_magnitudes(backend, magnitu
     q, k, v, gen = _inputs(magnitude, torch.float32, seed=2, n=6, m=6)
     temps = 0.25 + 0.5 * torch.rand(1, 2, 1, 8, generator=gen)
     sin, cos = rope_2d(rope_angles(16, 2, dtype=F64), 2, 3)
-    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1), sin.float().to(backend), cos.float().to(backend)),
+    sin32, cos32 = sin.float().to(backend), cos.float().to(backend)
+    _check(lambda q, k, v, t: pacs_linear_attention(q, k, v, t, t.flip(-1), sin32, cos32),
            lambda q, k, v, t: _pacs_reference(q, k, v, t, t.flip(-1), sin, cos), (q, k, v, temps), torch.float32,
            backend, True)
 

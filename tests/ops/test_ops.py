@@ -8,8 +8,7 @@ linear_attention_atol."""
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from polaformer.ops import (
     apply_rope,
@@ -191,7 +190,8 @@ def test_rope_rotation_preserves_pair_norms_and_relative_phase():
     sin, cos = rope_2d(rope_angles(16, 1, dtype=F64), 3, 4)
     x = torch.randn(12, 16, dtype=F64)
     y = apply_rope(x, sin, cos)
-    pairs = lambda t: t.reshape(12, 8, 2).norm(dim=-1)
+    def pairs(t):
+        return t.reshape(12, 8, 2).norm(dim=-1)
     torch.testing.assert_close(pairs(y), pairs(x))
     # a rotation by the angle of position 0 is the identity
     torch.testing.assert_close(y[0], x[0])
@@ -247,7 +247,7 @@ def test_bad_shapes_raise_clear_errors(shapes, message):
 
 def test_graph_capture_path_matches_naive_forward_and_backward(monkeypatch):
     """Under torch.compile / export / ONNX the op runs its functional form: it must be as exact."""
-    import polaformer.ops.pola_attention as pola_ops
+    import polaformer.ops.pola.op as pola_ops
 
     monkeypatch.setattr(pola_ops, "capturing", lambda: True)
     q, k, v, w = pola_inputs(2, 3, 11, 7, 4, 6, seed=12)
@@ -262,7 +262,8 @@ def test_graph_capture_path_matches_naive_forward_and_backward(monkeypatch):
 
 def test_op_compiles_without_graph_breaks_forward_and_backward():
     q, k, v, w = pola_inputs(2, 2, 9, 9, 4, 4, seed=13)
-    fn = lambda q, k, v, w: pola_linear_attention(q, k, v, learnable_power(w, 4.0))
+    def fn(q, k, v, w):
+        return pola_linear_attention(q, k, v, learnable_power(w, 4.0))
     compiled = torch.compile(fn, fullgraph=True, backend="aot_eager")
     out, ref = compiled(q, k, v, w), fn(q, k, v, w)
     assert_close(out, ref)

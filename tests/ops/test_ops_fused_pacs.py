@@ -15,7 +15,7 @@ from polaformer.ops import (
     rope_2d,
     rope_angles,
 )
-from polaformer.ops.pacs_attention import _pacs_attention_graph
+from polaformer.ops.pacs.formulation import pacs_attention_graph
 
 pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 
@@ -24,7 +24,8 @@ F64 = torch.float64
 
 def _inputs(b, h, n, d, dv, seed):
     gen = torch.Generator().manual_seed(seed)
-    make = lambda *s: torch.randn(*s, generator=gen, dtype=F64).requires_grad_()
+    def make(*s):
+        return torch.randn(*s, generator=gen, dtype=F64).requires_grad_()
     return make(b, h, n, d), make(b, h, n, d), make(b, h, n, dv)
 
 
@@ -75,7 +76,7 @@ def test_fused_and_graph_paths_agree_with_padding():
     mask = torch.rand(3, 12, generator=gen) < 0.4
     fused = pacs_linear_attention(q, k, v, t1, t2, sin, cos, key_padding_mask=mask)
     keep = (~mask).to(F64)[:, None, :, None]
-    graph = _pacs_attention_graph(q, k, v, t1, t2, sin, cos, 1e-6, keep, keep.sum(-2, keepdim=True).clamp_min(1))
+    graph = pacs_attention_graph(q, k, v, t1, t2, sin, cos, 1e-6, keep, keep.sum(-2, keepdim=True).clamp_min(1))
     torch.testing.assert_close(fused, graph, rtol=1e-12, atol=1e-14)
 
 

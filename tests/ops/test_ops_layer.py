@@ -7,8 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polaformer.ops import (naive_pacs_layer_attention, naive_pola_layer_attention, pacs_layer_attention,
-                            pola_layer_attention)
+from polaformer.ops import (
+    naive_pacs_layer_attention,
+    naive_pola_layer_attention,
+    pacs_layer_attention,
+    pola_layer_attention,
+)
 from polaformer.ops.dispatch import set_attention_backend
 
 

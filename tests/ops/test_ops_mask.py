@@ -5,8 +5,7 @@ reorder_rtol(n, float64) for these sums (n ≤ 400: 9e-14·κ); the float32 padd
 bound with the padding's longer sums."""
 import pytest
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from polaformer.ops import (
     elu_feature,
@@ -35,7 +34,8 @@ def assert_close(a, b, rel=1e-9):
 
 def inputs(b, h, n, m, d, dv, seed, dtype=F64):
     gen = torch.Generator().manual_seed(seed)
-    make = lambda *s: torch.randn(*s, generator=gen, dtype=dtype).requires_grad_()
+    def make(*s):
+        return torch.randn(*s, generator=gen, dtype=dtype).requires_grad_()
     return make(b, h, n, d), make(b, h, m, d), make(b, h, m, dv), make(1, h, 1, d)
 
 
@@ -45,7 +45,8 @@ def padding_mask(lengths, m):
 
 
 def compare_masked_pola(q, k, v, w, mask, alpha=4.0):
-    power = lambda: learnable_power(w, alpha)
+    def power():
+        return learnable_power(w, alpha)
     fast = pola_linear_attention(q, k, v, power(), key_padding_mask=mask)
     ref = naive_pola_linear_attention(q, k, v, power(), key_padding_mask=mask)
     assert_close(fast, ref)
@@ -134,7 +135,8 @@ def test_padded_batch_gives_each_sequence_its_unpadded_output_fp32(op):
             return pola_linear_attention(q, k, v, learnable_power(w, 4.0), key_padding_mask=mask)
         return pacs_linear_attention(q, k, v, s1, s2, key_padding_mask=mask)
 
-    pad = lambda t: torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[-2]), value=3.0)  # junk, not zeros
+    def pad(t):
+        return torch.nn.functional.pad(t, (0, 0, 0, longest - t.shape[-2]), value=3.0)  # junk, not zeros
     batch = [torch.cat([pad(s[i]) for s in seqs]) for i in range(3)]
     out = run(*batch, padding_mask(lengths, longest))
     for i, (n, s) in enumerate(zip(lengths, seqs)):
@@ -147,14 +149,16 @@ def test_padded_batch_gives_each_sequence_its_unpadded_output_fp32(op):
 def test_masked_pacs_matches_naive(with_rope):
     gen = torch.Generator().manual_seed(9)
     b, h, n, d, dv = 3, 2, 12, 4, 6
-    make = lambda *s: torch.randn(*s, generator=gen, dtype=F64).requires_grad_()
+    def make(*s):
+        return torch.randn(*s, generator=gen, dtype=F64).requires_grad_()
     q, k, v, s1, s2 = make(b, h, n, d), make(b, h, n, d), make(b, h, n, dv), make(1, h, 1, 2 * d), make(1, h, 1, 2 * d)
     sin = cos = None
     if with_rope:
         sin, cos = rope_2d(rope_angles(2 * d * h, h, dtype=F64), 3, 4)
     mask = torch.rand(b, n, generator=gen) < 0.4
     mask[2] = True  # one sequence without keys
-    args = lambda: (q, k, v, torch.sigmoid(s1), torch.sigmoid(s2), sin, cos)
+    def args():
+        return (q, k, v, torch.sigmoid(s1), torch.sigmoid(s2), sin, cos)
     fast = pacs_linear_attention(*args(), key_padding_mask=mask)
     ref = naive_pacs_linear_attention(*args(), key_padding_mask=mask)
     assert_close(fast, ref)

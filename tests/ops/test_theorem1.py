@@ -12,8 +12,7 @@ import math
 
 import numpy as np
 import torch
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from polaformer.analysis import positive_sequence_entropy, power_entropy
 from polaformer.ops import pola_attention_weights

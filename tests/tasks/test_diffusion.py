@@ -16,12 +16,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from cli_helpers import error_line, run_main
-from dit_helpers import use_recorded_embedding
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from cli_helpers import error_line, run_main
+from dit_helpers import use_recorded_embedding
 from polaformer.models.pola_dit import PolaDiT
 from polaformer.tasks.diffusion import RespacedDiffusion, diffusion_config, diffusion_loss, make_scheduler, sample
 from polaformer.tasks.diffusion.gaussian import respaced_timesteps

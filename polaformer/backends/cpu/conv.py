@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .native import native_kernels
+from ...capture import capturing
 from . import onednn
+from .native import native_kernels
 from .onednn import gelu_linear, linear
-from ...ops.dispatch import capturing
 
 __all__ = ["conv2d_gelu", "depthwise_conv2d", "depthwise_conv_gelu_linear", "fold_batch_norm", "plus_depthwise_conv"]
 

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ...capture import capturing
 from .native import native_kernels
-from ...ops.dispatch import capturing
 
 __all__ = ["Policy", "gelu", "gelu_linear", "linear", "mlp", "onednn_linear_available", "policy"]
 
@@ -173,7 +173,8 @@ def _linear_grads(grad_rows, x, weight, needs, has_bias, onednn=True):
     sums."""
     grad_x = None
     if needs[0]:
-        grad_x = (_OP(grad_rows, weight.t(), None, "none", [], "") if onednn else torch.mm(grad_rows, weight)).view(x.shape)
+        grad_rows_x = _OP(grad_rows, weight.t(), None, "none", [], "") if onednn else torch.mm(grad_rows, weight)
+        grad_x = grad_rows_x.view(x.shape)
     grad_w = _weight_grad(grad_rows, x.reshape(-1, x.shape[-1])) if needs[1] else None
     grad_b = grad_rows.sum(0) if has_bias and needs[2] else None
     return grad_x, grad_w, grad_b

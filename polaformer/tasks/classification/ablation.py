@@ -85,7 +85,8 @@ def _parse_row(index: int, row) -> AblationRow:
         raise ConfigError(f"{where} must be a mapping with {', '.join(sorted(ROW_KEYS))}, got {row!r}")
     unknown = set(row) - ROW_KEYS
     if unknown:
-        raise ConfigError(f"{where} has unknown keys {', '.join(sorted(unknown))} (known: {', '.join(sorted(ROW_KEYS))})")
+        raise ConfigError(f"{where} has unknown keys {', '.join(sorted(unknown))} "
+                          f"(known: {', '.join(sorted(ROW_KEYS))})")
     name = row.get("NAME")
     if not isinstance(name, str) or not name or os.sep in name or name.startswith("."):
         raise ConfigError(f"{where}.NAME must be a plain folder name, got {name!r}")
@@ -98,7 +99,8 @@ def _parse_row(index: int, row) -> AblationRow:
     return AblationRow(name, str(row.get("LABEL") or name), dict(switches), None if paper is None else float(paper))
 
 
-def load_ablation(path: str | os.PathLike, opts: Sequence[str] = ()) -> tuple[Config, list[AblationRow], list[int], str]:
+def load_ablation(path: str | os.PathLike,
+                  opts: Sequence[str] = ()) -> tuple[Config, list[AblationRow], list[int], str]:
     """``(training configuration without ABLATION, rows, seeds, reference)`` of an ablation file."""
     cfg = configure(_defaults(), path, opts)
     ablation = cfg.ABLATION
@@ -109,7 +111,8 @@ def load_ablation(path: str | os.PathLike, opts: Sequence[str] = ()) -> tuple[Co
     if len(set(names)) != len(names):
         raise ConfigError(f"ABLATION.ROWS names must differ, got {names}")
     seeds = list(ablation.SEEDS)
-    if not seeds or not all(isinstance(s, int) and not isinstance(s, bool) for s in seeds) or len(set(seeds)) != len(seeds):
+    integers = all(isinstance(s, int) and not isinstance(s, bool) for s in seeds)
+    if not seeds or not integers or len(set(seeds)) != len(seeds):
         raise ConfigError(f"ABLATION.SEEDS must be distinct integers, got {seeds!r}")
     SEED.check("ABLATION.SEEDS", seeds)
     train_cfg = default_config().merge({k: v for k, v in cfg.to_dict().items() if k not in ("ABLATION", "BASE")})

@@ -2,7 +2,11 @@
 
 :func:`default_config` holds every key of the official PolaFormer / PolaFormer++ ``config.py``
 (Swin-Transformer style: ``MODEL``, ``DATA``, ``TRAIN``, ``AUG``, ``TEST`` and a few top-level
-keys), a few keys of Swin-Transformer's newer config that recipes use, and the engine's own:
+keys), a few keys of Swin-Transformer's newer config that recipes use, every engine option
+(:mod:`polaformer.engine.options`) at its official key (``DATA.BATCH_SIZE``, ``TRAIN.BASE_LR``,
+``TRAIN.USE_CHECKPOINT``, ``TRAIN.EMA.ENABLE/DECAY``...) or, where the official code has none, at
+``TRAIN.<NAME>`` / its declared key (``TRAIN.PARALLEL``, ``TRAIN.COMPILE``, ``TRAIN.SAVE_FREQ_STEPS``,
+``AMP_DTYPE``...), and the engine's own:
 
 ==============================  ==============================================================
 ``MODEL.KWARGS``                extra keyword arguments for ``timm.create_model`` (any keys)
@@ -10,15 +14,6 @@ keys), a few keys of Swin-Transformer's newer config that recipes use, and the e
 ``TRAIN.ACCUMULATION_STEPS``    gradient accumulation (Swin's key); the global batch counts it
 ``TRAIN.BASE_BATCH_SIZE``       BASE_LR/WARMUP_LR/MIN_LR are per this global batch (official:
                                 512); 0 uses them as given
-``TRAIN.SAVE_FREQ_STEPS``       also write ``last.pth`` every N optimizer updates (0: off)
-``TRAIN.FIND_UNUSED_PARAMETERS``  DDP's find_unused_parameters (official ``--find-unused-params``)
-``TRAIN.PARALLEL``              under torchrun: ``ddp`` (replicated) or ``fsdp`` (sharded, FSDP2)
-``TRAIN.COMPILE``               ``torch.compile``: null/false off, true inductor, a mode, or a backend name
-``TRAIN.USE_CHECKPOINT``        gradient checkpointing of every block (official key; the engine applies it)
-``TRAIN.EMA.ENABLE/DECAY``      weight EMA (official PolaFormer++: ``--model-ema
-                                --model-ema-decay 0.99982`` on its command line)
-``AMP_DTYPE``                   ``float16`` (with a GradScaler) or ``bfloat16``, for CUDA; AMP
-                                on the CPU is always bfloat16
 ``DEVICE``                      ``auto`` (CUDA when available), ``cpu``, ``cuda``, ...
 ``TEST.BATCH_SIZE``             evaluation batch size (0: ``DATA.BATCH_SIZE``, as official)
 ``AUG.DIGITS_SHIFT``            the digits data set's random ±1 pixel shifts
@@ -42,9 +37,18 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 
 from ...data import DEFAULT_DATA
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
-                              configure, unit)
-from ...engine.parallel import check_execution
+from ...engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE,
+    POSITIVE_INT,
+    Config,
+    ConfigError,
+    check_settings,
+    configure,
+    unit,
+)
+from ...engine.options import CLASSIFICATION, add_official, check_options, keyed_values
 
 # The model `polaformer train` uses when none is named.
 DEFAULT_MODEL = "pola_deit_digits"
@@ -72,7 +76,8 @@ DIGITS_EVAL_BATCH_SIZE = 256
 # --- the official key tree -------------------------------------------------------------------
 
 def _official_defaults() -> dict:
-    """The official config.py tree (PolaFormer, with PolaFormer++'s key), then our additions."""
+    """The official config.py tree (PolaFormer, with PolaFormer++'s key), then our additions (the engine options
+    the official code lacks come from their declarations: :func:`default_config`)."""
     return {
         "BASE": [""],
         "DATA": {
@@ -136,10 +141,6 @@ def _official_defaults() -> dict:
             "USE_CHECKPOINT": False,
             "ACCUMULATION_STEPS": 1,
             "BASE_BATCH_SIZE": 512,
-            "SAVE_FREQ_STEPS": 0,
-            "FIND_UNUSED_PARAMETERS": False,
-            "PARALLEL": "ddp",
-            "COMPILE": None,
             "LR_SCHEDULER": {"NAME": "cosine", "DECAY_EPOCHS": 30, "DECAY_RATE": 0.1},
             "OPTIMIZER": {"NAME": "adamw", "EPS": 1e-8, "BETAS": (0.9, 0.999), "MOMENTUM": 0.9},
             "EMA": {"ENABLE": False, "DECAY": 0.9999},  # official main_ema.py's --model-ema-decay default
@@ -160,7 +161,6 @@ def _official_defaults() -> dict:
         },
         "TEST": {"CROP": True, "SEQUENTIAL": False, "BATCH_SIZE": 0},
         "AMP": False,
-        "AMP_DTYPE": "float16",
         "OUTPUT": "",
         "TAG": "default",
         "SAVE_FREQ": 1,  # epochs between checkpoints (the last epoch is always saved)
@@ -177,8 +177,8 @@ def _official_defaults() -> dict:
 
 
 def default_config() -> Config:
-    """A fresh tree with every key at its default."""
-    return Config(_official_defaults())
+    """A fresh tree with every key at its default: the official tree, with every engine option it lacks."""
+    return Config(add_official(_official_defaults()))
 
 
 def load_config(path: str | os.PathLike | None = None, opts: Sequence[str] = ()) -> Config:
@@ -224,43 +224,35 @@ def resolve_model_name(cfg: Config) -> str:
 
 # --- checks ----------------------------------------------------------------------------------
 
-# The range of every numeric setting the engine uses (engine/config.py checks them, naming the key).
+# The range of every numeric setting besides the engine options, whose declarations give theirs (engine/config.py
+# checks them, naming the key).
 RULES = {
-    "TRAIN.EPOCHS": POSITIVE_INT, "TRAIN.START_EPOCH": COUNT,
-    "TRAIN.WARMUP_EPOCHS": NON_NEGATIVE, "TRAIN.COOLDOWN_EPOCHS": NON_NEGATIVE,
-    "TRAIN.SAVE_FREQ_STEPS": COUNT.but(note="0: off"), "TRAIN.BASE_BATCH_SIZE": COUNT.but(note="0: lrs as given"),
-    "TRAIN.ACCUMULATION_STEPS": COUNT.but(note="0 or 1: none"),
-    "TRAIN.CLIP_GRAD": NON_NEGATIVE.but(optional=True, note="0 or null: off"),
-    "TRAIN.BASE_LR": NON_NEGATIVE, "TRAIN.WARMUP_LR": NON_NEGATIVE, "TRAIN.MIN_LR": NON_NEGATIVE,
-    "TRAIN.WEIGHT_DECAY": NON_NEGATIVE, "TRAIN.EMA.DECAY": unit(low_open=True),
+    "TRAIN.COOLDOWN_EPOCHS": NON_NEGATIVE, "TRAIN.BASE_BATCH_SIZE": COUNT.but(note="0: lrs as given"),
+    "TRAIN.WARMUP_LR": NON_NEGATIVE, "TRAIN.MIN_LR": NON_NEGATIVE,
     "TRAIN.OPTIMIZER.EPS": POSITIVE, "TRAIN.OPTIMIZER.BETAS": unit(), "TRAIN.OPTIMIZER.MOMENTUM": unit(),
     "TRAIN.LR_SCHEDULER.DECAY_EPOCHS": POSITIVE, "TRAIN.LR_SCHEDULER.DECAY_RATE": POSITIVE,
-    "DATA.BATCH_SIZE": POSITIVE_INT, "DATA.IMG_SIZE": POSITIVE_INT, "DATA.NUM_WORKERS": COUNT,
-    "TEST.BATCH_SIZE": COUNT.but(note="0: DATA.BATCH_SIZE"),
+    "DATA.IMG_SIZE": POSITIVE_INT, "TEST.BATCH_SIZE": COUNT.but(note="0: DATA.BATCH_SIZE"),
     "MODEL.LABEL_SMOOTHING": unit(), "MODEL.DROP_RATE": unit(), "MODEL.DROP_PATH_RATE": unit(),
     "MODEL.LORA": COUNT.but(note="0: every weight learns"),
     "AUG.MIXUP": NON_NEGATIVE, "AUG.CUTMIX": NON_NEGATIVE, "AUG.MIXUP_PROB": unit(high_open=False),
     "AUG.MIXUP_SWITCH_PROB": unit(high_open=False), "AUG.REPROB": unit(high_open=False),
-    "SAVE_FREQ": POSITIVE_INT, "PRINT_FREQ": COUNT.but(note="0: no log lines"), "SEED": SEED,
 }
 
 
 def check_config(cfg: Config) -> None:
-    """Reject settings the engine cannot run with, one line each: every key of :data:`RULES` in its range, the
-    names it knows."""
+    """Reject settings the engine cannot run with, one line each: every key of :data:`RULES` and every engine option
+    in its range, the names it knows."""
     def require(ok: bool, message: str) -> None:
         if not ok:
             raise ConfigError(message)
 
     check_settings(cfg, RULES)
+    check_options(cfg, CLASSIFICATION)
     train = cfg.TRAIN
     require(train.OPTIMIZER.NAME.lower() in ("adamw", "sgd"),
             f"TRAIN.OPTIMIZER.NAME must be 'adamw' or 'sgd', got {train.OPTIMIZER.NAME!r}")
     require(train.LR_SCHEDULER.NAME.lower() in ("cosine", "step"),
             f"TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step', got {train.LR_SCHEDULER.NAME!r}")
-    check_execution(train.PARALLEL, train.COMPILE, train.USE_CHECKPOINT,
-                    ("TRAIN.PARALLEL", "TRAIN.COMPILE", "TRAIN.USE_CHECKPOINT"))
-    require(cfg.AMP_DTYPE in ("float16", "bfloat16"), f"AMP_DTYPE must be 'float16' or 'bfloat16', got {cfg.AMP_DTYPE!r}")
     require(bool(cfg.LAST_CHECKPOINT) and "/" not in cfg.LAST_CHECKPOINT,
             f"LAST_CHECKPOINT must be a file name, got {cfg.LAST_CHECKPOINT!r}")
     require("num_classes" not in cfg.MODEL.KWARGS,
@@ -309,6 +301,22 @@ def make_config(model: str = DEFAULT_MODEL, data: str = DEFAULT_DATA, **override
     model_kwargs = {**preset.pop("model_kwargs", {}), **overrides.pop("model_kwargs", {})}
     base = TrainConfig(model=model, data=data, model_kwargs=model_kwargs)
     return replace(base, **{**preset, **overrides})
+
+
+# The engine options the digits demo's TrainConfig holds, by its field names.
+_DIGITS_FIELDS = {"epochs": "epochs", "batch_size": "batch_size", "lr": "lr", "weight_decay": "weight_decay",
+                  "warmup_epochs": "warmup_epochs", "clip_grad_norm": "clip_grad", "seed": "seed",
+                  "num_workers": "num_workers"}
+
+
+def digits_config(model: str, data: str, options: dict, **overrides) -> tuple[TrainConfig, list]:
+    """The digits demo's :class:`TrainConfig` (:func:`make_config` with ``overrides``) holding the engine options
+    ``options`` (``{name: value}``) it has fields for, and the others as ``KEY VALUE`` overrides of its official
+    tree."""
+    fields = {_DIGITS_FIELDS[name]: value for name, value in options.items() if name in _DIGITS_FIELDS}
+    others = {name: value for name, value in options.items() if name not in _DIGITS_FIELDS}
+    config = make_config(model, data, **overrides, **fields)
+    return config, [item for pair in keyed_values(CLASSIFICATION, others) for item in pair]
 
 
 def config_from_train_config(config: TrainConfig) -> Config:

@@ -35,8 +35,8 @@ from torch.utils.data import DataLoader
 
 from ...checkpoint import (
     ArchitectureMismatchError,
-    _plain_data,
     LoadResult,
+    _plain_data,
     load_checkpoint,
     read_checkpoint,
     select_weights,
@@ -44,11 +44,10 @@ from ...checkpoint import (
 )
 from ...data.folder import SMALL_IMAGE_SIZE, ImageFolderDataset, eval_data_config
 from ...data.shards import INFO_NAMES, find_info, open_eval_split
-from .config import OFFICIAL_MODEL_NAMES
+from ...engine.device import amp_dtype, autocast, place_model, resolve_device as resolve_engine_device
 from ...engine.factory import check_forward, create_model
 from ...limits import check_batch_memory, check_forward_memory
-from ...engine.device import amp_dtype, autocast, place_model
-from ...engine.device import resolve_device as resolve_engine_device
+from .config import OFFICIAL_MODEL_NAMES
 from .train import evaluate
 
 __all__ = [

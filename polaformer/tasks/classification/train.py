@@ -35,13 +35,14 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset
 from ...checkpoint import ArchitectureMismatchError, CorruptCheckpointError
 from ...data import DATASETS, DEFAULT_DATA, get_data_spec
 from ...engine.checkpoint import REQUIRED_KEYS, check_metadata, load_model_state, read_run_checkpoint
-from ...engine.parallel import SHARDED
 from ...engine.config import Config, ConfigError, merge_opts
 from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
 from ...engine.factory import check_forward, create_model, create_model_from_checkpoint
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
 from ...engine.optim import build_optimizer, build_scheduler, global_batch_size, lr_scale, unwrap
+from ...engine.options import CLASSIFICATION, loop_kwargs, official_values, resumable_keys
+from ...engine.parallel import SHARDED
 from .config import DIGITS_EVAL_BATCH_SIZE, TrainConfig, check_config, config_from_train_config, resolve_model_name
 
 log = logging.getLogger(__name__)
@@ -183,14 +184,13 @@ class ClassificationTask(Task):
     best_files = {BEST_CHECKPOINT: "test_top1", BEST_EMA_CHECKPOINT: "ema_top1"}
     ties_improve = True
     resume_hint = "use --finetune to start from it"
-    # what a resumed run may change: its length, where it starts from and writes to, its workers, logging and
-    # saving cadence, evaluation batch, device, and the keys only read when a run starts or that are not used
-    execution_keys = ("TRAIN.PARALLEL", "TRAIN.COMPILE", "TRAIN.USE_CHECKPOINT")
+    # what a resumed run may change: its length, workers, logging and saving cadence and how the model runs (the
+    # engine options' declarations), where it starts from and writes to, its evaluation batch, device, and the keys
+    # only read when a run starts or that are not used
+    execution_keys = resumable_keys(CLASSIFICATION)
     resume_may_change = (
-        "TRAIN.EPOCHS", "TRAIN.START_EPOCH", "TRAIN.AUTO_RESUME", "TRAIN.SAVE_FREQ_STEPS", "MODEL.RESUME",
-        "MODEL.PRETRAINED", "DATA.NUM_WORKERS", "DATA.PIN_MEMORY", "DATA.ZIP_MODE", "DATA.CACHE_MODE",
-        "TEST.BATCH_SIZE", "OUTPUT", "TAG", "SAVE_FREQ", "PRINT_FREQ", "EVAL_MODE", "THROUGHPUT_MODE", "LOCAL_RANK",
-        "DEVICE", "OVERWRITE", "ALLOW_CHANGED",
+        "TRAIN.AUTO_RESUME", "MODEL.RESUME", "MODEL.PRETRAINED", "DATA.ZIP_MODE", "DATA.CACHE_MODE", "TEST.BATCH_SIZE",
+        "OUTPUT", "TAG", "EVAL_MODE", "THROUGHPUT_MODE", "LOCAL_RANK", "DEVICE", "OVERWRITE", "ALLOW_CHANGED",
     )
 
     def __init__(self, cfg: Config, given_config: Config | TrainConfig, data: TrainData | None = None):
@@ -238,7 +238,8 @@ class ClassificationTask(Task):
         return (
             f"training {self.arch} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters) on "
             f"{cfg.DATA.DATASET if cfg.DATA.DATASET in DATASETS else cfg.DATA.DATA_PATH}: "
-            f"{_images(self.data.train)} train / {_images(self.data.val)} val images, {self.data.num_classes} classes, {engine.settings.epochs} epochs, "
+            f"{_images(self.data.train)} train / {_images(self.data.val)} val images, {self.data.num_classes} classes, "
+            f"{engine.settings.epochs} epochs, "
             f"{engine.ctx.world_size} processes x batch {cfg.DATA.BATCH_SIZE} x {engine.accumulation_steps} "
             f"accumulation = global batch {global_batch_size(cfg, engine.ctx.world_size)}, lr "
             f"{cfg.TRAIN.BASE_LR * lr_scale(cfg):.3e}, device {engine.device}"
@@ -269,7 +270,8 @@ class ClassificationTask(Task):
         return self.cfg.to_dict()
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
-        missing = [key for key in REQUIRED_KEYS if key not in checkpoint and not (key == "model" and SHARDED in checkpoint)]
+        missing = [key for key in REQUIRED_KEYS
+                   if key not in checkpoint and not (key == "model" and SHARDED in checkpoint)]
         if missing:
             raise CorruptCheckpointError(path, f"not a polaformer checkpoint: no {', '.join(map(repr, missing))}")
         check_metadata(checkpoint, path)
@@ -399,23 +401,19 @@ def _images(dataset: Dataset) -> int:
 
 
 def loop_settings(cfg: Config) -> LoopSettings:
-    """The engine's settings from the official keys."""
-    train_cfg = cfg.TRAIN
+    """The engine's settings from the official keys: the engine options (read by the one adapter,
+    :func:`~polaformer.engine.options.official_values`), the epochs counting the cool-down, and the run's own keys."""
+    options = loop_kwargs(official_values(cfg))
+    options["epochs"] += cfg.TRAIN.COOLDOWN_EPOCHS
     return LoopSettings(
-        output=Path(cfg.OUTPUT), batch_size=cfg.DATA.BATCH_SIZE,
-        epochs=train_cfg.EPOCHS + train_cfg.COOLDOWN_EPOCHS, start_epoch=train_cfg.START_EPOCH,
-        save_every_steps=train_cfg.SAVE_FREQ_STEPS, save_every_epochs=cfg.SAVE_FREQ,
-        accumulation_steps=train_cfg.ACCUMULATION_STEPS, clip_grad_norm=train_cfg.CLIP_GRAD or None,
-        amp=cfg.AMP, amp_cuda_dtype=cfg.AMP_DTYPE, ema_decay=train_cfg.EMA.DECAY if train_cfg.EMA.ENABLE else None,
-        seed=cfg.SEED, num_workers=cfg.DATA.NUM_WORKERS, pin_memory=cfg.DATA.PIN_MEMORY, device=cfg.DEVICE,
-        resume="auto" if train_cfg.AUTO_RESUME or cfg.MODEL.RESUME == "auto" else (cfg.MODEL.RESUME or None),
-        allow_changed=tuple(cfg.ALLOW_CHANGED), overwrite=cfg.OVERWRITE, last_name=cfg.LAST_CHECKPOINT,
-        find_unused_parameters=train_cfg.FIND_UNUSED_PARAMETERS, print_freq=cfg.PRINT_FREQ,
-        parallel=train_cfg.PARALLEL, compile=train_cfg.COMPILE, grad_checkpointing=train_cfg.USE_CHECKPOINT,
+        output=Path(cfg.OUTPUT), device=cfg.DEVICE,
+        resume="auto" if cfg.TRAIN.AUTO_RESUME or cfg.MODEL.RESUME == "auto" else (cfg.MODEL.RESUME or None),
+        allow_changed=tuple(cfg.ALLOW_CHANGED), overwrite=cfg.OVERWRITE, last_name=cfg.LAST_CHECKPOINT, **options,
     )
 
 
-def _prepare(config: Config | TrainConfig, data: TrainData | None, opts: Sequence) -> tuple[ClassificationTask, LoopSettings]:
+def _prepare(config: Config | TrainConfig, data: TrainData | None,
+             opts: Sequence) -> tuple[ClassificationTask, LoopSettings]:
     cfg = config_from_train_config(config) if isinstance(config, TrainConfig) else config.clone().defrost()
     merge_opts(cfg, opts)
     check_config(cfg)

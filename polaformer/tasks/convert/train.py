@@ -32,11 +32,10 @@ from ...data.digits import DigitsDataset, digits_split
 from ...data.folder import model_transforms, open_folder
 from ...data.noised import NoisedImages, digits_images, make_scheduler
 from ...data.text import ByteWindows, stdlib_corpus
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError,
-                              check_settings, configure, unit)
+from ...engine.config import COUNT, NON_NEGATIVE, POSITIVE, SEED, Config, ConfigError, check_settings, configure, unit
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import unwrap, warmup_cosine
-from ...engine.steps import StepTask, check_execution_keys, step_settings, train_defaults
+from ...engine.steps import StepTask, check_train_options, step_settings, train_defaults
 from ...lora import add_lora, merge_lora
 from .build import build_source, convert_model, save_converted, target_of
 from .transfer import MAX_WEIGHT_TOKENS, WEIGHT_FAMILIES, AttentionTransfer, freeze_for_transfer
@@ -55,10 +54,7 @@ RULES = {
     "finetune.distill": unit(high_open=False), "finetune.temperature": POSITIVE,
     "finetune.lora": COUNT.but(note="0: every weight learns"),
     "finetune.lora_alpha": NON_NEGATIVE.but(note="0: twice the rank"),
-    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE, "train.warmup_steps": COUNT,
-    "train.weight_decay": NON_NEGATIVE, "train.clip_grad_norm": NON_NEGATIVE.but(note="0: no clipping"),
-    "train.eval_every": POSITIVE_INT, "train.eval_batches": COUNT.but(note="0: all"), "train.seed": SEED,
-    "train.num_workers": COUNT,
+    "train.eval_batches": COUNT.but(note="0: all"),
 }
 
 
@@ -74,8 +70,8 @@ def convert_config(path=None, opts=(), overrides=None, *, check: bool = True) ->
         "init": "",
         "transfer": {"train_qk": False, "attention_weight": 0.0},
         "finetune": {"distill": 0.5, "temperature": 2.0, "lora": 0, "lora_alpha": 0.0},
-        "train": train_defaults(steps=200, batch_size=32, eval_every=100, lr=1e-3, warmup_steps=10, weight_decay=0.0,
-                                clip_grad_norm=1.0, eval_batches=0),
+        "train": train_defaults("convert", steps=200, batch_size=32, eval_every=100, lr=1e-3, warmup_steps=10,
+                                           weight_decay=0.0, clip_grad_norm=1.0, eval_batches=0),
     })
     return configure(cfg, path, opts, overrides, check=check_convert_config if check else None)
 
@@ -83,7 +79,7 @@ def convert_config(path=None, opts=(), overrides=None, *, check: bool = True) ->
 def check_convert_config(cfg: Config) -> None:
     """Ranges (:data:`RULES`), a known stage and data set, a source and its teacher weights named."""
     check_settings(cfg, RULES)
-    check_execution_keys(cfg.train, unsharded="conversion (a teacher beside the student)")
+    check_train_options(cfg, "convert", unsharded="conversion (a teacher beside the student)")
     if cfg.stage not in STAGES:
         raise ConfigError(f"stage must be one of {', '.join(STAGES)}, got {cfg.stage!r}")
     if cfg.data.name not in DATASETS:

@@ -190,10 +190,12 @@ class CascadeRoIHeads(RoIHeads):
         # the last stage's coder (self.box_coder) decodes the same delta for every class
         boxes, scores, labels = self.postprocess_detections(mean_logits, deltas.repeat(1, logits.shape[1]),
                                                             proposals, image_shapes)
-        probs = sum(self._mask_logits(stage, features, boxes, image_shapes).sigmoid() for stage in range(stages)) / stages
+        probs = sum(self._mask_logits(stage, features, boxes, image_shapes).sigmoid() for stage in range(stages))
+        probs = probs / stages
         label_probs = probs[torch.arange(len(probs), device=probs.device), torch.cat(labels)][:, None]
-        return [dict(boxes=b, scores=s, labels=l, masks=m)
-                for b, s, l, m in zip(boxes, scores, labels, label_probs.split([len(b) for b in boxes]))]
+        masks = label_probs.split([len(b) for b in boxes])
+        return [dict(boxes=box, scores=score, labels=label, masks=mask)
+                for box, score, label, mask in zip(boxes, scores, labels, masks)]
 
 
 def build_cascade_mask_rcnn(body: nn.Module, num_classes: int, *, anchor_generator=None, roi_batch: int = 512,

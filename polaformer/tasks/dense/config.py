@@ -1,10 +1,11 @@
 """Recipes for ``detect train`` and ``segment train`` on the engine's one config system: defaults, YAML
 files (configs/dense/), ``--opts`` and flag overrides (:func:`polaformer.engine.config.configure`).
 
-A recipe has sections ``model``, ``data`` and ``train`` (and ``task``, which must match the command). The
-defaults are the embedded CPU recipes measured in docs/dense.md (150 Mask R-CNN steps, 300 Semantic FPN
-steps); the files in configs/dense/ are the papers' schedules. Unknown keys and wrong types are an error,
-so a typo never silently keeps a default.
+A recipe has sections ``model``, ``data`` and ``train`` (and ``task``, which must match the command); ``train``
+holds the engine options (:mod:`polaformer.engine.options`: ``batch_size``, ``num_workers``, ``clip_grad_norm``...)
+and the schedule. The defaults are the embedded CPU recipes measured in docs/dense.md (150 Mask R-CNN steps, 300
+Semantic FPN steps); the files in configs/dense/ are the papers' schedules. Unknown keys and wrong types are an
+error, so a typo never silently keeps a default.
 
 ``model.decoder_dropout`` (segmentation): the FPN decoder's spatial dropout (smp's default 0.2).
 ``train.no_decay_keys``: empty, weight decay spares norms, biases and position tables; otherwise exactly the
@@ -19,10 +20,9 @@ import copy
 import os
 from collections.abc import Sequence
 
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
-                              configure, fraction, unit)
+from ...engine.config import POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings, configure, fraction, unit
+from ...engine.steps import check_train_options, train_defaults
 from ...limits import check_allocation, check_batch_memory
-from ...engine.steps import EXECUTION_DEFAULTS, check_execution_keys
 
 __all__ = ["DEFAULTS", "RULES", "check_recipe", "dense_config", "load_recipe"]
 
@@ -35,12 +35,12 @@ DEFAULTS = {
         },
         "data": {
             "format": "digits", "train_images": None, "train_annotations": None, "val_images": None,
-            "val_annotations": None, "train_size": 800, "val_size": 100, "batch_size": 8, "workers": 0,
+            "val_annotations": None, "train_size": 800, "val_size": 100,
         },
+        # the engine options' values (the other options at their defaults) and the schedule
         "train": {
-            "steps": None, "epochs": 1.5, "lr": 2e-4, "weight_decay": 0.05, "warmup_steps": 50, "policy": "step",
-            "milestones": [0.75], "gamma": 0.1, "power": 1.0, "clip_grad": None, "eval_every": None,
-            "save_every": 50, "seed": 0, "no_decay_keys": [], "amp": False, **EXECUTION_DEFAULTS,
+            "steps": None, "epochs": 1.5, "batch_size": 8, "lr": 2e-4, "weight_decay": 0.05, "warmup_steps": 50,
+            "policy": "step", "milestones": [0.75], "gamma": 0.1, "power": 1.0, "save_every": 50, "no_decay_keys": [],
         },
     },
     "segment": {
@@ -50,12 +50,12 @@ DEFAULTS = {
         },
         "data": {
             "format": "digits", "root": None, "num_classes": 150, "reduce_zero_label": True, "crop_size": 512,
-            "test_scale": [2048, 512], "train_size": 800, "val_size": 100, "batch_size": 8, "workers": 0,
+            "test_scale": [2048, 512], "train_size": 800, "val_size": 100,
         },
         "train": {
-            "steps": None, "epochs": 3.0, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50, "policy": "poly",
-            "milestones": [], "gamma": 0.1, "power": 0.9, "clip_grad": None, "eval_every": None, "save_every": 50,
-            "seed": 0, "head_lr_mult": 1.0, "no_decay_keys": [], "amp": False, **EXECUTION_DEFAULTS,
+            "steps": None, "epochs": 3.0, "batch_size": 8, "lr": 1e-3, "weight_decay": 1e-3, "warmup_steps": 50,
+            "policy": "poly", "milestones": [], "gamma": 0.1, "power": 0.9, "save_every": 50, "head_lr_mult": 1.0,
+            "no_decay_keys": [],
         },
     },
 }
@@ -67,6 +67,7 @@ def dense_config(task: str) -> Config:
         raise ConfigError(f"unknown dense task {task!r} (known: {', '.join(DEFAULTS)})")
     tree = copy.deepcopy(DEFAULTS[task])
     tree["model"]["backbone_kwargs"] = Config(new_allowed=True, path="model.backbone_kwargs")
+    tree["train"] = train_defaults("dense", **tree["train"])
     return Config({"task": task, **tree})
 
 
@@ -87,18 +88,15 @@ def load_recipe(task: str, path: str | os.PathLike | None = None, overrides: dic
     return recipe
 
 
-# the range of every numeric setting of both tasks (engine/config.py checks them, naming the key)
+# the range of every numeric setting of both tasks besides the engine options (engine/config.py checks them, naming
+# the key)
 RULES = {
     "model.min_size": POSITIVE_INT, "model.max_size": POSITIVE_INT, "model.fpn_channels": POSITIVE_INT,
     "model.roi_batch": POSITIVE_INT, "model.anchor_sizes": POSITIVE_INT.but(optional=True),
     "model.decoder_channels": POSITIVE_INT, "model.decoder_dropout": unit(),
-    "data.train_size": POSITIVE_INT, "data.val_size": POSITIVE_INT, "data.batch_size": POSITIVE_INT,
-    "data.workers": COUNT, "data.num_classes": POSITIVE_INT, "data.crop_size": POSITIVE_INT,
-    "train.lr": POSITIVE, "train.weight_decay": NON_NEGATIVE, "train.steps": POSITIVE_INT.but(optional=True),
-    "train.epochs": POSITIVE.but(optional=True), "train.clip_grad": POSITIVE.but(optional=True),
-    "train.eval_every": POSITIVE_INT.but(optional=True), "train.warmup_steps": COUNT, "train.seed": SEED,
-    "train.save_every": POSITIVE_INT, "train.milestones": fraction(), "train.gamma": POSITIVE,
-    "train.power": POSITIVE, "train.head_lr_mult": POSITIVE,
+    "data.train_size": POSITIVE_INT, "data.val_size": POSITIVE_INT, "data.num_classes": POSITIVE_INT,
+    "data.crop_size": POSITIVE_INT, "train.milestones": fraction(), "train.gamma": POSITIVE, "train.power": POSITIVE,
+    "train.head_lr_mult": POSITIVE,
 }
 
 
@@ -106,13 +104,14 @@ def check_recipe(cfg: Config) -> None:
     """Reject values no run can use, one line each: every key of :data:`RULES` the recipe has in its range, a
     batch of crops that fits in memory, LightHam's GroupNorm width."""
     check_settings(cfg, {key: rule for key, rule in RULES.items() if _has(cfg, key)})
-    check_execution_keys(cfg.train, unsharded="detection and segmentation models")
+    check_train_options(cfg, "dense", unsharded="detection and segmentation models")
     data = cfg.data
     if "crop_size" in data and data.format == "ade":  # each image is padded to the crop: a batch that cannot fit
-        check_batch_memory(data.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
+        check_batch_memory(cfg.train.batch_size, 3, data.crop_size, data.crop_size, "cpu", ConfigError,
                            what=f"a batch of data.crop_size {data.crop_size} crops")
     if not all(isinstance(key, str) and key for key in cfg.train.no_decay_keys):
-        raise ConfigError(f"train.no_decay_keys must be a list of parameter-name parts, got {cfg.train.no_decay_keys!r}")
+        raise ConfigError(
+            f"train.no_decay_keys must be a list of parameter-name parts, got {cfg.train.no_decay_keys!r}")
     if cfg.task == "segment":
         if data.format == "ade":  # the evaluation's int64 confusion matrix, before a class is counted
             classes = data.num_classes

@@ -16,6 +16,7 @@ import json
 import math
 import os
 from pathlib import Path, PurePath
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -25,8 +26,11 @@ from torch.utils.data import Dataset
 from ...data.digits import digits_split
 from ...data.folder import DatasetError
 from ...engine.distributed import SampleDraws
-from ...limits import available_memory
 from ...files import UnreadableFileError, read_image, read_text
+from ...limits import available_memory
+
+if TYPE_CHECKING:  # pycocotools is the optional 'dense' extra, imported where it is used
+    from pycocotools.coco import COCO
 
 __all__ = [
     "IGNORE_INDEX", "DIGIT_CLASSES", "DenseDataError", "DigitScenes", "CocoInstances", "AdeSegmentation",
@@ -128,7 +132,8 @@ class DigitScenes(Dataset):
             masks[i, y:y + side, x:x + side] = mask.to(torch.uint8)
             semantic[y:y + side, x:x + side][mask] = label + 1
             rows, cols = torch.nonzero(mask, as_tuple=True)
-            boxes.append([x + cols.min().item(), y + rows.min().item(), x + cols.max().item() + 1, y + rows.max().item() + 1])
+            boxes.append([x + cols.min().item(), y + rows.min().item(),
+                          x + cols.max().item() + 1, y + rows.max().item() + 1])
             labels.append(label + 1)
         target = {
             "boxes": torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4),
@@ -146,7 +151,7 @@ class DigitScenes(Dataset):
         return list(range(1, self.num_classes + 1))
 
 
-def coco_from_targets(targets, image_size: tuple[int, int], classes) -> "COCO":
+def coco_from_targets(targets, image_size: tuple[int, int], classes) -> COCO:
     """Ground truth in pycocotools form from torchvision-style targets (labels 1..K are the category ids)."""
     from pycocotools import mask as mask_utils
     from pycocotools.coco import COCO
@@ -193,7 +198,8 @@ def _check_coco(data, path: Path) -> None:
         if not isinstance(image, dict) or not isinstance(image.get("id"), int) or not image.get("file_name"):
             raise DenseDataError(f"{path}: image #{i} needs an integer 'id' and a 'file_name'")
         if image["id"] in sizes:
-            raise DenseDataError(f"{path}: image #{i} ({image['file_name']}) has the id {image['id']} of an earlier image")
+            raise DenseDataError(
+                f"{path}: image #{i} ({image['file_name']}) has the id {image['id']} of an earlier image")
         name = PurePath(str(image["file_name"]))
         if name.is_absolute() or ".." in name.parts:
             raise DenseDataError(f"{path}: image #{i}: file_name {str(name)!r} leaves the image folder")
@@ -313,7 +319,8 @@ class CocoInstances(Dataset):
         self.num_classes = len(cats)
         self._category_ids = cats
         self._label_of = {c: i + 1 for i, c in enumerate(cats)}
-        missing = [self._coco.imgs[i]["file_name"] for i in self.ids if not (self.image_dir / self._coco.imgs[i]["file_name"]).is_file()]
+        names = [self._coco.imgs[i]["file_name"] for i in self.ids]
+        missing = [name for name in names if not (self.image_dir / name).is_file()]
         if missing:
             raise DenseDataError(f"{self.image_dir}: {len(missing)} listed images are missing (e.g. {missing[0]})")
 
@@ -326,9 +333,8 @@ class CocoInstances(Dataset):
         image = _load_rgb(self.image_dir / info["file_name"])
         h, w = image.shape[-2:]
         if (info.get("height"), info.get("width")) not in ((h, w), (None, None)):
-            raise DenseDataError(
-                f"{info['file_name']}: the image is {h}x{w} but the annotations say {info.get('height')}x{info.get('width')}"
-            )
+            raise DenseDataError(f"{info['file_name']}: the image is {h}x{w} but the annotations say "
+                                 f"{info.get('height')}x{info.get('width')}")
         anns = [a for a in self._coco.imgToAnns.get(image_id, []) if not a.get("iscrowd", 0)]
         boxes = torch.tensor([a["bbox"] for a in anns], dtype=torch.float32).reshape(-1, 4)
         boxes[:, 2:] += boxes[:, :2]
@@ -369,7 +375,8 @@ class AdeSegmentation(Dataset):
         image_dir, label_dir = root / "images" / split, root / "annotations" / split
         for folder in (image_dir, label_dir):
             if not folder.is_dir():
-                raise DenseDataError(f"{folder}: no such folder (expected ROOT/images/{split} and ROOT/annotations/{split})")
+                raise DenseDataError(
+                    f"{folder}: no such folder (expected ROOT/images/{split} and ROOT/annotations/{split})")
         self.images = sorted(p for p in image_dir.iterdir() if p.suffix.lower() in IMAGE_EXTENSIONS)
         if not self.images:
             raise DenseDataError(f"{image_dir}: no images ({', '.join(IMAGE_EXTENSIONS)})")
@@ -390,19 +397,20 @@ class AdeSegmentation(Dataset):
         try:
             with read_image(path) as im:
                 if im.mode not in ("L", "P", "I;16", "I"):
-                    raise DenseDataError(f"{path}: an annotation must be a single-channel index PNG, found mode {im.mode}")
+                    raise DenseDataError(
+                        f"{path}: an annotation must be a single-channel index PNG, found mode {im.mode}")
                 label = torch.from_numpy(np.asarray(im, dtype=np.int64).copy())
         except (OSError, UnreadableFileError) as e:
             raise DenseDataError(f"{path}: cannot read the annotation ({getattr(e, 'detail', e)})") from None
         if label.shape != image.shape[-2:]:
-            raise DenseDataError(f"{path}: annotation is {tuple(label.shape)} but the image is {tuple(image.shape[-2:])}")
+            raise DenseDataError(
+                f"{path}: annotation is {tuple(label.shape)} but the image is {tuple(image.shape[-2:])}")
         if self.reduce_zero_label:
             label = torch.where(label == 0, IGNORE_INDEX, label - 1)
         valid = label != IGNORE_INDEX
         if valid.any() and int(label[valid].max()) >= self.num_classes:
-            raise DenseDataError(
-                f"{path}: label {int(label[valid].max()) + int(self.reduce_zero_label)} is beyond the {self.num_classes} classes"
-            )
+            largest = int(label[valid].max()) + int(self.reduce_zero_label)
+            raise DenseDataError(f"{path}: label {largest} is beyond the {self.num_classes} classes")
         return image, {"semantic": label, "image_id": index}
 
 

@@ -51,7 +51,8 @@ def build_detector(detector: str, backbone: str, num_classes: int, *, backbone_w
         raise BackboneError(f"anchor_sizes needs one size per pyramid level (5), got {anchor_sizes}")
     if detector == "fcos":
         if fpn_channels % 32:
-            raise BackboneError(f"FCOS's head uses GroupNorm(32): fpn_channels must be a multiple of 32, got {fpn_channels}")
+            raise BackboneError(
+                f"FCOS's head uses GroupNorm(32): fpn_channels must be a multiple of 32, got {fpn_channels}")
         return FCOS(body, num_classes + 1, **common)
     if detector == "retinanet":
         anchors = None
@@ -105,7 +106,8 @@ def coco_results(predictions, category_ids: list[int], mask_threshold: float = 0
 
     boxes, segms = [], []
     for image_id, pred in predictions:
-        for i, (box, score, label) in enumerate(zip(pred["boxes"].tolist(), pred["scores"].tolist(), pred["labels"].tolist())):
+        columns = zip(pred["boxes"].tolist(), pred["scores"].tolist(), pred["labels"].tolist())
+        for i, (box, score, label) in enumerate(columns):
             entry = {"image_id": image_id, "category_id": category_ids[label - 1], "score": score,
                      "bbox": [box[0], box[1], box[2] - box[0], box[3] - box[1]]}
             boxes.append(entry)

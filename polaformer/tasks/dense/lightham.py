@@ -97,7 +97,8 @@ class LightHamHead(nn.Module):
         super().__init__()
         for name, value in (("channels", channels), ("ham_channels", ham_channels)):
             if value <= 0 or value % GROUPS:
-                raise ValueError(f"LightHamHead {name} must be a positive multiple of {GROUPS} (GroupNorm), got {value}")
+                raise ValueError(
+                    f"LightHamHead {name} must be a positive multiple of {GROUPS} (GroupNorm), got {value}")
         self.in_channels = list(in_channels)
         self.squeeze = ConvModule(sum(in_channels), ham_channels, norm=True, relu=True)
         self.hamburger = Hamburger(ham_channels, rank, eval_seed)

@@ -25,8 +25,8 @@ from ...engine.config import ConfigError
 from ...engine.device import place_model, resolve_device
 from ...engine.distributed import ShardSampler
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
-from ...engine.steps import EXECUTION_DEFAULTS, EXECUTION_KEYS
 from ...engine.optim import param_groups, unwrap
+from ...engine.options import loop_kwargs, resumable_keys, section_values
 from ...engine.output import claim_outputs, distinct_names, write_image
 from .config import DEFAULTS
 from .data import AdeSegmentation, CocoInstances, DigitScenes, RandomCrop, _load_rgb, collate
@@ -47,7 +47,8 @@ SEGMENT_DIGIT_CLASSES = ("background",) + DigitScenes.classes
 def detection_data(data: dict, *, train: bool = True):
     """``(train set or None, validation set)``."""
     if data["format"] == "digits":
-        return DigitScenes("train", size=data["train_size"]) if train else None, DigitScenes("val", size=data["val_size"])
+        train_set = DigitScenes("train", size=data["train_size"]) if train else None
+        return train_set, DigitScenes("val", size=data["val_size"])
     if data["format"] == "coco":
         for key in ("train_images", "train_annotations", "val_images", "val_annotations")[0 if train else 2:]:
             if not data.get(key):
@@ -120,7 +121,6 @@ class Schedule:
     milestones: tuple[int, ...] = ()
     gamma: float = 0.1
     power: float = 1.0
-    clip_grad: float | None = None
 
     def factor(self, step: int) -> float:
         warm = min(1.0, (step + 1) / self.warmup_steps) if self.warmup_steps else 1.0
@@ -141,17 +141,17 @@ def _schedule(train: dict, steps_per_epoch: int) -> Schedule:
     milestones = tuple(int(round(m * steps)) for m in train["milestones"])
     return Schedule(steps=steps, lr=float(train["lr"]), weight_decay=float(train["weight_decay"]),
                     warmup_steps=int(train["warmup_steps"]), policy=train["policy"], milestones=milestones,
-                    gamma=float(train["gamma"]), power=float(train["power"]), clip_grad=train["clip_grad"])
+                    gamma=float(train["gamma"]), power=float(train["power"]))
 
 
 class DenseTask(Task):
     """Detection (box AP) or semantic segmentation (mIoU) on a recipe's data."""
 
     resume_hint = "it holds weights only; use --backbone-weights or another --output"
-    # the run's length and cadence, its workers and evaluation canvases; the backbone weights only start a run
-    execution_keys = EXECUTION_KEYS
-    resume_may_change = ("train.steps", "train.epochs", "train.eval_every", "train.save_every", "data.workers",
-                         "data.val_size", "model.backbone_weights")
+    # the run's length and cadence, its workers, how the model runs (the engine options' declarations), its
+    # evaluation canvases; the backbone weights only start a run
+    execution_keys = resumable_keys("dense")
+    resume_may_change = ("data.val_size", "model.backbone_weights")
 
     def __init__(self, task: str, recipe: dict, train_set, val_set, num_classes: int, classes, schedule: Schedule):
         self.name, self.recipe, self.schedule = task, recipe, schedule
@@ -163,16 +163,20 @@ class DenseTask(Task):
         self.config = {**recipe, "classes": list(classes), "num_classes": num_classes}
 
     def build(self, engine: Engine, resuming: bool) -> nn.Module:
-        data = self.recipe["data"]
+        t = self.recipe["train"]
         # each process scores every K-th validation image; the evaluation adds up the processes' results
-        self.val_loader = DataLoader(self.val_set, batch_size=data["batch_size"], collate_fn=collate,
-                                     num_workers=data["workers"], sampler=ShardSampler(self.val_set, engine.ctx))
+        self.val_loader = DataLoader(self.val_set, batch_size=t["batch_size"], collate_fn=collate,
+                                     num_workers=t["num_workers"], sampler=ShardSampler(self.val_set, engine.ctx))
         if self.name == "detect":
             self.coco_gt, self.category_ids = self.val_set.coco(), self.val_set.category_ids()
         return _build(self.name, self.recipe, self.num_classes, load_weights=not resuming)
 
     def settings(self) -> dict:
         return self.config
+
+    def saved_settings(self, checkpoint: dict) -> dict | None:
+        saved = super().saved_settings(checkpoint)
+        return upgrade_recipe(saved) if saved is not None else None
 
     def check_resume(self, checkpoint: dict, path: Path) -> None:
         saved = checkpoint.get("config", {})
@@ -225,22 +229,31 @@ def train_task(task: str, recipe: dict, output: Path, *, resume: str | None = No
         num_classes, classes = train_set.num_classes, train_set.classes
     else:
         train_set, val_set, num_classes, classes = segmentation_data(data, seed=train_cfg["seed"])
-    schedule = _schedule(train_cfg, max(1, len(train_set) // data["batch_size"]))
+    schedule = _schedule(train_cfg, max(1, len(train_set) // train_cfg["batch_size"]))
     settings = LoopSettings(
-        output=Path(output), batch_size=data["batch_size"], steps=schedule.steps,
-        eval_every=train_cfg["eval_every"] or schedule.steps, save_every_steps=train_cfg["save_every"],
-        clip_grad_norm=schedule.clip_grad, seed=train_cfg["seed"], num_workers=data["workers"],
-        device=device or "auto", resume=resume, allow_changed=tuple(allow_changed), overwrite=overwrite,
-        show_progress=progress, amp=train_cfg.get("amp", False),
-        **{key: train_cfg.get(key, default) for key, default in EXECUTION_DEFAULTS.items()},
+        output=Path(output), device=device or "auto", resume=resume, allow_changed=tuple(allow_changed),
+        overwrite=overwrite, show_progress=progress,
+        **{**loop_kwargs(section_values(train_cfg)), "steps": schedule.steps, "epochs": None,
+           "eval_every": train_cfg["eval_every"] or schedule.steps},
     )
     return train(DenseTask(task, recipe, train_set, val_set, num_classes, classes, schedule), settings)
+
+
+def upgrade_recipe(recipe: dict) -> dict:
+    """A recipe of an earlier version (``data.batch_size``, ``data.workers``, ``train.clip_grad``) in today's
+    layout, where they are engine options in ``train``."""
+    data, train_cfg = dict(recipe.get("data", {})), dict(recipe.get("train", {}))
+    for old, section, new in (("batch_size", data, "batch_size"), ("workers", data, "num_workers"),
+                              ("clip_grad", train_cfg, "clip_grad_norm")):
+        if old in section:
+            train_cfg.setdefault(new, section.pop(old))
+    return {**recipe, "data": data, "train": train_cfg}
 
 
 def load_model(task: str, path: str, device: str | None = None):
     """The model of a ``detect``/``segment`` checkpoint (of any version), and its recipe."""
     checkpoint = read_task_checkpoint(path, task)
-    config = checkpoint["config"]
+    config = upgrade_recipe(checkpoint["config"])
     model = _build(task, config, config["num_classes"], load_weights=False)
     load_task_weights(model, checkpoint["model"], path)
     return place_model(model, resolve_device(device or "auto"), inference=True), config
@@ -250,7 +263,8 @@ def evaluate_checkpoint(task: str, path: str, data_overrides: dict | None = None
     """Score a checkpoint on its recipe's validation data (or on ``data_overrides``)."""
     model, config = load_model(task, path, device)
     data = {**config["data"], **{k: v for k, v in (data_overrides or {}).items() if v is not None}}
-    loader_kwargs = dict(batch_size=data["batch_size"], collate_fn=collate, num_workers=data["workers"])
+    t = config["train"]
+    loader_kwargs = dict(batch_size=t["batch_size"], collate_fn=collate, num_workers=t["num_workers"])
     if task == "detect":
         _, val_set = detection_data(data, train=False)
         if len(val_set.classes) != config["num_classes"]:

@@ -2,8 +2,16 @@
 (training on diffusers' schedule, sampling by the official respaced sampler), training on the one engine, sampling
 with classifier-free guidance, FID and class accuracy with local networks (docs/diffusion.md)."""
 from .data import LATENT_SCALE, digits_images, folder_images, load_vae
-from .gaussian import (SAMPLERS, VARIANCES, RespacedDiffusion, diffusion_loss, make_scheduler, respaced_timesteps,
-                       sample, vlb_terms)
+from .gaussian import (
+    SAMPLERS,
+    VARIANCES,
+    RespacedDiffusion,
+    diffusion_loss,
+    make_scheduler,
+    respaced_timesteps,
+    sample,
+    vlb_terms,
+)
 from .metrics import DigitsClassifier, class_accuracy, feature_network, frechet_distance, train_digits_classifier
 from .train import DiffusionTask, diffusion_config, generate, load_diffusion_model, train_diffusion
 

@@ -74,7 +74,8 @@ def load_vae(path):
     if not path:
         raise ConfigError("latent mode needs a local AutoencoderKL folder: set data.vae")
     if not Path(path).is_dir():
-        raise ConfigError(f"VAE path is not a folder: {path}" if Path(path).exists() else f"VAE folder not found: {path}")
+        raise ConfigError(
+            f"VAE path is not a folder: {path}" if Path(path).exists() else f"VAE folder not found: {path}")
     try:
         vae = AutoencoderKL.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, EnvironmentError) as e:

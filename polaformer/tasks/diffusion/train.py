@@ -14,14 +14,23 @@ from torch import nn
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_dit_*)
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
-                              configure, fraction, unit)
+from ...engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE_INT,
+    SEED,
+    Config,
+    ConfigError,
+    check_settings,
+    configure,
+    fraction,
+    unit,
+)
 from ...engine.device import resolve_device
 from ...engine.distributed import all_reduce_sum
-from ...limits import check_batch_memory
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
-                             train_defaults)
+from ...engine.steps import StepTask, check_train_options, load_task_model, saved_config, step_settings, train_defaults
+from ...limits import check_batch_memory
 from .data import LATENT_SCALE, NoisedImages, load_images, load_vae, vae_downsampling
 from .gaussian import SAMPLERS, VARIANCES, diffusion_loss, make_scheduler, sample
 
@@ -30,7 +39,7 @@ __all__ = ["RULES", "DiffusionTask", "check_diffusion_config", "check_sample_req
 
 BEST = "best.pth"
 
-# the range of every numeric setting (engine/config.py checks them, naming the key)
+# the range of every numeric setting besides the engine options (engine/config.py checks them, naming the key)
 SIZE_OF_MODEL = COUNT.but(note="0: the named model's")
 RULES = {
     "model.hidden_size": SIZE_OF_MODEL, "model.depth": SIZE_OF_MODEL, "model.num_heads": SIZE_OF_MODEL,
@@ -38,10 +47,7 @@ RULES = {
     "data.image_size": POSITIVE_INT, "data.channels": POSITIVE_INT, "data.valid_fraction": fraction(),
     "data.seed": SEED,
     "diffusion.train_timesteps": POSITIVE_INT, "diffusion.beta_start": fraction(), "diffusion.beta_end": fraction(),
-    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE,
-    "train.weight_decay": NON_NEGATIVE, "train.ema_decay": unit().but(note="0: no EMA"),
-    "train.clip_grad_norm": NON_NEGATIVE.but(note="0: no clipping"), "train.eval_every": POSITIVE_INT,
-    "train.eval_samples": POSITIVE_INT, "train.seed": SEED, "train.num_workers": COUNT,
+    "train.eval_samples": POSITIVE_INT,
     "sample.steps": POSITIVE_INT, "sample.cfg_scale": NON_NEGATIVE.but(note="1: no guidance"),
 }
 
@@ -58,8 +64,8 @@ def diffusion_config(path=None, opts=(), overrides=None, *, check: bool = True) 
         "data": {"name": "digits", "image_size": 16, "channels": 1, "latent": False, "vae": "",
                  "valid_fraction": 0.1, "seed": 0},
         "diffusion": {"train_timesteps": 1000, "beta_start": 1e-4, "beta_end": 0.02},
-        "train": train_defaults(steps=2000, batch_size=64, eval_every=500, lr=1e-3, weight_decay=0.0, ema_decay=0.999,
-                                clip_grad_norm=1.0, eval_samples=256),
+        "train": train_defaults("diffusion", steps=2000, batch_size=64, eval_every=500, lr=1e-3, weight_decay=0.0,
+                                             ema_decay=0.999, clip_grad_norm=1.0, eval_samples=256),
         # variance: of a model without a learned one; guide_all_channels: guidance on every ε channel instead of
         # the official first three output channels
         "sample": {"sampler": "ddim", "steps": 50, "cfg_scale": 2.0, "variance": "fixed_large",
@@ -71,7 +77,7 @@ def diffusion_config(path=None, opts=(), overrides=None, *, check: bool = True) 
 def check_diffusion_config(cfg: Config) -> None:
     """Every setting in its range (:data:`RULES`), the names known, the schedule rising, a batch that fits."""
     check_settings(cfg, RULES)
-    check_execution_keys(cfg.train)
+    check_train_options(cfg, "diffusion")
     d = cfg.diffusion
     if d.beta_start > d.beta_end:
         raise ConfigError(f"diffusion.beta_start ({d.beta_start}) must not exceed diffusion.beta_end ({d.beta_end}): "

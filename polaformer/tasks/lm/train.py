@@ -14,29 +14,36 @@ from torch.utils.data import DataLoader
 from tqdm import tqdm
 
 from ... import models  # noqa: F401  (registers pola_lm_*)
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, Range,
-                              check_settings, configure, fraction, unit)
+from ...data.text import ByteWindows, stdlib_corpus
+from ...engine.config import (
+    COUNT,
+    NON_NEGATIVE,
+    POSITIVE_INT,
+    SEED,
+    Config,
+    ConfigError,
+    Range,
+    check_settings,
+    configure,
+    fraction,
+    unit,
+)
 from ...engine.distributed import all_reduce_sum, shard
-from ...limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
 from ...engine.optim import warmup_cosine
-from ...data.text import ByteWindows, stdlib_corpus
-from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
-                             train_defaults)
+from ...engine.steps import StepTask, check_train_options, load_task_model, saved_config, step_settings, train_defaults
+from ...limits import check_allocation
 
 __all__ = ["RULES", "SAMPLING", "LMTask", "check_lm_config", "evaluate_bits_per_byte", "lm_config", "load_lm_model",
            "train_lm", "unigram_bits_per_byte"]
 
 BEST = "best.pth"
 
-# the range of every numeric setting (engine/config.py checks them, naming the key)
+# the range of every numeric setting besides the engine options (engine/config.py checks them, naming the key)
 RULES = {
     "model.context": POSITIVE_INT, "model.drop_rate": unit(),
     "data.max_bytes": COUNT.but(note="0: all"), "data.valid_fraction": fraction(), "data.seed": SEED,
-    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE, "train.warmup_steps": COUNT,
-    "train.weight_decay": NON_NEGATIVE, "train.clip_grad_norm": NON_NEGATIVE.but(note="0: no clipping"),
-    "train.eval_every": POSITIVE_INT, "train.eval_batches": COUNT.but(note="0: all"), "train.seed": SEED,
-    "train.num_workers": COUNT,
+    "train.eval_batches": COUNT.but(note="0: all"),
 }
 # `lm sample` and `lm eval`: the options that are no configuration keys
 SAMPLING = {
@@ -54,16 +61,17 @@ def lm_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         "model": {"name": "pola_lm_tiny", "attention": "pola", "context": 128, "drop_rate": 0.0},
         "data": {"max_bytes": 0, "valid_fraction": 0.05, "seed": 0},
         # a few minutes on a laptop CPU, well under the unigram baseline (docs/causal.md)
-        "train": train_defaults(steps=600, batch_size=16, eval_every=200, lr=3e-3, warmup_steps=50, weight_decay=0.01,
-                                clip_grad_norm=1.0, eval_batches=25),
+        "train": train_defaults("lm", steps=600, batch_size=16, eval_every=200, lr=3e-3, warmup_steps=50,
+                                      weight_decay=0.01, clip_grad_norm=1.0, eval_batches=25),
     })
     return configure(cfg, path, opts, overrides, check=check_lm_config if check else None)
 
 
 def check_lm_config(cfg: Config) -> None:
-    """Every setting in its range (:data:`RULES`), a known attention, a position table that fits in memory."""
+    """Every setting in its range (:data:`RULES`, the engine options'), a known attention, a position table that fits
+    in memory."""
     check_settings(cfg, RULES)
-    check_execution_keys(cfg.train)
+    check_train_options(cfg, "lm")
     if cfg.model.attention not in models.pola_lm.ATTENTIONS:
         raise ConfigError(f"model.attention must be one of {', '.join(models.pola_lm.ATTENTIONS)}, "
                           f"got {cfg.model.attention!r}")

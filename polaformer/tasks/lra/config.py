@@ -7,7 +7,8 @@ The tree has five top-level keys::
     attention: softmax             # any name of polaformer.tasks.lra.attention.ATTENTIONS
     attention_options: {}          # that attention's own options (alpha, gate_init, num_landmarks...)
     model: {dim: 64, ...}          # the model's sizes (MODEL_DEFAULTS); the task decides vocabulary, classes, length
-    train: {batch_size: 32, ...}   # the optimisation recipe (TRAIN_DEFAULTS, then the task's RECIPES entry)
+    train: {batch_size: 32, ...}   # the engine options (polaformer.engine.options) at TRAIN_DEFAULTS, then the task's
+                                   # RECIPES entry
 
 Unknown keys are an error naming the valid ones, so a typo never silently falls back to a default.
 """
@@ -17,9 +18,8 @@ import os
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ...engine.config import (COUNT, NON_NEGATIVE, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings,
-                              configure, unit)
-from ...engine.steps import check_execution_keys, train_defaults
+from ...engine.config import COUNT, POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings, configure, unit
+from ...engine.steps import check_train_options, train_defaults
 
 __all__ = ["LRAConfigError", "MODEL_DEFAULTS", "RECIPES", "RULES", "TRAIN_DEFAULTS", "check_lra_config", "lra_config",
            "load_lra_config"]
@@ -33,8 +33,9 @@ class LRAConfigError(ConfigError):
 MODEL_DEFAULTS = dict(dim=64, hidden_dim=128, num_heads=2, head_dim=32, num_layers=2, dropout=0.1,
                       attention_dropout=0.1)
 
-# The optimisation recipe (Skyformer's protocol: AdamW, one-cycle linear schedule, clipping).
-TRAIN_DEFAULTS = train_defaults(
+# The optimisation recipe (Skyformer's protocol: AdamW, one-cycle linear schedule, clipping): the values of the
+# engine options and the task's own keys of the ``train`` section (:func:`lra_config` adds the other options).
+TRAIN_DEFAULTS = dict(
     steps=50_000,
     batch_size=32,
     eval_every=500,
@@ -64,15 +65,13 @@ RECIPES: dict[str, dict] = {
 }
 
 
-# the range of every numeric setting (engine/config.py checks them, naming the key)
+# the range of every numeric setting besides the engine options (engine/config.py checks them, naming the key)
 RULES = {
     **{f"model.{name}": POSITIVE_INT for name in ("dim", "hidden_dim", "num_heads", "head_dim", "num_layers")},
     "model.dropout": unit(), "model.attention_dropout": unit(),
-    **{f"train.{name}": POSITIVE_INT for name in ("batch_size", "steps", "eval_every", "save_every")},
-    "train.eval_batches": COUNT.but(note="0: all"), "train.num_workers": COUNT, "train.warmup_steps": COUNT,
+    "train.eval_batches": COUNT.but(note="0: all"),
     **{f"train.limit_{split}": POSITIVE_INT.but(optional=True) for split in ("train", "dev", "test")},
-    "train.lr": POSITIVE, "train.adam_eps": POSITIVE, "train.weight_decay": NON_NEGATIVE,
-    "train.clip_grad_value": NON_NEGATIVE.but(note="0: no clipping"), "train.betas": unit(), "train.seed": SEED,
+    "train.adam_eps": POSITIVE, "train.betas": unit(),
 }
 
 
@@ -85,7 +84,7 @@ def lra_config(task: str, values: Mapping | None = None) -> Config:
         "attention": "softmax",
         "attention_options": Config(new_allowed=True, path="attention_options"),
         "model": dict(MODEL_DEFAULTS),
-        "train": {**TRAIN_DEFAULTS, **RECIPES[task]},
+        "train": train_defaults("lra", **{**TRAIN_DEFAULTS, **RECIPES[task]}),
     })
     if values:
         cfg.merge(values)
@@ -132,7 +131,7 @@ def check_lra_config(cfg: Config) -> None:
                              f"its options: {takes}")
     check_settings(cfg, RULES, LRAConfigError)
     t = cfg.train
-    check_execution_keys(t, LRAConfigError, unsharded="the LRA models (small enough to replicate)")
+    check_train_options(cfg, "lra", LRAConfigError, unsharded="the LRA models (small enough to replicate)")
     if not t.warmup_steps < t.steps:
         raise LRAConfigError(f"train.warmup_steps must be in [0, steps={t.steps}), got {t.warmup_steps}")
     if len(t.betas) != 2:

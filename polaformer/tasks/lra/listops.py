@@ -259,8 +259,8 @@ def generate_listops(
     and per split (``splits[name]``) ``file``, ``examples``, ``labels`` (count per label "0".."9"),
     ``min_length``, ``max_length``, ``mean_length`` (0 for an empty split) and its own
     ``length_histogram``. Files already in ``out_dir`` are replaced only with ``overwrite``
-    (:class:`FileExistsError` otherwise, before any work). A histogram is a list of ``[low, high, count]`` for ten bins ``[low, high)``
-    over ``[min_length, max_length]``; a length is what LRA counts (operators, values, ``]``).
+    (:class:`FileExistsError` otherwise, before any work). A histogram is a list of ``[low, high, count]`` for ten
+    bins ``[low, high)`` over ``[min_length, max_length]``; a length is what LRA counts (operators, values, ``]``).
     """
     counts = {"train": train, "val": val, "test": test}
     for name, count in counts.items():

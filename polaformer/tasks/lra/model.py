@@ -83,7 +83,8 @@ class LRAClassifier(nn.Module):
         self.grad_checkpointing = False
         self.norm = nn.LayerNorm(cfg.dim)
         features = 4 * cfg.dim if cfg.dual else cfg.dim
-        self.head = nn.Sequential(nn.Linear(features, cfg.hidden_dim), nn.ReLU(), nn.Linear(cfg.hidden_dim, cfg.num_classes))
+        self.head = nn.Sequential(nn.Linear(features, cfg.hidden_dim), nn.ReLU(),
+                                  nn.Linear(cfg.hidden_dim, cfg.num_classes))
 
     def set_grad_checkpointing(self, enable: bool = True):
         self.grad_checkpointing = enable

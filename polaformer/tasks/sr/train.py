@@ -15,19 +15,18 @@ from tqdm import tqdm
 
 from ...checkpoint import CorruptCheckpointError, read_checkpoint
 from ...engine.checkpoint import load_task_weights
-from ...engine.config import (COUNT, POSITIVE, POSITIVE_INT, SEED, Config, ConfigError, check_settings, configure,
-                              fraction)
+from ...engine.config import COUNT, POSITIVE, POSITIVE_INT, Config, ConfigError, check_settings, configure, fraction
 from ...engine.distributed import all_gather_object
-from ...limits import check_allocation
 from ...engine.loop import Engine, StepOutput, train
-from ...engine.steps import (StepTask, check_execution_keys, load_task_model, saved_config, step_settings,
-                             train_defaults)
+from ...engine.steps import StepTask, check_train_options, load_task_model, saved_config, step_settings, train_defaults
+from ...limits import check_allocation
 from ...models.pola_sr import PolaSR, chop_upscale, tiled_upscale
 from .data import ImagePair, RandomPatches, folder_pairs, photo_pairs
 from .metrics import sr_metrics, to_uint8
 
-__all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upscale", "build_sr_model", "check_sr_config",
-           "evaluate_sr", "load_sr_model", "model_upscaler", "official_state_dict", "sr_config", "sr_pairs", "train_sr"]
+__all__ = ["EVAL_MODES", "OFFICIAL_PARAM_KEY", "RULES", "SRTask", "bicubic_upscale", "build_sr_model",
+           "check_sr_config", "evaluate_sr", "load_sr_model", "model_upscaler", "official_state_dict", "sr_config",
+           "sr_pairs", "train_sr"]
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +36,12 @@ PHOTOS = "photos"  # a data path naming the embedded photos instead of a folder
 OFFICIAL_PARAM_KEY = "params"
 # chop: the official test's partition of large images (MambaIRv2LightModel.test); tile: ours, tiles averaged
 EVAL_MODES = ("chop", "tile")
-# the range of every numeric setting (engine/config.py checks them, naming the key)
+# the range of every numeric setting besides the engine options (engine/config.py checks them, naming the key)
 RULES = {
     "model.scale": POSITIVE_INT, "model.embed_dim": POSITIVE_INT, "model.depths": POSITIVE_INT,
     "model.num_heads": POSITIVE_INT, "model.window_size": POSITIVE_INT, "model.mlp_ratio": POSITIVE,
     "data.patch_size": POSITIVE_INT, "data.repeats": POSITIVE_INT,
-    "train.steps": POSITIVE_INT, "train.batch_size": POSITIVE_INT, "train.lr": POSITIVE,
-    "train.milestones": fraction(), "train.gamma": POSITIVE, "train.eval_every": POSITIVE_INT, "train.seed": SEED,
-    "train.num_workers": COUNT, "eval.tile": POSITIVE_INT, "eval.overlap": COUNT,
+    "train.milestones": fraction(), "train.gamma": POSITIVE, "eval.tile": POSITIVE_INT, "eval.overlap": COUNT,
 }
 
 
@@ -58,7 +55,7 @@ def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
         # train_hr/valid_hr: a folder of HR images or 'photos'; *_lr: a folder of LR images ('' = bicubic from HR)
         "data": {"train_hr": PHOTOS, "train_lr": "", "valid_hr": PHOTOS, "valid_lr": "", "patch_size": 192,
                  "repeats": 100},
-        "train": train_defaults(steps=500000, batch_size=16, eval_every=5000, lr=2e-4,
+        "train": train_defaults("sr", steps=500000, batch_size=16, eval_every=5000, lr=2e-4,
                                 milestones=[0.5, 0.8, 0.9, 0.95], gamma=0.5),
         # mode chop: the official test's partition; tile: tile x tile LR tiles overlapping by overlap, averaged
         "eval": {"mode": "chop", "tile": 192, "overlap": 16},
@@ -69,7 +66,7 @@ def sr_config(path=None, opts=(), overrides=None, *, check: bool = True) -> Conf
 def check_sr_config(cfg: Config) -> None:
     """Every setting in its range (:data:`RULES`), a known evaluation mode, tiles that overlap less than their side."""
     check_settings(cfg, RULES)
-    check_execution_keys(cfg.train)
+    check_train_options(cfg, "sr")
     if cfg.eval.mode not in EVAL_MODES:
         raise ConfigError(f"eval.mode must be one of {', '.join(EVAL_MODES)}, got {cfg.eval.mode!r}")
     if not 0 <= cfg.eval.overlap < cfg.eval.tile:
@@ -171,7 +168,8 @@ class SRTask(StepTask):
                 + f" ({self.cfg.data.patch_size}-pixel HR patches)")
 
     def build_optimizer(self, model: nn.Module) -> torch.optim.Optimizer:
-        return torch.optim.Adam(model.parameters(), lr=self.cfg.train.lr, betas=(0.9, 0.99))
+        t = self.cfg.train
+        return torch.optim.Adam(model.parameters(), lr=t.lr, betas=(0.9, 0.99), weight_decay=t.weight_decay)
 
     def build_scheduler(self, optimizer, updates_per_epoch: int, total_updates: int):
         t = self.cfg.train

@@ -8,14 +8,16 @@ import os
 
 import pytest
 import torch
+
+import polaformer.ops.pola.op as pola_ops
 from graph_recording import GraphRecorder
 from interpreted_kernels import kernel_writes
 from launch_counting import counting
-
-import polaformer.ops.pola_attention as pola_ops
-from polaformer.backends.triton import common, pacs, pola
+from polaformer.backends.triton import common
 from polaformer.layers import PolaLinearAttention
 from polaformer.ops import pacs_linear_attention, pola_linear_attention, rope_2d, rope_angles
+from polaformer.ops.pacs import triton as pacs
+from polaformer.ops.pola import triton as pola
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 interpreter_only = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",

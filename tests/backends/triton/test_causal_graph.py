@@ -14,15 +14,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from graph_recording import GraphRecorder
-from interpreted_kernels import kernel_writes
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from polaformer.backends.triton import causal as triton_causal
-from polaformer.ops import causal as causal_ops
+from graph_recording import GraphRecorder
+from interpreted_kernels import kernel_writes
 from polaformer.ops import causal_pacs_linear_attention, causal_pola_linear_attention, rope_1d
-from polaformer.ops.causal import CausalState
+from polaformer.ops.causal import CausalState, op as causal_ops, triton as triton_causal
 
 pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                 reason="counts the interpreter's launches and host reads on float64 CPU tensors")

@@ -12,7 +12,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polaformer.backends.triton import causal as triton_causal
 from polaformer.ops import (
     causal_linear_attention,
     causal_pacs_linear_attention,
@@ -23,8 +22,7 @@ from polaformer.ops import (
     pola_linear_attention,
     rope_1d,
 )
-from polaformer.ops.causal import CausalState
-from polaformer.ops.naive import linear_attention_weights
+from polaformer.ops.causal import CausalState, naive_causal_linear_attention, triton as triton_causal
 
 D = 5  # odd: RoPE's last pair straddles the two feature halves; 2d = 10 channels padded to 16
 
@@ -194,7 +192,7 @@ def test_initial_and_final_state_equal_the_torch_form(device, op):
     for i, (grad, ref_grad) in enumerate(zip(grads, ref_grads)):
         assert_matches(grad, ref_grad, f"gradient {i}")
     if op == "linear":  # and the definition itself, from an empty state
-        exact = linear_attention_weights(q, k, causal=True) @ v
+        exact = naive_causal_linear_attention(q, k, v)
         assert_matches(_run("triton", lambda: causal_linear_attention(q, k, v, chunk_size=16)[0]), exact, "weights")
 
 

@@ -14,11 +14,11 @@ import pytest
 import timm
 import torch
 import torch._dynamo
-from graph_recording import GraphRecorder
-from interpreted_kernels import kernel_writes
 from torch._dynamo.utils import counters
 
 import polaformer.models  # noqa: F401  (registers the models)
+from graph_recording import GraphRecorder
+from interpreted_kernels import kernel_writes
 from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from precision import half_tolerance
 
-from polaformer.ops import (linear_attention_weights, naive_pacs_layer_attention, naive_pola_layer_attention,
-                            pacs_layer_attention, pola_layer_attention, power_feature, rope_2d, rope_angles)
+from polaformer.ops import (
+    linear_attention_weights,
+    naive_pacs_layer_attention,
+    naive_pola_layer_attention,
+    pacs_layer_attention,
+    pola_layer_attention,
+    power_feature,
+    rope_2d,
+    rope_angles,
+)
+from precision import half_tolerance
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # float64 kernels against the float64 reference: the two differ by rounding only

@@ -7,9 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from polaformer.backends.triton import common, pacs, pola
-from polaformer.ops import (naive_pacs_layer_attention, naive_pola_layer_attention, pacs_layer_attention,
-                            pola_layer_attention, rope_2d, rope_angles)
+from polaformer.backends.triton import common
+from polaformer.ops import (
+    naive_pacs_layer_attention,
+    naive_pola_layer_attention,
+    pacs_layer_attention,
+    pola_layer_attention,
+    rope_2d,
+    rope_angles,
+)
+from polaformer.ops.pacs import triton as pacs
+from polaformer.ops.pola import triton as pola
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = 1e-12  # float64 kernels against the float64 reference: rounding only

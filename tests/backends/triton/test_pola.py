@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from precision import half_tolerance
 
 from polaformer.ops import dispatch, naive_pola_linear_attention, pola_linear_attention
+from precision import half_tolerance
 
 SENTINEL = 1234.5
 
@@ -75,7 +75,8 @@ def test_fp32_forward_and_grads_match_reference(triton_backend, device, b, n, m,
 def test_the_gpu_tile_of_narrow_heads_matches_reference(triton_backend, device, monkeypatch):
     """The 64-token, four-warp tile a GPU takes for heads of 32 channels, run wherever the tests run: three
     blocks of queries and keys, the last one partial, with a padding mask."""
-    from polaformer.backends.triton import common, pola
+    from polaformer.backends.triton import common
+    from polaformer.ops.pola import triton as pola
 
     monkeypatch.setattr(pola, "pola_tile", lambda rows, columns, on_gpu: common.pola_tile(rows, columns, True))
     q, k, v, power = make_inputs(2, 2, 150, 140, 32, 32, torch.float32, device)
@@ -181,7 +182,7 @@ def _margins_intact(view, buffer):
 
 @pytest.mark.parametrize("packed", [False, True])
 def test_kernels_write_inside_their_buffers_and_deterministically(device, packed):
-    from polaformer.backends.triton.pola import pola_backward, pola_forward
+    from polaformer.ops.pola.triton import pola_backward, pola_forward
 
     b = 1 if packed else 2
     q, k, v, power = make_inputs(b, 2, 37, 21, 12, 5, torch.float32, device)
@@ -211,7 +212,7 @@ def test_kernels_write_inside_their_buffers_and_deterministically(device, packed
 def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch, device):
     """Under ``auto`` a CUDA tensor reaches the Triton entry point; without CUDA, CPU tensors count as CUDA
     here (the interpreter runs the kernels on them)."""
-    from polaformer.backends.triton import pola
+    from polaformer.ops.pola import triton as pola
 
     calls = []
     original = pola.PolaAttention.apply
@@ -230,7 +231,7 @@ def test_auto_backend_sends_cuda_tensors_to_the_kernels(monkeypatch, device):
         dispatch.set_attention_backend(previous)
     assert calls == [q.shape]
     assert rms_ratio(out, naive_pola_linear_attention(q.double(), k.double(), v.double(), power.double())) < 1e-5
-    assert dispatch.triton_kernels(q.double()) is None  # float64 on a GPU: the torch formulation
+    assert not dispatch.triton_allowed(q.double())  # float64 on a GPU: the torch formulation
 
 
 def test_explicit_triton_backend_that_cannot_run_raises(triton_backend, monkeypatch):

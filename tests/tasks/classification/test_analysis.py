@@ -3,17 +3,15 @@
 Tolerances (tests/README.md, tests/tolerances.py): float64 local matrices against the module at 1e-10, far above
 reorder_rtol(n, float64) for its sums; entropies in float32 at pytest.approx's 1e-6, a few units of u for logs and
 sums of at most 37 terms."""
+import copy
 import json
 import math
-
-import copy
 
 import pytest
 import timm
 import torch
 
-from polaformer.analysis import attention_maps as am
-from polaformer.analysis import positive_sequence_entropy, sample_rows
+from polaformer.analysis import attention_maps as am, positive_sequence_entropy, sample_rows
 from polaformer.analysis.rank import layer_ranks, local_matrices
 from polaformer.cli import main
 

@@ -4,18 +4,17 @@ import pytest
 import timm
 
 from conftest import REPO
-from polaformer.tasks.classification.ablation import load_ablation
 from polaformer.cli import main
 from polaformer.engine import ConfigError
-from polaformer.tasks.classification import default_config, load_config, make_config
 from polaformer.engine.config import Config
+from polaformer.tasks.classification import default_config, load_config, make_config
+from polaformer.tasks.classification.ablation import load_ablation
 from polaformer.tasks.classification.config import (
     OFFICIAL_MODEL_NAMES,
     check_config,
     config_from_train_config,
     resolve_model_name,
 )
-
 
 # The keys of the official PolaFormer cfgs/pola_pvt_t.yaml (written out here, not copied).
 OFFICIAL_PVT_T = """\
@@ -67,12 +66,12 @@ TRAIN:
 TEST:
   CROP: False"""
 
-# The keys of PolaFormer++'s polaformer++/cfgs/pola_b0.yaml.
+# The keys of PolaFormer++'s polaformer++/cfgs/pola_b0.yaml, its whitespace-only line (\x20\x20) included.
 OFFICIAL_POLAPP_B0 = """\
 MODEL:
   TYPE: polab0
   NAME: pola_b0_patch4_224
-  
+\x20\x20
 DATA:
   BATCH_SIZE: 256
 TRAIN:
@@ -88,11 +87,14 @@ def write(tmp_path, name, text):
 
 def test_defaults_are_the_official_tree():
     cfg = default_config()
-    assert set(cfg.keys()) >= {"DATA", "MODEL", "TRAIN", "AUG", "TEST", "AMP", "SEED", "OUTPUT", "SAVE_FREQ", "PRINT_FREQ"}
+    assert set(cfg.keys()) >= {"DATA", "MODEL", "TRAIN", "AUG", "TEST", "AMP", "SEED", "OUTPUT", "SAVE_FREQ",
+                               "PRINT_FREQ"}
     assert (cfg.TRAIN.BASE_LR, cfg.TRAIN.WARMUP_LR, cfg.TRAIN.MIN_LR) == (5e-4, 5e-7, 5e-6)
-    assert (cfg.TRAIN.EPOCHS, cfg.TRAIN.WARMUP_EPOCHS, cfg.TRAIN.CLIP_GRAD, cfg.TRAIN.WEIGHT_DECAY) == (300, 20, 5.0, 0.05)
+    train = cfg.TRAIN
+    assert (train.EPOCHS, train.WARMUP_EPOCHS, train.CLIP_GRAD, train.WEIGHT_DECAY) == (300, 20, 5.0, 0.05)
     assert cfg.TRAIN.OPTIMIZER.BETAS == (0.9, 0.999) and cfg.TRAIN.LR_SCHEDULER.NAME == "cosine"
-    assert (cfg.AUG.MIXUP, cfg.AUG.CUTMIX, cfg.AUG.REPROB, cfg.AUG.AUTO_AUGMENT) == (0.8, 1.0, 0.25, "rand-m9-mstd0.5-inc1")
+    aug = cfg.AUG
+    assert (aug.MIXUP, aug.CUTMIX, aug.REPROB, aug.AUTO_AUGMENT) == (0.8, 1.0, 0.25, "rand-m9-mstd0.5-inc1")
     assert (cfg.DATA.INTERPOLATION, cfg.MODEL.LABEL_SMOOTHING, cfg.TEST.CROP) == ("bicubic", 0.1, True)
     assert cfg.MODEL.LA.ALPHA == 4 and cfg.MODEL.LA.FOCUSING_FACTOR == 3  # PolaFormer and PolaFormer++
     assert cfg["TRAIN"]["EMA"]["ENABLE"] is False
@@ -171,7 +173,8 @@ def test_bad_values(tmp_path, text, fragment):
 
 
 def test_ints_become_floats_and_lists_tuples(tmp_path):
-    cfg = load_config(write(tmp_path, "c.yaml", "MODEL:\n  DROP_PATH_RATE: 0\nTRAIN:\n  OPTIMIZER:\n    BETAS: [0.9, 0.95]\n"))
+    yaml = "MODEL:\n  DROP_PATH_RATE: 0\nTRAIN:\n  OPTIMIZER:\n    BETAS: [0.9, 0.95]\n"
+    cfg = load_config(write(tmp_path, "c.yaml", yaml))
     assert cfg.MODEL.DROP_PATH_RATE == 0.0 and isinstance(cfg.MODEL.DROP_PATH_RATE, float)
     assert cfg.TRAIN.OPTIMIZER.BETAS == (0.9, 0.95)
 
@@ -218,7 +221,7 @@ def test_freeze_and_clone():
 @pytest.mark.parametrize(
     "opts, fragment",
     [
-        (["TRAIN.EPOCHS", "0"], "TRAIN.EPOCHS must be a positive integer"),
+        (["TRAIN.EPOCHS", "0"], "TRAIN.EPOCHS must be a finite number > 0"),
         (["TRAIN.OPTIMIZER.NAME", "lamb"], "TRAIN.OPTIMIZER.NAME must be 'adamw' or 'sgd'"),
         (["TRAIN.LR_SCHEDULER.NAME", "linear"], "TRAIN.LR_SCHEDULER.NAME must be 'cosine' or 'step'"),
         (["TRAIN.EMA.DECAY", "1.5"], "TRAIN.EMA.DECAY must lie in"),
@@ -238,7 +241,8 @@ def test_unknown_model_name():
 def test_digits_demo_as_a_config():
     train_config = make_config(epochs=3, lr=1e-3, clip_grad=0.0, model_kwargs={"depth": 2})
     cfg = config_from_train_config(train_config)
-    assert (cfg.MODEL.NAME, cfg.DATA.DATASET, cfg.TRAIN.EPOCHS, cfg.TRAIN.BASE_LR) == ("pola_deit_digits", "digits", 3, 1e-3)
+    assert (cfg.MODEL.NAME, cfg.DATA.DATASET, cfg.TRAIN.EPOCHS, cfg.TRAIN.BASE_LR) == (
+        "pola_deit_digits", "digits", 3, 1e-3)
     assert cfg.TRAIN.BASE_BATCH_SIZE == 0  # the demo's learning rate is absolute
     assert (cfg.TRAIN.CLIP_GRAD, cfg.AUG.MIXUP, cfg.MODEL.DROP_PATH_RATE) == (None, 0.0, 0.0)
     assert cfg.MODEL.KWARGS.to_dict() == {"depth": 2} and cfg.LAST_CHECKPOINT == "checkpoint.pth"

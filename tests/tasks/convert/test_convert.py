@@ -17,8 +17,16 @@ from torch import nn
 from polaformer.checkpoint import load_checkpoint
 from polaformer.cli import main
 from polaformer.data.folder import model_transforms
-from polaformer.tasks.convert import (AttentionTransfer, ConversionError, build_source, convert_model, family_of,
-                                      freeze_for_transfer, save_converted, target_of)
+from polaformer.tasks.convert import (
+    AttentionTransfer,
+    ConversionError,
+    build_source,
+    convert_model,
+    family_of,
+    freeze_for_transfer,
+    save_converted,
+    target_of,
+)
 from polaformer.tasks.convert.weights import FAMILIES
 from tolerances import adam_drift_bound, assert_trainings_agree
 

@@ -15,16 +15,21 @@ from pathlib import Path
 import pytest
 import timm
 import torch
-from cli_helpers import assert_unchanged, error_line, run_main, snapshot
 from safetensors.torch import save_file
 
+from cli_helpers import assert_unchanged, error_line, run_main, snapshot
 from polaformer.checkpoint import load_checkpoint
 from polaformer.layers import PolaCausalSelfAttention, PolaLinearAttention, SoftmaxCausalSelfAttention
-from polaformer.tasks.convert import (AttentionTransfer, ConversionError, build_source, convert_model, family_of,
-                                      freeze_for_transfer, target_of)
+from polaformer.tasks.convert import (
+    AttentionTransfer,
+    ConversionError,
+    convert_model,
+    family_of,
+    freeze_for_transfer,
+    target_of,
+)
 from polaformer.tasks.convert.transfer import pola_weights, softmax_weights
-from polaformer.tasks.convert.weights import (GATE_BIAS, GATE_WEIGHT, LOCAL_ZEROS, ZERO_BIAS, ZERO_BIAS_ROWS,
-                                              gate_rows)
+from polaformer.tasks.convert.weights import GATE_BIAS, GATE_WEIGHT, LOCAL_ZEROS, ZERO_BIAS, ZERO_BIAS_ROWS, gate_rows
 
 VIT = dict(img_size=8, patch_size=2, in_chans=1, num_classes=10, embed_dim=16, depth=2, num_heads=2, mlp_ratio=2.0)
 DIT = dict(attention="softmax", input_size=8, in_channels=1, hidden_size=16, depth=2, num_heads=2, num_classes=10)
@@ -82,7 +87,7 @@ def test_every_converted_attention_branch_is_live_and_the_report_says_what_was_b
     # every word of the report about a new tensor holds of the tensor
     gate_notes = 0
     for key, note in report.new.items():
-        value, spans = state[key], []
+        value = state[key]
         gate = gate_rows(key, len(value))
         if note == GATE_WEIGHT:
             assert torch.all(value[gate[0]:gate[1]] == 0), key
@@ -315,8 +320,9 @@ def test_pretrained_teacher_from_a_local_hub_cache_offline(tmp_path):
     repo = timm.models.get_pretrained_cfg(name).hf_hub_id
     _hub_cache(tmp_path / "hub", repo, state)
     root = str(Path(__file__).resolve().parents[3])  # this checkout's polaformer in the child process
+    python_path = os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "home"),
-           "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+           "HF_HUB_CACHE": str(tmp_path / "hub"), "PYTHONPATH": python_path}
     command = [sys.executable, "-m", "polaformer", "convert", "weights", *_flags(name, kwargs), "--pretrained",
                "--output", str(tmp_path / "converted.pth")]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)

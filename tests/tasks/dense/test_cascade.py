@@ -14,12 +14,11 @@ import pytest
 import torch
 import torchvision
 
+from dense_helpers import SMALL, kwarg_flags, write_coco
 from polaformer.cli import main
 from polaformer.tasks.dense.cascade import STAGE_WEIGHTS, CascadeRoIHeads, MultiLevelRoIAlign
 from polaformer.tasks.dense.config import load_recipe
 from polaformer.tasks.dense.detection import build_detector
-
-from dense_helpers import SMALL, kwarg_flags, write_coco
 
 
 def _targets():
@@ -129,9 +128,8 @@ def test_rois_are_pooled_as_the_official_config():
 
 def test_cascade_on_digits_and_a_coco_folder(tmp_path, capsys):
     tiny = ["--detector", "cascade_mask_rcnn", "--backbone", "pola_pvt_v2_b0", *kwarg_flags("pola_pvt_v2_b0"),
-            "--opts", "model.fpn_channels", "32", "model.roi_batch", "16", "model.min_size", "64", "model.max_size", "64",
-            "--steps", "1", "--batch-size", "2",
-            "--no-progress", "--device", "cpu"]
+            "--opts", "model.fpn_channels", "32", "model.roi_batch", "16", "model.min_size", "64",
+            "model.max_size", "64", "--steps", "1", "--batch-size", "2", "--no-progress", "--device", "cpu"]
     out_dir = tmp_path / "digits"
     code = main(["detect", "train", *tiny, "--train-size", "2", "--val-size", "1", "--output", str(out_dir)])
     out, err = capsys.readouterr()

@@ -10,11 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from polaformer.cli import main
-from polaformer.tasks.dense.config import load_recipe
-from polaformer.engine.config import ConfigError
-
 from dense_helpers import kwarg_flags, write_ade, write_coco
+from polaformer.cli import main
+from polaformer.engine.config import ConfigError
+from polaformer.tasks.dense.config import load_recipe
 
 TINY = ["--steps", "2", "--batch-size", "2", "--no-progress", "--device", "cpu"]
 DIGITS = ["--train-size", "4", "--val-size", "2"]
@@ -50,8 +49,9 @@ def test_detect_train_eval_predict_on_digits(tmp_path, capsys, detector, backbon
 
         image = DigitScenes("val", size=1)[0][0]
         Image.fromarray((image.permute(1, 2, 0) * 255).byte().numpy()).save(tmp_path / "scene.png")
-        code, out, err = run(["detect", "predict", "--checkpoint", str(out_dir / "best.pth"), str(tmp_path / "scene.png"),
-                              "--out", str(tmp_path / "pred"), "--score-threshold", "0", "--device", "cpu"], capsys)
+        code, out, err = run(["detect", "predict", "--checkpoint", str(out_dir / "best.pth"),
+                              str(tmp_path / "scene.png"), "--out", str(tmp_path / "pred"), "--score-threshold", "0",
+                              "--device", "cpu"], capsys)
         assert code == 0, err
         drawn = Image.open(tmp_path / "pred" / "scene.png")
         assert drawn.size == (128, 128)
@@ -95,8 +95,8 @@ def test_segment_on_an_ade_folder(tmp_path, capsys):
     root = write_ade(tmp_path / "ade")
     out_dir = tmp_path / "run"
     code, out, err = run(["segment", "train", "--decoder", "fpn", "--backbone", "pola_pvt_v2_b0",
-                          *kwarg_flags("pola_pvt_v2_b0"), "--root", str(root), "--num-classes", "3", "--crop-size", "32",
-                          *TINY, "--output", str(out_dir)], capsys)
+                          *kwarg_flags("pola_pvt_v2_b0"), "--root", str(root), "--num-classes", "3",
+                          "--crop-size", "32", *TINY, "--output", str(out_dir)], capsys)
     assert code == 0, err
     code, out, err = run(["segment", "eval", "--checkpoint", str(out_dir / "last.pth"), "--root", str(root),
                           "--device", "cpu"], capsys)
@@ -119,16 +119,18 @@ def test_one_line_errors(tmp_path, capsys):
         (["segment", "train", "--config", str(tmp_path / "missing.yaml")], "config file not found"),
         (["segment", "train", "--opts", "train.lrr", "1e-3"], "unknown config key 'train.lrr'"),
         (["segment", "train", "--opts", "train.lr", ".nan"], "train.lr must be a finite number > 0"),
-        (["detect", "train", "--opts", "data.batch_size", "two"], "data.batch_size expects int"),
+        (["detect", "train", "--opts", "train.batch_size", "two"], "train.batch_size expects int"),
     ]:
         code, out, err = run(argv, capsys)
         assert code == 2 and message in err and err.count("\n") == 1, (argv, err)
 
 
 def test_recipes_take_base_files_opts_and_flags_in_that_order(tmp_path):
-    (tmp_path / "base.yaml").write_text("task: segment\ntrain: {lr: 0.5, seed: 3}\nmodel: {backbone_kwargs: {depth: 1}}\n")
+    (tmp_path / "base.yaml").write_text(
+        "task: segment\ntrain: {lr: 0.5, seed: 3}\nmodel: {backbone_kwargs: {depth: 1}}\n")
     (tmp_path / "run.yaml").write_text("BASE: base.yaml\ntrain: {lr: 0.25}\n")
-    recipe = load_recipe("segment", tmp_path / "run.yaml", {"train.seed": 7}, opts=["train.lr", "0.125", "train.seed", "5"])
+    recipe = load_recipe("segment", tmp_path / "run.yaml", {"train.seed": 7},
+                         opts=["train.lr", "0.125", "train.seed", "5"])
     assert recipe["train"]["lr"] == 0.125 and recipe["train"]["seed"] == 7
     assert recipe["model"]["backbone_kwargs"] == {"depth": 1} and "task" not in recipe
     with pytest.raises(ConfigError, match="is a 'segment' recipe, not a 'detect' one"):
@@ -176,7 +178,12 @@ def test_run_folder_guarantees_and_checkpoints_of_the_earlier_layout(tmp_path, c
     new = torch.load(out_dir / "last.pth", weights_only=True)
     old_dir = tmp_path / "old"
     old_dir.mkdir()
-    torch.save({"task": "segment", "config": new["config"], "model": new["model"], "step": 1, "metrics": new["metrics"],
+    # the recipe as earlier versions laid it out: batch and workers in data, clipping as train.clip_grad
+    config = {**new["config"], "data": dict(new["config"]["data"]), "train": dict(new["config"]["train"])}
+    config["data"]["batch_size"], config["data"]["workers"] = (config["train"].pop(key) for key in ("batch_size",
+                                                                                                   "num_workers"))
+    config["train"]["clip_grad"] = config["train"].pop("clip_grad_norm")
+    torch.save({"task": "segment", "config": config, "model": new["model"], "step": 1, "metrics": new["metrics"],
                 "best": new["best"]["mIoU"], "optimizer": new["optimizer"]}, old_dir / "last.pth")
     code, out, err = run(["segment", "eval", "--checkpoint", str(old_dir / "last.pth"), "--val-size", "2",
                           "--device", "cpu"], capsys)

@@ -6,11 +6,15 @@ import pytest
 import torch
 from PIL import Image
 
-from polaformer.tasks.dense.data import (
-    IGNORE_INDEX, AdeSegmentation, CocoInstances, DenseDataError, DigitScenes, RandomCrop,
-)
-
 from dense_helpers import write_ade, write_coco
+from polaformer.tasks.dense.data import (
+    IGNORE_INDEX,
+    AdeSegmentation,
+    CocoInstances,
+    DenseDataError,
+    DigitScenes,
+    RandomCrop,
+)
 
 
 def test_digit_scenes_boxes_masks_and_labels_agree():

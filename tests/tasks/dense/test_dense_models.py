@@ -7,11 +7,10 @@ import pytest
 import timm
 import torch
 
+from dense_helpers import SMALL
 from polaformer.tasks.dense.backbone import BackboneError, build_backbone, pyramid_indices
 from polaformer.tasks.dense.detection import build_detector
 from polaformer.tasks.dense.segmentation import ConfusionMatrix, build_segmenter
-
-from dense_helpers import SMALL
 
 
 @pytest.mark.parametrize("name", list(SMALL))

@@ -15,14 +15,13 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from dense_helpers import SMALL, kwarg_flags
 from polaformer.cli import main
+from polaformer.engine.config import ConfigError
 from polaformer.tasks.dense.config import load_recipe
 from polaformer.tasks.dense.lightham import LightHamHead
 from polaformer.tasks.dense.runner import DenseTask, Schedule
 from polaformer.tasks.dense.segmentation import build_segmenter, evaluate_segmenter, mmseg_test_size
-from polaformer.engine.config import ConfigError
-
-from dense_helpers import SMALL, kwarg_flags
 
 DATA = Path(__file__).resolve().parents[2] / "data"
 MANIFEST = json.loads((DATA / "lightham_manifest.json").read_text())["configs"]
@@ -51,7 +50,8 @@ def test_float64_outputs_equal_the_official_head_given_the_same_bases():
         torch.testing.assert_close(head.eval()(inputs, bases=tensors["bases"]), tensors["output_eval"],
                                    rtol=1e-10, atol=1e-12)
         head.train().dropout = nn.Identity()
-        torch.testing.assert_close(head(inputs, bases=tensors["bases"]), tensors["output_train"], rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(head(inputs, bases=tensors["bases"]), tensors["output_train"],
+                                   rtol=1e-10, atol=1e-12)
     with pytest.raises(ValueError, match="bases must have shape"):
         head(inputs, bases=tensors["bases"][:, :, :1])
 
@@ -89,7 +89,8 @@ def test_head_learning_rate_multiplier():
     with pytest.raises(ConfigError, match="multiple of 32 for lightham"):
         load_recipe("segment", overrides={"model.decoder": "lightham", "model.decoder_channels": 48})
     recipe = load_recipe("segment", "configs/dense/lightham_pola_b2_160k.yaml")
-    assert (recipe["model"]["decoder"], recipe["train"]["lr"], recipe["train"]["head_lr_mult"]) == ("lightham", 6e-5, 10.0)
+    train = recipe["train"]
+    assert (recipe["model"]["decoder"], train["lr"], train["head_lr_mult"]) == ("lightham", 6e-5, 10.0)
 
 
 @pytest.mark.parametrize("name", ["POLA_b1", "POLA_b2", "POLA_b3"])
@@ -99,7 +100,7 @@ def test_recipes_are_the_official_configs(name):
     official = MANIFEST[name]["recipe"]
     recipe = load_recipe("segment", f"configs/dense/lightham_pola_b{name[-1]}_160k.yaml")
     data, train, model = recipe["data"], recipe["train"], recipe["model"]
-    assert data["batch_size"] == official["images_per_gpu"] * official["gpus"] == 64
+    assert train["batch_size"] == official["images_per_gpu"] * official["gpus"] == 64
     assert (train["lr"], train["weight_decay"], sorted(train["no_decay_keys"]), train["head_lr_mult"]) == (
         official["lr"], official["weight_decay"], official["no_decay_keys"], official["head_lr_mult"])
     assert (train["warmup_steps"], train["power"], train["steps"]) == (

@@ -7,8 +7,8 @@ import json
 import torch
 
 from polaformer.cli import main
-from polaformer.tasks.lm import stdlib_corpus, unigram_bits_per_byte
 from polaformer.data.text import BLOCK_BYTES
+from polaformer.tasks.lm import stdlib_corpus, unigram_bits_per_byte
 
 
 def test_split_is_seeded_capped_and_alike():

@@ -1,6 +1,9 @@
 """The LRA model's token mixers by name (polaformer.tasks.lra.attention): registry, options, Pola/PaCS adapters."""
 import pytest
 import torch
+
+from polaformer.layers import NystromAttention, PacsSequenceAttention, PolaSequenceAttention, SoftmaxAttention
+from polaformer.tasks.lra.attention import ATTENTIONS, attention_options, build_attention
 from token_mixer_helpers import (
     DIM,
     HEAD_DIM,
@@ -13,9 +16,6 @@ from token_mixer_helpers import (
     padded_batch,
     randomize_zero_init,
 )
-
-from polaformer.layers import NystromAttention, PacsSequenceAttention, PolaSequenceAttention, SoftmaxAttention
-from polaformer.tasks.lra.attention import ATTENTIONS, attention_options, build_attention
 
 ADAPTED = ["pola", "pacs"]
 

@@ -379,7 +379,8 @@ def write_cifar(root, per_batch=2, seed=0):
     for i, name in enumerate([f"data_batch_{k}" for k in range(1, 6)] + ["test_batch"]):
         data = rng.integers(0, 256, size=(per_batch, 3072), dtype=np.uint8)
         labels = [(i + j) % 10 for j in range(per_batch)]
-        dump(folder / name, {"batch_label": name, "labels": labels, "data": data, "filenames": ["a.png"] * per_batch}, 2)
+        dump(folder / name,
+             {"batch_label": name, "labels": labels, "data": data, "filenames": ["a.png"] * per_batch}, 2)
         batches[name] = (data, labels)
     dump(folder / "batches.meta", {"label_names": [str(k) for k in range(10)]}, 2)
     return folder, batches
@@ -408,7 +409,8 @@ def test_cifar10_batches_split_45_5_10(tmp_path):
     assert tokens_of(train) == expected[:9].tolist() and labels_of(train) == train_labels[:9]
     assert tokens_of(dev) == expected[9:].tolist() and labels_of(dev) == train_labels[9:]
     pixel = batches["test_batch"][0][1].reshape(3, 1024)[:, 0]
-    want = int(np.float32(np.float32(pixel.astype(np.float32) * np.float32(1 / 255)) @ np.float32([0.2989, 0.587, 0.114])) * np.float32(255.5))
+    grey = np.float32(pixel.astype(np.float32) * np.float32(1 / 255)) @ np.float32([0.2989, 0.587, 0.114])
+    want = int(np.float32(grey) * np.float32(255.5))
     assert test[1][0][0].item() == want and test[1][1] == batches["test_batch"][1][1]
     assert len(load_lra_split("image", tmp_path, "train", limit=4)) == 4
 
@@ -546,7 +548,8 @@ def test_argument_errors(tmp_path, task, kwargs, fragment):
         ("text", ["lra-text.train.pickle", "aclImdb/{train,test}/{neg,pos}/*.txt"]),
         ("retrieval", ["lra-retrieval.train.pickle", "new_aan_pairs.{train,eval,test}.tsv"]),
         ("image", ["lra-image.train.pickle", "cifar-10-batches-py"]),
-        ("pathfinder", ["lra-pathfinder32-curv_contour_length_14.train.pickle", "pathfinder32/curv_contour_length_14/metadata"]),
+        ("pathfinder", ["lra-pathfinder32-curv_contour_length_14.train.pickle",
+                        "pathfinder32/curv_contour_length_14/metadata"]),
     ],
 )
 def test_no_recognised_files_lists_what_was_looked_for(tmp_path, task, looked_for):

@@ -154,7 +154,8 @@ def test_same_trees_as_pair_construction(tmp_path):
 
 
 def test_small_parameters(tmp_path):
-    report = generate_listops(tmp_path, train=20, val=5, test=5, min_length=3, max_length=12, max_depth=3, max_args=3, progress=False)
+    report = generate_listops(tmp_path, train=20, val=5, test=5, min_length=3, max_length=12, max_depth=3, max_args=3,
+                              progress=False)
     for split in ("train", "val", "test"):
         for source, target in read_rows(tmp_path / f"basic_{split}.tsv"):
             assert 3 < len(encode_listops(source)) < 12 and int(target) == evaluate_listops(source)
@@ -165,7 +166,8 @@ def test_small_parameters(tmp_path):
     with pytest.raises(ValueError, match="no length lies strictly between"):
         generate_listops(tmp_path, min_length=5, max_length=6, progress=False)
     with pytest.raises(ValueError, match="too few distinct"):
-        generate_listops(tmp_path / "tiny", train=10_000, val=0, test=0, min_length=1, max_length=4, max_depth=2, max_args=2, progress=False)
+        generate_listops(tmp_path / "tiny", train=10_000, val=0, test=0, min_length=1, max_length=4, max_depth=2,
+                         max_args=2, progress=False)
 
 
 def test_loader_reads_generated_files(generated):
@@ -177,7 +179,8 @@ def test_loader_reads_generated_files(generated):
         assert label == int(target) and tokens.tolist() == encode_listops(source)
         assert tokens.max().item() < 32 and tokens.min().item() >= 1
     dev = load_lra_split("listops", out, "dev", listops_tokens="skyformer", limit=5)
-    assert [t.tolist() for t, _ in dev] == [encode_listops(s, "skyformer") for s, _ in read_rows(out / "basic_val.tsv")[:5]]
+    val_rows = read_rows(out / "basic_val.tsv")[:5]
+    assert [t.tolist() for t, _ in dev] == [encode_listops(s, "skyformer") for s, _ in val_rows]
 
 
 def test_fast_encoder_agrees_with_reference(generated):

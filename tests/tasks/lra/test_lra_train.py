@@ -10,16 +10,16 @@ import json
 import pytest
 import torch
 
+from call_counting import counted
+from conftest import REPO
 from polaformer.cli import main
-from polaformer.tasks.lra.attention import ATTENTIONS
 from polaformer.engine.config import ConfigError
+from polaformer.tasks.lra.attention import ATTENTIONS
 from polaformer.tasks.lra.config import RECIPES, LRAConfigError, load_lra_config, lra_config
 from polaformer.tasks.lra.data import TASKS, LRADataset, collate_lra
 from polaformer.tasks.lra.listops import generate_listops
 from polaformer.tasks.lra.model import LRAClassifier, LRAModelConfig
 from polaformer.tasks.lra.train import LRASplits, load_lra_model, train_lra
-from call_counting import counted
-from conftest import REPO
 
 CONFIGS = REPO / "configs" / "lra"
 # Attentions whose output for a sequence does not depend on how much padding follows it
@@ -114,8 +114,8 @@ def test_training_writes_checkpoints_metrics_and_evaluates_the_best(listops_dir,
     # best.pth scores the test split exactly as the run reported
     model, checkpoint = load_lra_model(tmp_path / "run" / "best.pth")
     assert checkpoint["num_updates"] == summary["best_step"]
-    from polaformer.tasks.lra.train import _eval_loader, evaluate_lra
     from polaformer.tasks.lra.data import load_lra_split
+    from polaformer.tasks.lra.train import _eval_loader, evaluate_lra
 
     test = evaluate_lra(model, _eval_loader(load_lra_split("listops", listops_dir, "test"), 8, 0))
     assert test["accuracy"] == summary["test_accuracy"]
@@ -219,7 +219,10 @@ def test_cli_generate_listops_reports_labels_and_lengths(tmp_path, capsys):
 def test_train_lra_on_in_memory_splits_of_a_dual_task(tmp_path):
     """Retrieval (two documents per example) goes through the same loop."""
     gen = torch.Generator().manual_seed(0)
-    rand = lambda n: torch.randint(1, 512, (n,), generator=gen).numpy()
+
+    def rand(n):
+        return torch.randint(1, 512, (n,), generator=gen).numpy()
+
     pairs = LRADataset("retrieval", [rand(12) for _ in range(16)], [i % 2 for i in range(16)],
                        [rand(7) for _ in range(16)])
     cfg = tiny_cfg(attention="pacs", steps=2, eval_every=2, warmup_steps=0)
@@ -320,7 +323,8 @@ def test_checkpoints_of_the_earlier_lra_layout_still_evaluate_and_resume(listops
 def test_config_takes_base_files_and_opts(tmp_path):
     (tmp_path / "base.yaml").write_text("task: text\ntrain: {lr: 0.5, seed: 3}\nmodel: {num_layers: 1}\n")
     (tmp_path / "run.yaml").write_text("BASE: base.yaml\ntrain: {lr: 0.25}\n")
-    cfg = load_lra_config(tmp_path / "run.yaml", opts=["train.seed", "5", "attention", "pola", "attention_options.alpha", "3"])
+    cfg = load_lra_config(tmp_path / "run.yaml",
+                          opts=["train.seed", "5", "attention", "pola", "attention_options.alpha", "3"])
     assert (cfg.task, cfg.train.lr, cfg.train.seed, cfg.model.num_layers) == ("text", 0.25, 5, 1)
     assert cfg.train.warmup_steps == RECIPES["text"]["warmup_steps"]  # the file's task chose the recipe
     assert cfg.attention_options.to_dict() == {"alpha": 3}

@@ -6,14 +6,14 @@
 namespace polaformer::native {
 
 // Features are [relu(x) ; relu(-x)], each half in "kernel order": with RoPE, channels [even | odd] so that
-// the rotation works on whole blocks (see _pacs_indices in pola_attention.py).
+// the rotation works on whole blocks (see _pacs_indices in ops/pacs/autograd.py).
 
 // Source channel of kernel-order index i within a half of width d.
 inline int64_t pacs_source(int64_t i, int64_t d, bool rope) {
   return rope ? (i < d / 2 ? 2 * i : 2 * (i - d / 2) + 1) : i;
 }
 
-// RoPE on one feature row in kernel order (see _rotate in pola_attention.py): per half, with E the first
+// RoPE on one feature row in kernel order (see _rotate in ops/pacs/autograd.py): per half, with E the first
 // and O the second quarter-block, E' = E·c_E + O·s_E and O' = O·c_O + E·s_O (s holds -sin at E, +sin at O).
 // Transposed (the rotation's backward): E' = E·c_E + O·s_O and O' = O·c_O + E·s_E.
 template <typename T, bool Transposed = false>

@@ -5,7 +5,7 @@
 // keys) and Σφk, one pass over the queries forms both streams' features, normalisers, products with S and
 // quotients. Backward: the same two passes, recomputing the features (cheaper than storing and re-reading
 // them). Sums over tokens are kept per fixed chunk of tokens and added in chunk order, so results do not
-// depend on the number of threads. Layouts as in _PacsAttention (pola_attention.py): features in kernel
+// depend on the number of threads. Layouts as in PacsAttention (ops/pacs/autograd.py): features in kernel
 // order, the opposite stream's S rows and key mean swapped.
 #include <atomic>
 

@@ -377,7 +377,7 @@ std::vector<at::Tensor> stream_rhs_backward(const at::Tensor& grad_rhs, double m
 }
 
 // The whole forward of the power-map attention without gradients and without key padding, as
-// _pola_attention_no_grad in pola_attention.py does it (the same blocks), in one call: at small sizes
+// pola_attention_no_grad in ops/pola/autograd.py does it (the same blocks), in one call: at small sizes
 // the Python around two dozen tensor calls costs as much as the elementwise kernels. Checks p >= 1.
 at::Tensor pola_forward_no_grad(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                 const at::Tensor& power, double eps, int64_t block_elements,

@@ -1,6 +1,6 @@
 """Causal polarity-aware linear attention: each query sees the keys up to its own position.
 
-Definition (reference: :func:`.naive.naive_pola_linear_attention` and the PaCS one, ``causal=True``): the causal
+Definition (reference: :func:`polaformer.ops.naive_pola_linear_attention` and the PaCS one, ``causal=True``): the causal
 masked form of the bidirectional op, with the mean over the prefix. Query ``t`` of a stream with features ``φq`` and
 value channels ``v`` gives
 
@@ -18,28 +18,27 @@ Two forms of that one function:
 - recurrent (generation, :func:`causal_pola_step`, :func:`causal_pacs_step`): one token at a time, carrying
   :class:`CausalState` (``S`` per stream, the key sum and the count), O(d²) per token.
 
-Both are computed in at least float32 with autocast off, in plain torch (autograd derives the gradients),
-except that where :func:`.dispatch.triton_kernels` offers the Triton kernels (CUDA tensors; also under
-torch.compile, where they are a registered op) the chunked form runs fused in them
-(:mod:`polaformer.backends.triton.causal`): features, key sums, normaliser and both streams, forward and
-backward, in a fixed number of launches per call, packed batches included. That path reads no tensor value on
-the host: on CUDA the exponent's ``p >= 1`` check and the packed offsets' values are skipped (trusted), and
-``cu_seqlens_k`` is compared with ``cu_seqlens`` by shape only; on CPU tensors (the interpreter) they are
-checked. It gives an initial state's kv and key sum gradients but not its count (a state whose count requires
-grad takes the torch form), and is once-differentiable (a second differentiation raises).
+Both are computed in at least float32 with autocast off, in plain torch (``forms.py``; autograd derives the
+gradients), except that where :func:`polaformer.ops.dispatch.triton_allowed` allows the Triton kernels (CUDA
+tensors; also under torch.compile, where they are a registered op) the chunked form runs fused in them
+(``triton.py``): features, key sums, normaliser and both streams, forward and backward, in a fixed number of
+launches per call, packed batches included. That path reads no tensor value on the host: on CUDA the exponent's
+``p >= 1`` check and the packed offsets' values are skipped (trusted), and ``cu_seqlens_k`` is compared with
+``cu_seqlens`` by shape only; on CPU tensors (the interpreter) they are checked. It gives an initial state's kv
+and key sum gradients but not its count (a state whose count requires grad takes the torch form), and is
+once-differentiable (a second differentiation raises). Which form a call takes is :func:`_path`; packed sequences
+outside the kernels are ``packed.py``'s, the float64 reference of the one-stream op ``naive.py``'s (the Pola and
+PaCS references take ``causal=True``).
 """
 from __future__ import annotations
 
 import math
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from . import varlen
-from ._common import (
+from ...capture import capturing
+from .._common import (
     check_key_padding_mask,
-    check_packed_batch,
     check_qkv,
     check_temperatures,
     compute_dtype,
@@ -47,9 +46,11 @@ from ._common import (
     key_keep,
     swap_halves,
 )
-from .dispatch import capturing, triton_kernels
-from .feature_maps import check_power_values, pacs_key_features, pacs_query_features, power_feature
-from .rope import apply_rope
+from ..dispatch import triton_allowed
+from ..feature_maps import check_power_values, pacs_key_features, pacs_query_features, power_feature
+from ..rope import apply_rope
+from .forms import CausalState, Stream, torch_form
+from .packed import check_packed, packed_attention
 
 __all__ = [
     "CausalState",
@@ -59,25 +60,6 @@ __all__ = [
     "causal_pola_linear_attention",
     "causal_pola_step",
 ]
-
-
-class CausalState(NamedTuple):
-    """What the recurrent form carries between tokens, per sequence and head.
-
-    ``kv``: one ``Σ k_numᵀ v`` per stream, (B, H, F, dv_s); ``key_sum``: ``Σ φk`` (B, H, F); ``count``: the
-    number of valid keys seen, (B, 1, 1) float.
-    """
-
-    kv: tuple[torch.Tensor, ...]
-    key_sum: torch.Tensor
-    count: torch.Tensor
-
-
-class _Stream(NamedTuple):
-    phi_q: torch.Tensor  # (B, H, N, F) normaliser features
-    q_num: torch.Tensor  # (B, H, N, F) numerator features (RoPE-rotated for PaCS)
-    v: torch.Tensor  # (B, H, N, dv_s) this stream's value channels
-    eps: torch.Tensor | float  # a number or per-row (B, H, N, 1)
 
 
 def _check_inputs(q, k, v, chunk_size=None):
@@ -120,12 +102,17 @@ def _host_checks(x: torch.Tensor) -> bool:
     return x.device.type == "cpu" and not capturing()
 
 
-def _fused(q: torch.Tensor, state: CausalState | None):
-    """The Triton kernels for a chunked call on ``q`` (:func:`.dispatch.triton_kernels`), or None for the torch
-    form; also None for a state whose count requires grad (the kernels give the count none)."""
-    if state is not None and state.count.requires_grad:
-        return None
-    return triton_kernels(q)
+def _path(q: torch.Tensor, *, recurrent: bool = False, packed: bool = False,
+          state: CausalState | None = None) -> str:
+    """The form of a call: the first that applies. The one place the order is written."""
+    if recurrent:
+        return "recurrent"  # one token at a time, in torch: forms.py
+    # the kernels give an initial state's count no gradient: such a state takes the torch form
+    if (state is None or not state.count.requires_grad) and triton_allowed(q):
+        return "triton"  # the chunked form fused, CUDA tensors (eager or compiled) and the interpreter: triton.py
+    if packed:
+        return "packed"  # one sequence at a time, each in the chunked form: packed.py
+    return "chunked"  # the chunked form in torch: forms.py
 
 
 def _refuse_overflow(out: torch.Tensor, what: str, *inputs: torch.Tensor) -> None:
@@ -137,108 +124,6 @@ def _refuse_overflow(out: torch.Tensor, what: str, *inputs: torch.Tensor) -> Non
     if all(bool(t.isfinite().all()) for t in inputs):
         raise FloatingPointError(f"causal {what} overflowed {str(out.dtype).removeprefix('torch.')}; the causal "
                                  f"forms have no log-domain fallback: scale q and k down or compute in float64")
-
-
-def _empty_state(phi_k, k_num, streams) -> CausalState:
-    b, h, _, f = phi_k.shape
-    kv = tuple(phi_k.new_zeros(b, h, k_num.shape[-1], s.v.shape[-1]) for s in streams)
-    return CausalState(kv, phi_k.new_zeros(b, h, f), phi_k.new_zeros(b, 1, 1))
-
-
-def _split_chunks(x: torch.Tensor, c: int) -> torch.Tensor:
-    """(B, H, N, X) -> (B, H, ceil(N / C), C, X), zero rows appended."""
-    n = x.shape[-2]
-    chunks = -(-n // c)
-    return F.pad(x, (0, 0, 0, chunks * c - n)).reshape(*x.shape[:2], chunks, c, x.shape[-1])
-
-
-def _chunked_numerator(q_num, k_num, v, kv0, chunk_size):
-    """``(num, kv)``: ``num_t = q_num_t·kv0 + Σ_{s≤t} (q_num_t·k_num_s) v_s`` and ``kv = kv0 + Σ k_numᵀv``, in
-    chunks of ``chunk_size`` tokens."""
-    b, h, n, _ = k_num.shape
-    c = min(chunk_size, n)
-    qn, kn, vv = _split_chunks(q_num, c), _split_chunks(k_num, c), _split_chunks(v, c)
-    chunk_kv = kn.transpose(-2, -1) @ vv  # (B, H, chunks, F, dv)
-    kv_before = torch.cat([kv0[:, :, None], chunk_kv[:, :, :-1]], dim=2).cumsum(dim=2)
-    causal_mask = torch.ones(c, c, dtype=torch.bool, device=k_num.device).tril()
-    scores = (qn @ kn.transpose(-2, -1)).masked_fill(~causal_mask, 0.0)
-    num = (qn @ kv_before + scores @ vv).reshape(b, h, -1, v.shape[-1])[:, :, :n]
-    return num, kv_before[:, :, -1] + chunk_kv[:, :, -1]
-
-
-def _chunked(streams, phi_k, k_num, keep, chunk_size, state):
-    """The chunked-parallel form in torch for every stream over shared key features; returns (outputs, final
-    state)."""
-    b, h, n, f = phi_k.shape
-    state = _empty_state(phi_k, k_num, streams) if state is None else state
-    if keep is not None:
-        phi_k, k_num = phi_k * keep, k_num * keep
-        count = state.count[..., None] + keep.cumsum(dim=-2)  # (B, 1, N, 1)
-    else:
-        count = state.count[..., None] + torch.arange(1, n + 1, device=phi_k.device, dtype=phi_k.dtype)[:, None]
-    c = min(chunk_size, n)
-    # key sums up to each token: the previous chunks' total plus the running sum inside the chunk
-    key_sum_in_chunk = _split_chunks(phi_k, c).cumsum(dim=-2)
-    chunk_totals = key_sum_in_chunk[..., -1, :]
-    key_sum_before = torch.cat([state.key_sum[:, :, None], chunk_totals[:, :, :-1]], dim=2).cumsum(dim=2)
-    key_sum = key_sum_in_chunk + key_sum_before[..., None, :]
-    outputs, final_kv = [], []
-    for stream, kv0 in zip(streams, state.kv):
-        num, kv = _chunked_numerator(stream.q_num, k_num, stream.v, kv0, chunk_size)
-        den = (_split_chunks(stream.phi_q, c) * key_sum).sum(dim=-1, keepdim=True).reshape(b, h, -1, 1)[:, :, :n]
-        outputs.append(num / (den + stream.eps * count.clamp_min(1.0)))
-        final_kv.append(kv)
-    return outputs, CausalState(tuple(final_kv), key_sum[:, :, -1, -1], count[:, :, -1])
-
-
-def _recurrent(streams, phi_k, k_num, keep, state):
-    """The recurrent form, one token at a time; returns (outputs, final state)."""
-    state = _empty_state(phi_k, k_num, streams) if state is None else state
-    kv, key_sum, count = list(state.kv), state.key_sum, state.count
-    outputs = [[] for _ in streams]
-    for t in range(phi_k.shape[-2]):
-        pk, kn = phi_k[:, :, t], k_num[:, :, t]  # (B, H, F)
-        if keep is not None:
-            pk, kn = pk * keep[:, :, t], kn * keep[:, :, t]
-            count = count + keep[:, :, t]
-        else:
-            count = count + 1
-        key_sum = key_sum + pk
-        for s, stream in enumerate(streams):
-            kv[s] = kv[s] + kn[..., :, None] * stream.v[:, :, t, None, :]
-            num = (stream.q_num[:, :, t, None, :] @ kv[s])[:, :, 0]
-            den = (stream.phi_q[:, :, t] * key_sum).sum(dim=-1, keepdim=True)
-            eps = stream.eps if isinstance(stream.eps, float) else stream.eps[:, :, t]
-            outputs[s].append(num / (den + eps * count.clamp_min(1.0)))
-    return [torch.stack(o, dim=2) for o in outputs], CausalState(tuple(kv), key_sum, count)
-
-
-def _torch_form(form, streams, phi_k, k_num, keep, chunk_size, state):
-    """:func:`_chunked` or :func:`_recurrent`, as ``form`` names it; returns (outputs, final state)."""
-    if form == "chunked":
-        return _chunked(streams, phi_k, k_num, keep, chunk_size, state)
-    return _recurrent(streams, phi_k, k_num, keep, state)
-
-
-def _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state) -> None:
-    """A packed call's arguments; the offsets' values where :func:`_host_checks` allows."""
-    if initial_state is not None or return_state:
-        raise ValueError("packed sequences (cu_seqlens) carry no state: pass neither initial_state nor return_state")
-    check_packed_batch(q, key_padding_mask)
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
-            cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise ValueError("cu_seqlens must be a 1-D int32/int64 tensor of at least two sequence offsets")
-    if _host_checks(cu_seqlens):
-        varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
-
-
-def _packed(attend, q, k, v, cu_seqlens, tables=()):
-    """A packed call in torch, one sequence at a time (each sees only its own earlier tokens); ``tables`` are
-    (T, ·) RoPE rows over the packed tokens, cut alike."""
-    offsets = varlen.check_cu_seqlens(cu_seqlens, q.shape[-2])
-    parts = [attend(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], *(t[a:b] for t in tables))
-             for a, b in zip(offsets, offsets[1:]) if b > a]
-    return torch.cat(parts, dim=2) if parts else v.new_zeros(v.shape)
 
 
 def _kernel_state(state: CausalState | None):
@@ -258,7 +143,7 @@ def _pola_streams(q, k, v, power, eps):
     phi_q, phi_k = power_feature(q, power), power_feature(k, power)
     half = (v.shape[-1] + 1) // 2
     swapped = swap_halves(phi_q)
-    return [_Stream(phi_q, phi_q, v[..., :half], eps), _Stream(swapped, swapped, v[..., half:], eps)], phi_k, phi_k
+    return [Stream(phi_q, phi_q, v[..., :half], eps), Stream(swapped, swapped, v[..., half:], eps)], phi_k, phi_k
 
 
 def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=None, cu_seqlens=None):
@@ -266,16 +151,18 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
     dtype = compute_dtype(q, k, v, power if isinstance(power, torch.Tensor) else q)
     if state is not None:
         state = _check_state(state, q, v, dtype)
-    kernels = _fused(q, state) if form == "chunked" else None
-    if kernels is not None:
+    path = _path(q, recurrent=form == "recurrent", state=state)
+    if path == "triton":
+        from . import triton
+
         if key_padding_mask is not None:
             check_key_padding_mask(key_padding_mask, k)
         if not isinstance(power, torch.Tensor):
             power = torch.full((), power, dtype=dtype, device=q.device)
         check_power_values(power, not _host_checks(power))
-        out, final = kernels.causal_attention("pola", q, k, v, (power, None), key_padding_mask=key_padding_mask,
-                                              cu_seqlens=cu_seqlens, initial_state=_kernel_state(state), eps=eps,
-                                              chunk_size=chunk_size)
+        out, final = triton.causal_attention("pola", q, k, v, (power, None), key_padding_mask=key_padding_mask,
+                                             cu_seqlens=cu_seqlens, initial_state=_kernel_state(state), eps=eps,
+                                             chunk_size=chunk_size)
         _refuse_overflow(out, "Pola attention (the power map's products)", q, k, v, power)
         return out, _from_kernel(final, 2)
     power = torch.as_tensor(power, dtype=dtype, device=q.device)
@@ -284,7 +171,7 @@ def _pola(q, k, v, power, eps, key_padding_mask, form, chunk_size=None, state=No
         q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         streams, phi_k, k_num = _pola_streams(q, k, v, power.to(dtype), eps)
         keep = key_keep(key_padding_mask, k, k.dtype)[0]
-        outs, state = _torch_form(form, streams, phi_k, k_num, keep, chunk_size, state)
+        outs, state = torch_form(path, streams, phi_k, k_num, keep, chunk_size, state)
         out = torch.cat(outs, dim=-1)
         _refuse_overflow(out, "Pola attention (the power map's products)", q, k, v, power)
     return out, state
@@ -308,7 +195,7 @@ def _pacs_streams(q, k, v, temp_same, temp_opposite, sin, cos, eps):
     for phi_q, values in zip(pacs_query_features(q, temp_same, temp_opposite), (v[..., :half], v[..., half:])):
         scale = torch.exp2(torch.floor(torch.log2(phi_q.detach().amax(dim=-1, keepdim=True).clamp_min(1.0))))
         phi_q = phi_q / scale
-        streams.append(_Stream(phi_q, rotate(phi_q), values, eps / scale))
+        streams.append(Stream(phi_q, rotate(phi_q), values, eps / scale))
     return streams, phi_k, rotate(phi_k)
 
 
@@ -324,12 +211,14 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
         state = _check_state(state, q, v, dtype)
     overflow = (f"PaCS attention (its exp features need |k| and |q|·temperature below about "
                 f"{int(math.log(torch.finfo(dtype).max))})")
-    kernels = _fused(q, state) if form == "chunked" else None
-    if kernels is not None:
+    path = _path(q, recurrent=form == "recurrent", state=state)
+    if path == "triton":
+        from . import triton
+
         if key_padding_mask is not None:
             check_key_padding_mask(key_padding_mask, k)
-        out, final = kernels.causal_attention("pacs", q, k, v, (temp_same, temp_opposite), (sin, cos),
-                                              key_padding_mask, cu_seqlens, _kernel_state(state), eps, chunk_size)
+        out, final = triton.causal_attention("pacs", q, k, v, (temp_same, temp_opposite), (sin, cos),
+                                             key_padding_mask, cu_seqlens, _kernel_state(state), eps, chunk_size)
         _refuse_overflow(out, overflow, q, k, v, temp_same, temp_opposite)
         return out, _from_kernel(final, 2)
     with full_precision(q.device.type):
@@ -338,7 +227,7 @@ def _pacs(q, k, v, temp_same, temp_opposite, sin, cos, eps, key_padding_mask, fo
             sin, cos = sin.to(dtype), cos.to(dtype)
         streams, phi_k, k_num = _pacs_streams(q, k, v, temp_same.to(dtype), temp_opposite.to(dtype), sin, cos, eps)
         keep = key_keep(key_padding_mask, k, k.dtype)[0]
-        outs, state = _torch_form(form, streams, phi_k, k_num, keep, chunk_size, state)
+        outs, state = torch_form(path, streams, phi_k, k_num, keep, chunk_size, state)
         out = torch.cat(outs, dim=-1)
         _refuse_overflow(out, overflow, q, k, v, temp_same, temp_opposite)
     return out, state
@@ -366,7 +255,8 @@ def causal_pola_linear_attention(
         eps: added to each stream's normaliser (over the prefix mean, as in the bidirectional op).
         chunk_size: tokens per chunk (the results do not depend on it beyond rounding).
         key_padding_mask: (B, N) bool, True at padding: those keys count for no query.
-        cu_seqlens: packed sequences (1, H, T, ·) with (S + 1,) offsets (:mod:`.varlen`); excludes the mask.
+        cu_seqlens: packed sequences (1, H, T, ·) with (S + 1,) offsets (:mod:`polaformer.ops.varlen`); excludes the
+            mask.
         cu_seqlens_k: accepted only equal to ``cu_seqlens`` (keys are the queries' own tokens).
         initial_state: the state after earlier tokens (a prompt), as :func:`causal_pola_step` returns it.
         return_state: also return the :class:`CausalState` after the last token.
@@ -380,9 +270,9 @@ def causal_pola_linear_attention(
         raise ValueError("causal attention packs keys as its queries: pass cu_seqlens only")
     if cu_seqlens is not None:
         _check_inputs(q, k, v, chunk_size)
-        _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state)
-        if _fused(q, None) is None:
-            return _packed(lambda *qkv: causal_pola_linear_attention(*qkv, power, eps, chunk_size), q, k, v,
+        check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state, _host_checks(cu_seqlens))
+        if _path(q, packed=True) == "packed":
+            return packed_attention(lambda *qkv: causal_pola_linear_attention(*qkv, power, eps, chunk_size), q, k, v,
                            cu_seqlens)
         cu_seqlens = cu_seqlens.to(q.device)
     out, state = _pola(q, k, v, power, eps, key_padding_mask, "chunked", chunk_size, initial_state, cu_seqlens)
@@ -421,10 +311,10 @@ def causal_pacs_linear_attention(
     """
     if cu_seqlens is not None:
         _check_inputs(q, k, v, chunk_size)
-        _check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state)
+        check_packed(q, cu_seqlens, key_padding_mask, initial_state, return_state, _host_checks(cu_seqlens))
         _check_tables(sin, cos, q.shape[-2], 2 * q.shape[-1])
-        if _fused(q, None) is None:
-            return _packed(lambda pq, pk, pv, *tables: causal_pacs_linear_attention(
+        if _path(q, packed=True) == "packed":
+            return packed_attention(lambda pq, pk, pv, *tables: causal_pacs_linear_attention(
                 pq, pk, pv, temp_same, temp_opposite, *(tables or (None, None)), eps, chunk_size),
                 q, k, v, cu_seqlens, () if sin is None else (sin, cos))
         cu_seqlens = cu_seqlens.to(q.device)
@@ -450,16 +340,17 @@ def causal_linear_attention(phi_q: torch.Tensor, phi_k: torch.Tensor, v: torch.T
     if phi_q.shape != phi_k.shape or phi_q.shape[:3] != v.shape[:3] or phi_q.dim() != 4:
         raise ValueError(f"phi_q and phi_k must be (B, H, N, F) alike and v (B, H, N, dv); got "
                          f"{tuple(phi_q.shape)}, {tuple(phi_k.shape)}, {tuple(v.shape)}")
-    kernels = None if recurrent else _fused(phi_q, initial_state)
-    if kernels is not None:
-        out, final = kernels.causal_attention("linear", phi_q, phi_k, v, initial_state=_kernel_state(initial_state),
-                                              eps=eps, chunk_size=chunk_size)
+    path = _path(phi_q, recurrent=recurrent, state=initial_state)
+    if path == "triton":
+        from . import triton
+
+        out, final = triton.causal_attention("linear", phi_q, phi_k, v, initial_state=_kernel_state(initial_state),
+                                             eps=eps, chunk_size=chunk_size)
         _refuse_overflow(out, "linear attention", phi_q, phi_k, v)
         return out, _from_kernel(final, 1)
     dtype = compute_dtype(phi_q, phi_k, v)
     with full_precision(phi_q.device.type):
         phi_q, phi_k, v = phi_q.to(dtype), phi_k.to(dtype), v.to(dtype)
-        streams, form = [_Stream(phi_q, phi_q, v, eps)], "recurrent" if recurrent else "chunked"
-        outs, state = _torch_form(form, streams, phi_k, phi_k, None, chunk_size, initial_state)
+        outs, state = torch_form(path, [Stream(phi_q, phi_q, v, eps)], phi_k, phi_k, None, chunk_size, initial_state)
         _refuse_overflow(outs[0], "linear attention", phi_q, phi_k, v)
     return outs[0].to(v.dtype), state

@@ -2,8 +2,9 @@
 
 The model files are written with plain modules (``nn.Linear``, timm's ``Mlp``, ``nn.Conv2d`` +
 ``nn.BatchNorm2d``, the attention layers). :func:`accelerate` changes the class of each module it knows
-to a subclass whose ``forward`` computes the same function with the fused CPU kernels of this package
-(:mod:`.onednn`, :mod:`.conv`, the native kernels). Parameters, buffers, hooks and state_dict keys are
+to a subclass whose ``forward`` computes the same function with the fused CPU kernels of
+:mod:`polaformer.backends.cpu` (oneDNN products, fused convolutions, the native kernels). It stands above the
+models, whose module types it knows; the kernels stand below the ops. Parameters, buffers, hooks and state_dict keys are
 untouched, so a state_dict moves freely between an accelerated model and a plain one, and the optimizer
 may be built before or after. Each fast ``forward`` falls back to the plain one where its kernels do
 not apply (graph capture, autocast, other devices or dtypes), so an accelerated model is never wrong,
@@ -20,26 +21,33 @@ import torch.nn.functional as F
 from timm.layers import Mlp
 from torch import nn
 
-from ...layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention
-from ...models.polapp import ConvFFN, ConvStem, PatchMerging, PolaPPBlock
-from ...models.pvt_v2 import DepthwiseConvMlp
-from ...ops import tokens_to_map
-from ...ops.dispatch import capturing, cpu_kernels
-from .conv import conv2d_gelu, depthwise_conv2d, depthwise_conv_gelu_linear, fold_batch_norm, plus_depthwise_conv
-from .onednn import gelu, linear, mlp
+from .backends.cpu.conv import (
+    conv2d_gelu,
+    depthwise_conv2d,
+    depthwise_conv_gelu_linear,
+    fold_batch_norm,
+    plus_depthwise_conv,
+)
+from .backends.cpu.onednn import gelu, linear, mlp
+from .capture import capturing
+from .layers import PacsLinearAttention, PolaLinearAttention, RopeSoftmaxAttention
+from .models.polapp import ConvFFN, ConvStem, PatchMerging, PolaPPBlock
+from .models.pvt_v2 import DepthwiseConvMlp
+from .ops import tokens_to_map
+from .ops.dispatch import cpu_kernels
 
 __all__ = ["accelerate", "fold_conv_batch_norm"]
 
 
 class OnednnLinear(nn.Linear):
-    """``nn.Linear`` on oneDNN's matmul where that is faster (:func:`.onednn.linear`)."""
+    """``nn.Linear`` on oneDNN's matmul where that is faster (:func:`polaformer.backends.cpu.onednn.linear`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
 
 
 class GeluWithSlope(nn.GELU):
-    """Exact GELU that keeps its slope for a one-multiply backward (:func:`.onednn.gelu`)."""
+    """Exact GELU that keeps its slope for a one-multiply backward (:func:`polaformer.backends.cpu.onednn.gelu`)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return gelu(x) if self.approximate == "none" else super().forward(x)
@@ -58,8 +66,8 @@ def _unhooked(*modules: nn.Module) -> bool:
 
 class FusedMlp(Mlp):
     """timm's ``Mlp`` with GELU fused into fc1's product, or its backward folded into the products
-    (:func:`.onednn.mlp`), while the MLP is the plain fc1 -> exact GELU -> fc2 with no active dropout and no
-    hooks on its parts."""
+    (:func:`polaformer.backends.cpu.onednn.mlp`), while the MLP is the plain fc1 -> exact GELU -> fc2 with no active
+    dropout and no hooks on its parts."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         act, fc1, fc2 = self.act, self.fc1, self.fc2
@@ -221,7 +229,7 @@ def _is_pointwise(m: nn.Module) -> bool:
 
 class FoldedConv2d(nn.Conv2d):
     """A conv with the eval-mode BatchNorm after it folded in, and an optional exact GELU after both, fused
-    into oneDNN's convolution on channels-last maps (:func:`.conv.conv2d_gelu`)."""
+    into oneDNN's convolution on channels-last maps (:func:`polaformer.backends.cpu.conv.conv2d_gelu`)."""
 
     apply_gelu: bool = False
 
