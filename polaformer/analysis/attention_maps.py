@@ -13,6 +13,7 @@ Positive-sequence entropy (paper Eq. 7): for a row ``x`` of non-negative weights
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ __all__ = [
     "LayerFeatures",
     "analyze",
     "capture_layer_features",
+    "layer_features",
     "load_image",
     "positive_sequence_entropy",
     "power_entropy",
@@ -117,6 +119,26 @@ def _pola_layers(model: torch.nn.Module):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, PolaLinearAttention)]
 
 
+def layer_features(layer: torch.nn.Module, x: torch.Tensor, height: int, width: int, name: str = "") -> LayerFeatures:
+    """q/k/v/g and power of one PolaLinearAttention ``layer`` on its input tokens ``x`` (B, N, C), as its forward
+    computes them, in their dtype (with gradients where enabled)."""
+    q, k, v, g = layer._project(x, height, width)
+    b, n, c = x.shape
+    n_kv = k.shape[1]
+    key_grid = (height // layer.sr_ratio, width // layer.sr_ratio)
+    if layer.positional_encoding is not None:
+        k = k + layer._key_positions(key_grid)
+    scale = F.softplus(layer.scale)
+    heads = layer.num_heads
+    q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)
+    k = (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2)
+    power = learnable_power(layer.power, layer.alpha)
+    v = v.reshape(b, n_kv, heads, -1).transpose(1, 2)
+    local = getattr(layer, layer.local, None) if layer.local != "none" else None
+    return LayerFeatures(name, q, k, g, power, (height, width), key_grid, layer.num_prefix_tokens, v, layer.polarity,
+                         layer.local, local)
+
+
 @torch.no_grad()
 def capture_layer_features(model: torch.nn.Module, image: torch.Tensor) -> list[LayerFeatures]:
     """Run ``model`` on ``image`` (1, C, H, W) and return q/k/g of every PolaLinearAttention layer."""
@@ -130,22 +152,9 @@ def capture_layer_features(model: torch.nn.Module, image: torch.Tensor) -> list[
             x, height, width = (list(args) + [kwargs.get("height"), kwargs.get("width")])[:3]
             if x is None:
                 x = kwargs["x"]
-            q, k, v, g = layer._project(x, height, width)
-            b, n, c = x.shape
-            n_kv = k.shape[1]
-            key_grid = (height // layer.sr_ratio, width // layer.sr_ratio)
-            if layer.positional_encoding is not None:
-                k = k + layer._key_positions(key_grid)
-            scale = F.softplus(layer.scale)
-            heads = layer.num_heads
-            q = (q / scale).reshape(b, n, heads, -1).transpose(1, 2)
-            k = (k / scale).reshape(b, n_kv, heads, -1).transpose(1, 2)
-            power = learnable_power(layer.power, layer.alpha)
-            v = v.reshape(b, n_kv, heads, -1).transpose(1, 2)
-            local = getattr(layer, layer.local, None) if layer.local != "none" else None
-            captured[name] = LayerFeatures(name, q.float(), k.float(), None if g is None else g.float(),
-                                           power.float(), (height, width), key_grid, layer.num_prefix_tokens,
-                                           v.float(), layer.polarity, layer.local, local)
+            f = layer_features(layer, x, height, width, name)
+            captured[name] = dataclasses.replace(f, q=f.q.float(), k=f.k.float(), power=f.power.float(),
+                                                 g=None if f.g is None else f.g.float(), v=f.v.float())
         return fn
 
     handles = [m.register_forward_pre_hook(hook(name), with_kwargs=True) for name, m in layers]

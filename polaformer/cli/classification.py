@@ -57,6 +57,9 @@ def add_classification_parsers(commands) -> None:
         help="start from these weights (MODEL.PRETRAINED): position tables resized, classifier replaced if the "
              "number of classes differs",
     )
+    train.add_argument("--lora", type=int, metavar="RANK",
+                       help="with --finetune: train LoRA adapters of this rank on the attention projections, the Pola "
+                            "layers' own tensors and the classifier only; OUTPUT/merged.pth at the end (MODEL.LORA)")
     train.add_argument(
         "--opts", nargs="+", default=[], metavar="KEY VALUE",
         help="config overrides as KEY VALUE pairs, e.g. --opts TRAIN.EPOCHS 30 DATA.NUM_WORKERS 4",
@@ -249,6 +252,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         extra += ["MODEL.RESUME", args.resume]
     if args.finetune:
         extra += ["MODEL.PRETRAINED", args.finetune]
+    if args.lora is not None:
+        extra += ["MODEL.LORA", args.lora]
     if args.allow_changed:
         extra += ["ALLOW_CHANGED", list(args.allow_changed)]
     if args.overwrite:

@@ -101,7 +101,8 @@ FLAG_KEYS = {
     },
     "convert train": {
         "stage": "stage", "source": "model.source", "teacher": "model.teacher", "target": "model.target",
-        "init": "init", "data": "data.name", "data_path": "data.path",
+        "init": "init", "data": "data.name", "data_path": "data.path", "pretrained": "model.pretrained",
+        "lora": "finetune.lora", "attention_weight": "transfer.attention_weight",
     },
     "diffusion train": {
         "model": "model.name", "attention": "model.attention", "data": "data.name", "image_size": "data.image_size",

@@ -96,6 +96,7 @@ def _official_defaults() -> dict:
             "NAME": "swin_tiny_patch4_window7_224",  # a timm name, or an official one (OFFICIAL_MODEL_NAMES)
             "RESUME": "",
             "PRETRAINED": "",
+            "LORA": 0,  # with PRETRAINED: LoRA adapters of this rank (--lora), merged into merged.pth at the end
             "NUM_CLASSES": 1000,  # set from the data
             "DROP_RATE": 0.0,
             "DROP_PATH_RATE": 0.1,
@@ -232,6 +233,7 @@ RULES = {
     "TRAIN.LR_SCHEDULER.DECAY_EPOCHS": POSITIVE, "TRAIN.LR_SCHEDULER.DECAY_RATE": POSITIVE,
     "DATA.IMG_SIZE": POSITIVE_INT, "TEST.BATCH_SIZE": COUNT.but(note="0: DATA.BATCH_SIZE"),
     "MODEL.LABEL_SMOOTHING": unit(), "MODEL.DROP_RATE": unit(), "MODEL.DROP_PATH_RATE": unit(),
+    "MODEL.LORA": COUNT.but(note="0: every weight learns"),
     "AUG.MIXUP": NON_NEGATIVE, "AUG.CUTMIX": NON_NEGATIVE, "AUG.MIXUP_PROB": unit(high_open=False),
     "AUG.MIXUP_SWITCH_PROB": unit(high_open=False), "AUG.REPROB": unit(high_open=False),
 }
@@ -256,6 +258,9 @@ def check_config(cfg: Config) -> None:
     require("num_classes" not in cfg.MODEL.KWARGS,
             f"MODEL.KWARGS.num_classes: the number of classes comes from the data (MODEL.NUM_CLASSES), not from "
             f"the model's keyword arguments; got {cfg.MODEL.KWARGS.get('num_classes')!r}")
+    require(not cfg.MODEL.LORA or bool(cfg.MODEL.PRETRAINED),
+            f"MODEL.LORA {cfg.MODEL.LORA} (--lora) adapts weights it starts from: give MODEL.PRETRAINED "
+            "(--finetune FILE)")
     require(isinstance(cfg.ALLOW_CHANGED, list) and all(isinstance(key, str) for key in cfg.ALLOW_CHANGED),
             f"ALLOW_CHANGED must be a list of setting names, got {cfg.ALLOW_CHANGED!r}")
 

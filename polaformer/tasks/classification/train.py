@@ -40,7 +40,7 @@ from ...engine.device import autocast, place_model, resolve_device
 from ...engine.distributed import DistContext, ShardSampler, all_reduce_sum
 from ...engine.factory import check_forward, create_model, create_model_from_checkpoint
 from ...engine.loop import Engine, LoopSettings, StepOutput, Task, train
-from ...engine.optim import build_optimizer, build_scheduler, global_batch_size, lr_scale
+from ...engine.optim import build_optimizer, build_scheduler, global_batch_size, lr_scale, unwrap
 from ...engine.options import CLASSIFICATION, loop_kwargs, official_values, resumable_keys
 from ...engine.parallel import SHARDED
 from .config import DIGITS_EVAL_BATCH_SIZE, TrainConfig, check_config, config_from_train_config, resolve_model_name
@@ -50,6 +50,7 @@ log = logging.getLogger(__name__)
 EVAL_BATCH_SIZE = DIGITS_EVAL_BATCH_SIZE  # `polaformer eval` on digits batches like training did
 BEST_CHECKPOINT = "best.pth"
 BEST_EMA_CHECKPOINT = "best_ema.pth"
+MERGED_CHECKPOINT = "merged.pth"  # a LoRA run's last weights, adapters merged
 
 
 def unpack_batch(batch) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -225,6 +226,12 @@ class ClassificationTask(Task):
 
             result = load_for_finetune(model, cfg.MODEL.PRETRAINED)
             log.info("fine-tuning from %s (%s weights)", cfg.MODEL.PRETRAINED, result.entry or "state dict")
+        if cfg.MODEL.LORA:
+            from ...lora import add_lora
+
+            head = model.get_classifier()
+            model = add_lora(model, cfg.MODEL.LORA, train=tuple(name for name, p in model.named_parameters()
+                                                                 if any(p is q for q in head.parameters())))
         return model
 
     def start_message(self, engine: Engine) -> str:
@@ -362,6 +369,17 @@ class ClassificationTask(Task):
             if engine.model_ema is not None:
                 summary.update(final_ema_top1=final["ema_top1"], best_ema_top1=engine.best.get("ema_top1", 0.0))
         summary["wall_time_s"] = time.perf_counter() - engine.started
+        return summary
+
+    def finish(self, engine: Engine) -> dict:
+        summary = self.summary(engine)
+        if self.cfg.MODEL.LORA and engine.ctx.is_main:  # the adapters merged: the plain model's checkpoint
+            from ...checkpoint import atomic_write
+            from ...lora import merge_lora
+
+            merged = {"model": merge_lora(unwrap(engine.model)).state_dict(), **self.metadata(engine)}
+            summary["merged"] = str(atomic_write(engine.output / MERGED_CHECKPOINT,
+                                                 lambda f: torch.save(merged, f)))
         return summary
 
     def metadata(self, engine: Engine) -> dict:

@@ -9,8 +9,10 @@ Pola layer's ``qkvg`` / ``qg`` + ``kv``), or the reason it has no counterpart. E
 
 The new parts start so that the converted layer is the teacher's projections around a linear attention:
 the gate rows give a gate of 1 (weights 0, bias 1), the local branch (``dwc``, ``lepe``) starts at 0, power,
-temperature and key positions keep the Pola model's own initial values. A source weight the target cannot take
-(no counterpart, another shape) is a :class:`ConversionError`, never skipped.
+temperature and key positions keep the Pola model's own initial values. The gate needs its bias: a source without
+q/k/v biases gets a target built with them (:func:`~.build.target_of`), zero where the source has none (the same
+map), and a target without a gate bias is refused (its gate would be 0 and silence every attention branch). A
+source weight the target cannot take (no counterpart, another shape) is a :class:`ConversionError`, never skipped.
 """
 from __future__ import annotations
 
@@ -98,6 +100,9 @@ class Family:
     teacher_modules: str
     student_modules: str
     shared_kwargs: tuple[str, ...]  # source model arguments the target takes under the same name
+    # the target argument that gives its projections (and so its gate) a bias, dotted for a nested one; empty:
+    # the target always has them
+    bias_kwarg: str = "qkv_bias"
 
 
 _VIT_KWARGS = ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depth", "num_heads", "mlp_ratio",
@@ -109,10 +114,10 @@ FAMILIES = {
                    ("img_size", "patch_size", "in_chans", "num_classes", "embed_dim", "depths", "num_heads",
                     "mlp_ratio", "qkv_bias")),
     "pvt_v2": Family("pvt_v2", _map_pvt_v2, r"stages\.\d+\.blocks\.\d+\.attn", r"block\d+\.\d+\.attn",
-                     ("img_size", "in_chans", "num_classes", "embed_dims", "depths", "num_heads", "mlp_ratios")),
+                     ("img_size", "in_chans", "num_classes", "embed_dims", "depths", "num_heads", "mlp_ratios"), ""),
     # the PaCS layer reads maps, the softmax one tokens: whole blocks are matched
-    "dit": Family("dit", _map_qkvg, r"blocks\.\d+", r"blocks\.\d+", ()),
-    "lm": Family("lm", _map_lm, r"blocks\.\d+\.attn", r"blocks\.\d+\.attn", ()),
+    "dit": Family("dit", _map_qkvg, r"blocks\.\d+", r"blocks\.\d+", (), ""),
+    "lm": Family("lm", _map_lm, r"blocks\.\d+\.attn", r"blocks\.\d+\.attn", (), "attention_kwargs.qkv_bias"),
 }
 _CLASSES = {"VisionTransformer": "deit", "SwinTransformer": "swin", "PyramidVisionTransformerV2": "pvt_v2",
             "PolaDiT": "dit", "PolaLM": "lm"}
@@ -172,18 +177,46 @@ def _layers_as_n(text: str) -> str:
     return re.sub(r"(?<=[.a-z])\d+(?=\.)", "N", text)
 
 
-def _init_new(key: str, value: torch.Tensor, rows: list[tuple[int, int]]) -> str:
-    """Initialise the new ``rows`` (all rows: the whole tensor) of target ``key`` in place; how, in words."""
+# what each new tensor starts as, in the report's words
+GATE_WEIGHT = "gate rows: weight 0 (the gate is its bias)"
+GATE_BIAS = "gate rows: bias 1 (gate 1, the output passes unchanged)"
+ZERO_BIAS_ROWS = "the copied rows: bias 0 (the source has no bias: the same map)"
+ZERO_BIAS = "bias 0 (the source has no bias: the same map)"
+LOCAL_ZEROS = "local branch: zeros (adds nothing at first)"
+
+
+def gate_rows(key: str, rows: int) -> tuple[int, int] | None:
+    """The rows of target tensor ``key`` (``rows`` long) that compute the gate: the last quarter of ``qkvg``, the
+    last half of ``qg``; None for another tensor."""
+    parent = key.split(".")[-2] if "." in key else ""
+    return {"qkvg": (rows * 3 // 4, rows), "qg": (rows // 2, rows)}.get(parent)
+
+
+def _init_new(key: str, value: torch.Tensor, rows: list[tuple[int, int]], weight_copied: bool
+              ) -> tuple[str, list[tuple[int, int]]]:
+    """Initialise the new ``rows`` (all rows: the whole tensor) of target ``key`` in place. Returns how, in words,
+    and the rows the transfer stage trains (a zero bias standing for a source without one is not trained)."""
     *_, parent, leaf = ["", *key.split(".")]
-    if parent in ("qkvg", "qg") and rows != [(0, len(value))]:
-        for start, end in rows:
-            value[start:end] = 1.0 if leaf == "bias" else 0.0
-        return "gate rows: weight 0, bias 1 (gate 1, the output passes unchanged)"
-    if parent in ("dwc", "lepe"):
+    gate = gate_rows(key, len(value))
+    if gate is not None and any(start <= gate[0] and gate[1] <= end for start, end in rows):
+        others = [(a, b) for start, end in rows for a, b in ((start, min(end, gate[0])), (max(start, gate[1]), end))
+                  if a < b]
+        if leaf == "weight" and not others:
+            value[gate[0]:gate[1]] = 0.0
+            return GATE_WEIGHT, [gate]
+        if leaf == "bias" and (not others or weight_copied):
+            value[gate[0]:gate[1]] = 1.0
+            for start, end in others:
+                value[start:end] = 0.0
+            return GATE_BIAS + (f"; {ZERO_BIAS_ROWS}" if others else ""), [gate]
+    if leaf == "bias" and weight_copied:
         value.zero_()
-        return "local branch: zeros (adds nothing at first)"
+        return ZERO_BIAS, []
+    if parent in ("dwc", "lepe") and rows == [(0, len(value))]:
+        value.zero_()
+        return LOCAL_ZEROS, rows
     if leaf in ("power", "scale", "s1", "s2", "positional_encoding"):
-        return f"{leaf}: the Pola model's initial value"
+        return f"{leaf}: the Pola model's initial value", rows
     raise ConversionError(f"target weight {key} has no counterpart in the source and no initialisation rule")
 
 
@@ -232,9 +265,22 @@ def convert_state_dict(source: nn.Module, target: nn.Module) -> tuple[dict[str, 
         free = _free_rows(taken, len(value))
         if not free:
             continue
-        report.new[key] = _init_new(key, value, free)
-        report.new_rows[key] = free
+        weight = key[:-len("bias")] + "weight"
+        report.new[key], trained = _init_new(key, value, free, key.endswith(".bias") and weight in filled)
+        if trained:
+            report.new_rows[key] = trained
+    _check_live_gates(report, names, type(target).__name__)
     return out, report
+
+
+def _check_live_gates(report: ConversionReport, names: set[str], target: str) -> None:
+    """A gate of new rows needs a bias: with weight 0 and none it is 0 and every attention branch is silent."""
+    for key, note in report.new.items():
+        if note == GATE_WEIGHT and key[:-len("weight")] + "bias" not in names:
+            raise ConversionError(f"{target} has no gate bias ({key[:-len('.weight')]} built without bias, "
+                                  "qkv_bias False): its new gate would be 0 and silence every attention layer; "
+                                  "leave qkv_bias to the converter (it gives a bias-less source's target biases, "
+                                  "zero where the source has none)")
 
 
 def _free_rows(taken: list[tuple[int, int]], rows: int) -> list[tuple[int, int]]:

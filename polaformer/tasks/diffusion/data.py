@@ -1,5 +1,5 @@
-"""Images for the diffusion task, in [-1, 1]: scikit-learn's digits (embedded) or a ``root/<class>/<image>``
-folder, held in memory; and the local ``AutoencoderKL`` of latent mode."""
+"""Images for the diffusion task, in [-1, 1]: scikit-learn's digits (embedded, :mod:`polaformer.data.noised`) or a
+``root/<class>/<image>`` folder, held in memory; and the local ``AutoencoderKL`` of latent mode."""
 from __future__ import annotations
 
 import logging
@@ -7,15 +7,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from PIL import Image
-from torch.utils.data import Dataset
 
 from ...checkpoint import atomic_write
-from ...data.digits import digits_split
 from ...data.folder import DatasetError, ImageFolderDataset
+from ...data.noised import NoisedImages, digits_images
 from ...engine.config import ConfigError
-from ...engine.distributed import SampleDraws
 
 __all__ = ["LATENT_SCALE", "NoisedImages", "digits_images", "folder_images", "load_images", "load_vae",
            "save_samples"]
@@ -23,45 +20,6 @@ __all__ = ["LATENT_SCALE", "NoisedImages", "digits_images", "folder_images", "lo
 log = logging.getLogger(__name__)
 
 LATENT_SCALE = 0.18215  # Stable Diffusion's VAE latents times this have about unit variance
-DIGITS_MAX = 16.0  # the digits' pixel values are 0..16
-
-
-def digits_images(image_size: int = 16):
-    """``(train_x, train_y, test_x, test_y)``: the fixed digits split, (N, 1, S, S) in [-1, 1], bilinearly
-    upsampled from 8×8 to ``image_size`` (a multiple of 8)."""
-    if image_size < 8 or image_size % 8:
-        raise ConfigError(f"digits images are 8x8: data.image_size must be a multiple of 8, got {image_size}")
-    x_train, y_train, x_test, y_test = digits_split()
-
-    def prepare(x):
-        x = torch.from_numpy(x).unsqueeze(1) / DIGITS_MAX * 2 - 1
-        if image_size != 8:
-            x = F.interpolate(x, size=(image_size, image_size), mode="bilinear", align_corners=False)
-        return x.clamp(-1, 1)
-
-    return prepare(x_train), torch.from_numpy(y_train), prepare(x_test), torch.from_numpy(y_test)
-
-
-class NoisedImages(SampleDraws, Dataset):
-    """``(image, label, timestep, noise)``: each training image with a uniform step below ``timesteps`` and
-    standard normal noise of ``noise_shape`` (the model's input: the image's, or its latent's), and with
-    ``posterior`` a second such draw, the VAE posterior's sample (:meth:`DiffusionTask.encode`); all drawn from
-    (``seed``, epoch, index) (:class:`~polaformer.engine.distributed.SampleDraws`): the same for any process count."""
-
-    def __init__(self, images: torch.Tensor, labels: torch.Tensor, timesteps: int, noise_shape: tuple, seed: int = 0,
-                 posterior: bool = False):
-        super().__init__(seed)
-        self.images, self.labels, self.timesteps, self.noise_shape = images, labels, timesteps, tuple(noise_shape)
-        self.posterior = posterior
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int):
-        generator = self.generator(index)
-        t = torch.randint(0, self.timesteps, (), generator=generator)
-        draws = [torch.randn(self.noise_shape, generator=generator) for _ in range(1 + self.posterior)]
-        return self.images[index], self.labels[index], t, *draws
 
 
 def _square(image: Image.Image, size: int) -> Image.Image:

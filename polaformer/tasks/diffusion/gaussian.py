@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 
 import torch
-from diffusers import DDPMScheduler
 from torch import nn
+
+from ...data.noised import make_scheduler
 
 __all__ = ["GUIDED_CHANNELS", "SAMPLERS", "VARIANCES", "RespacedDiffusion", "diffusion_loss", "make_scheduler",
            "respaced_timesteps", "sample", "vlb_terms"]
@@ -26,13 +27,6 @@ __all__ = ["GUIDED_CHANNELS", "SAMPLERS", "VARIANCES", "RespacedDiffusion", "dif
 SAMPLERS = ("ddpm", "ddim")
 VARIANCES = ("fixed_large", "fixed_small")  # of models without a learned variance: the betas, or the posterior's
 GUIDED_CHANNELS = 3  # the official forward_with_cfg guides model_out[:, :3] (its comment: for reproducibility)
-
-
-def make_scheduler(train_timesteps: int = 1000, beta_start: float = 1e-4, beta_end: float = 0.02) -> DDPMScheduler:
-    """The DiT's schedule (linear betas) as a diffusers scheduler, whose ``add_noise`` and ``config`` the training
-    loss uses. Sampling does not step it (:func:`sample`: diffusers' samplers are not the official ones)."""
-    return DDPMScheduler(num_train_timesteps=train_timesteps, beta_start=beta_start, beta_end=beta_end,
-                         beta_schedule="linear", prediction_type="epsilon")
 
 
 def _at(values: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ def test_shapes_or_weights_without_counterpart_are_refused(tmp_path, capsys):
         target_of(pola, "pola_lm_tiny", {})
     assert main(["convert", "train", "--source", "vit_tiny_patch16_224", "--output", str(tmp_path / "x")]) == 2
     assert capsys.readouterr().err.strip().endswith("name the softmax model (model.source) and its trained weights "
-                                                    "(model.teacher)")
+                                                    "(model.teacher, or model.pretrained true for timm's own)")
     assert main(["convert", "weights", "--source", "swin_tiny_patch4_window7_224",
                  "--weights", str(tmp_path / "deit.pth"), "--output", str(tmp_path / "y.pth")]) == 2
     assert "does not fit SwinTransformer" in capsys.readouterr().err
@@ -172,7 +172,7 @@ def test_cli_weights_then_both_stages_on_digits_resume_bit_identically(tmp_path,
                 "--init", str(tmp_path / "whole" / "last.pth"), "--steps", "2", "--batch-size", "8"]
     with counting_forwards() as plain_calls:
         assert main([*finetune, "--output", str(tmp_path / "finetune")]) == 0
-    assert "finetune: test top-1" in capsys.readouterr().out
+    assert "finetune: valid top-1" in capsys.readouterr().out  # data.valid_fraction of the training images
     plain = timm.create_model("pola_deit_tiny_patch16_224", **VIT)
     load_checkpoint(plain, tmp_path / "finetune" / "last.pth", strict=True)
     # the engine's execution keys, as for every task: the same steps recomputed, or captured by dynamo
