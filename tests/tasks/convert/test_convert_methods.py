@@ -6,6 +6,7 @@ quick path end to end."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import subprocess
@@ -229,6 +230,24 @@ def test_lora_trains_adapters_and_pola_tensors_only_and_merges_into_a_plain_chec
                                  {f"blocks.{i}.attn.{t}" for i in range(2) for t in ("power", "scale", "dwc.weight",
                                                                                          "dwc.bias")})
 
+
+
+def test_lora_run_resumes_bit_identically_and_merges_the_same_weights(tmp_path, capsys, caplog):
+    """last.pth of a LoRA run holds the adapters: 2 steps, then resumed to 4, equal 4 steps in one run."""
+    source, name, kwargs, *_ = _source("deit", False)
+    teacher = _saved(source, tmp_path / "deit.pth")
+    run = ["convert", "train", *_flags(name, kwargs), "--teacher", teacher, "--batch-size", "8", "--stage",
+           "finetune", "--lora", "2", "--lr", "1e-2", "--opts", "data.augment", "false", "data.valid_fraction", "0.1"]
+    assert run_main([*run, "--steps", "4", "--output", tmp_path / "whole"], capsys)[0] == 0
+    assert run_main([*run, "--steps", "2", "--output", tmp_path / "part"], capsys)[0] == 0
+    with caplog.at_level(logging.INFO, logger="polaformer.engine"):
+        code, out, _ = run_main([*run, "--steps", "4", "--output", tmp_path / "part", "--resume", "auto"], capsys)
+    assert code == 0 and "merged -> " in out
+    assert re.search(r"resumed from .*part/last\.pth: .*, 2 updates", caplog.text), caplog.text
+    whole, part = (torch.load(tmp_path / d / "merged.pth", weights_only=True)["model"] for d in ("whole", "part"))
+    assert whole.keys() == part.keys() and all(torch.equal(whole[k], part[k]) for k in whole)
+    adapters = torch.load(tmp_path / "part" / "last.pth", weights_only=True)["model"]
+    assert any("lora_" in k for k in adapters)  # what the resumed run continued from
 
 def test_polaformer_train_finetune_with_lora_writes_a_merged_checkpoint(tmp_path, capsys):
     kwargs = dict(patch_size=2, embed_dim=16, depth=1, num_heads=2)
