@@ -147,6 +147,9 @@ def test_bench_onnx_times_every_form_and_scores_a_trained_checkpoint(tmp_path, c
     assert row["family"] == "pola_deit_digits" and row["softmax"] == "pola_deit_digits(depth=1)"
     assert row["onnxruntime_vs_eager"] == pytest.approx(row["eager_ms"] / row["onnxruntime_ms"])
     assert row["onnxruntime_max_abs_diff"] <= 1e-4 and "eager_int8_ms" not in row
+    assert row["eager_accelerated_max_abs_diff"] <= 1e-4  # the fused CPU modules compute the same model
+    best = min(row["eager_ms"], row["eager_accelerated_ms"])
+    assert row["onnxruntime_vs_best_eager"] == pytest.approx(best / row["onnxruntime_ms"])
     forms = {r["form"]: r for r in result["accuracy"]}
     assert list(forms) == ["eager", "eager_int8", "onnxruntime", "onnxruntime_int8"]
     assert forms["onnxruntime"]["max_logit_change"] <= 1e-4 and forms["eager"]["max_logit_change"] == 0
