@@ -63,10 +63,11 @@ def _path(q, k, v, temp_same, temp_opposite, sin, *, packed: bool) -> str:
         return "triton"  # CUDA tensors, eager or compiled (a triton_op), and the interpreter: triton.py
     if packed:
         return "packed"  # padded into a batch (or cut, with RoPE), then one of the paths below: packed.py
-    if capturing() and pairs and exporting():
+    graph = capturing()
+    if graph and pairs and exporting():
         return "export"  # the log domain in the operators other runtimes run fastest: formulation.py
     # Off the CPU a finiteness test would wait for the device: there the log domain always runs.
-    if capturing() or not pairs or q.device.type != "cpu":
+    if graph or not pairs or q.device.type != "cpu":
         return "formulation"  # the log domain, autograd derives the backward: formulation.py
     if needs_grad(q, k, v, temp_same, temp_opposite):
         return "autograd"  # the hand-written backward (one fused native call each way where built): autograd.py
