@@ -83,7 +83,8 @@ class FusedDepthwiseConvMlp(DepthwiseConvMlp):
     """PVTv2's MLP with GELU fused into oneDNN's conv, or its backward folded into fc2's products."""
 
     def forward(self, x: torch.Tensor, height: int, width: int) -> torch.Tensor:
-        if not (isinstance(self.act, nn.GELU) and self.act.approximate == "none" and _unhooked(self.act, self.fc2)):
+        if not (isinstance(self.act, nn.GELU) and self.act.approximate == "none" and isinstance(self.fc2, nn.Linear)
+                and _unhooked(self.act, self.fc2)):
             return super().forward(x, height, width)
         grid = tokens_to_map(self.fc1(x), height, width)
         return depthwise_conv_gelu_linear(grid, self.dwconv.weight, self.dwconv.bias, self.fc2.weight, self.fc2.bias)
@@ -98,7 +99,8 @@ class FusedConvFFN(ConvFFN):
     """PolaFormer++'s conv FFN with GELU fused into fc1 and ``h + dwconv(h)`` as one convolution."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not (isinstance(self.act, nn.GELU) and self.act.approximate == "none" and _unhooked(self.act, self.dwconv)):
+        if not (isinstance(self.act, nn.GELU) and self.act.approximate == "none" and isinstance(self.fc1, nn.Linear)
+                and _unhooked(self.act, self.dwconv)):
             return super().forward(x)
         b, c, h, w = x.shape
         hidden = linear(x.flatten(2).transpose(1, 2), self.fc1.weight, self.fc1.bias, activation="gelu")

@@ -21,8 +21,9 @@ What can be symbolic in the exported graph:
   ``dynamic_size=True``; export one file per input size instead (any size the model accepts).
 
 With ``int8=True`` the verified graph is written with its linear layers (``MatMul``/``Gemm`` with a
-constant weight) quantized dynamically to int8 by onnxruntime's quantizer (int8 weights, activations
-quantized per call); :func:`quantize_int8` does the same for the eager model with ``torch.ao``.
+constant weight, at least :data:`INT8_MIN_FEATURES` inputs and outputs) quantized dynamically to int8 by
+onnxruntime's quantizer (int8 weights, activations quantized per call); :func:`quantize_int8` does the same for
+the eager model with ``torch.ao``.
 Convolutions and the attention's own products stay float32. An int8 file is compared with the float32
 eager model and the difference reported, not held to the float32 tolerance. With ``speed=True`` the
 written file is timed in onnxruntime beside the eager model (:class:`SpeedCheck`).
@@ -55,6 +56,7 @@ from .checkpoint import atomic_write
 
 __all__ = [
     "DEFAULT_ATOL",
+    "INT8_MIN_FEATURES",
     "ExportError",
     "ExportResult",
     "ExportVerificationError",
@@ -68,6 +70,9 @@ __all__ = [
 ]
 
 DEFAULT_ATOL = 1e-4  # max |onnxruntime - eager| over the outputs, float32
+# int8 pays where the product is wide: quantizing the activations costs a pass over them per call, which a layer
+# with few inputs or outputs (PVTv2-b0's 32-channel first stage, a 10-class head) does not win back
+INT8_MIN_FEATURES = 64
 INPUT_NAME = "images"
 OUTPUT_NAME = "output"
 _MAX_PROTO_BYTES = 2**31 - 1  # protobuf's limit for a single-file ONNX model
@@ -206,26 +211,54 @@ def verify_onnx(path: str | os.PathLike, model: nn.Module, inputs: list[torch.Te
     return checks
 
 
-def quantize_int8(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` in eval mode with every ``nn.Linear`` quantized dynamically to int8
-    (``torch.ao.quantization.quantize_dynamic``: int8 weights, activations quantized per call; CPU only).
+def _int8_worthy(in_features: int, out_features: int, min_features: int) -> bool:
+    return min(in_features, out_features) >= min_features
 
-    Convolutions, norms and the attention's own products stay float32. The copy runs inference only.
+
+def quantize_int8(model: nn.Module, *, min_features: int = INT8_MIN_FEATURES) -> nn.Module:
+    """A copy of ``model`` in eval mode with its ``nn.Linear`` layers of at least ``min_features`` inputs and
+    outputs quantized dynamically to int8 (``torch.ao.quantization.quantize_dynamic``: int8 weights, activations
+    quantized per call; CPU only). Narrower layers stay float32 (see :data:`INT8_MIN_FEATURES`).
+
+    Convolutions, norms and the attention's own products stay float32. The copy runs inference only;
+    ``polaformer.accelerate(copy, inference=True)`` fuses the rest of it as for a float32 model.
     """
     quantized = copy.deepcopy(model).eval()
+    names = set()
+    for name, m in quantized.named_modules():
+        if not isinstance(m, nn.Linear) or isinstance(m, nn.modules.linear.NonDynamicallyQuantizableLinear):
+            continue
+        if type(m) is not nn.Linear:  # torch's quantizer would leave it float32 without a word
+            raise ValueError(f"quantize_int8 takes plain nn.Linear layers, and {name} is a {type(m).__name__}: "
+                             "quantize before polaformer.accelerate")
+        if _int8_worthy(m.in_features, m.out_features, min_features):
+            names.add(name)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r".*(deprecated|torch\.ao\.quantization).*")
-        return torch.ao.quantization.quantize_dynamic(quantized, {nn.Linear}, dtype=torch.qint8)
+        return torch.ao.quantization.quantize_dynamic(quantized, names, dtype=torch.qint8)
 
 
-def _quantize_onnx(source: Path, target: Path) -> None:
-    """onnxruntime's dynamic quantizer on the linear layers only: ``MatMul``/``Gemm`` with a constant weight."""
+def _narrow_products(path: Path, min_features: int) -> list[str]:
+    """The ``MatMul``/``Gemm`` nodes whose constant 2-D weight has fewer than ``min_features`` rows or columns."""
+    import onnx
+
+    graph = onnx.load(str(path), load_external_data=False).graph
+    weights = {w.name: tuple(w.dims) for w in graph.initializer}
+    return [node.name for node in graph.node
+            if node.op_type in ("MatMul", "Gemm") and len(node.input) > 1 and len(weights.get(node.input[1], ())) == 2
+            and not _int8_worthy(*weights[node.input[1]], min_features)]
+
+
+def _quantize_onnx(source: Path, target: Path, min_features: int = INT8_MIN_FEATURES) -> None:
+    """onnxruntime's dynamic quantizer on the linear layers only: ``MatMul``/``Gemm`` with a constant weight of at
+    least ``min_features`` rows and columns."""
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     previous = logging.root.manager.disable
     logging.disable(logging.WARNING)  # it logs an advice to pre-process the model through the root logger
     try:
         quantize_dynamic(source, target, op_types_to_quantize=["MatMul", "Gemm"], weight_type=QuantType.QInt8,
+                         nodes_to_exclude=_narrow_products(source, min_features),
                          extra_options={"MatMulConstBOnly": True})
     finally:
         logging.disable(previous)
@@ -332,6 +365,7 @@ def export_onnx(
     atol: float = DEFAULT_ATOL,
     seed: int = 0,
     int8: bool = False,
+    int8_min_features: int = INT8_MIN_FEATURES,
     speed: bool = False,
 ) -> ExportResult:
     """Export ``model`` (put in eval mode) to ONNX at ``path``, verified in onnxruntime first.
@@ -346,6 +380,7 @@ def export_onnx(
         atol: largest allowed ``max |onnxruntime - eager|``.
         int8: write the verified graph with its linear layers quantized to int8 (the module docstring);
             its difference from the float32 eager model is reported in ``int8_checks``.
+        int8_min_features: with ``int8``, the narrowest linear layer quantized (:data:`INT8_MIN_FEATURES`).
         speed: time the written file in onnxruntime beside the eager model (``int8``: beside
             :func:`quantize_int8`'s model) on the first verification batch (:func:`measure_speed`).
 
@@ -439,7 +474,7 @@ def export_onnx(
             fp32.write_bytes(data)
             timing["checks"] = verify(str(fp32), model, atol)
             try:
-                _quantize_onnx(fp32, quantized)
+                _quantize_onnx(fp32, quantized, int8_min_features)
             except Exception as e:
                 raise ExportError(f"int8 quantization failed: {_one_line(e)}") from e
             timing["int8_checks"] = verify(str(quantized), model, math.inf)
@@ -449,7 +484,7 @@ def export_onnx(
         atomic_write(path, write_and_verify)
     speed_check = None
     if speed:
-        eager = quantize_int8(model) if int8 else model
+        eager = quantize_int8(model, min_features=int8_min_features) if int8 else model
         speed_check = measure_speed(path, eager, inputs[0], eager="int8" if int8 else "float32")
     return ExportResult(
         path=path, opset=opset_used, input_shape=input_shape, checks=timing["checks"], atol=atol,

@@ -10,10 +10,12 @@ import copy
 import pytest
 import timm
 import torch
+import torch.ao.nn.quantized.dynamic as nnqd
 from torch import nn
 
 import polaformer.models  # noqa: F401  (registers the models)
 from polaformer import accelerate
+from polaformer.export import INT8_MIN_FEATURES, quantize_int8
 
 pytestmark = pytest.mark.numerics  # tests/README.md: run again under ATEN_CPU_CAPABILITY=default
 
@@ -94,3 +96,21 @@ def test_accelerate_returns_the_model_and_is_idempotent(case):
     kinds = [type(m) for m in fast.modules()]
     accelerate(fast)
     assert [type(m) for m in fast.modules()] == kinds
+
+
+def test_int8_models_accelerate_around_their_quantized_layers(case):
+    """An int8 model keeps its quantized layers under accelerate (the fused MLPs that read a weight fall back where
+    it is quantized); the fused float32 parts move its output by less than quantizing moved it from float32."""
+    name, plain, x = case
+    int8 = quantize_int8(plain.eval())
+    quantized = {n for n, m in int8.named_modules() if isinstance(m, nnqd.Linear)}
+    assert quantized and all(type(m) is nn.Linear for n, m in plain.named_modules() if n in quantized)
+    narrow = [n for n, m in int8.named_modules() if isinstance(m, nn.Linear)]
+    assert all(min(m.in_features, m.out_features) < INT8_MIN_FEATURES for n, m in plain.named_modules() if n in narrow)
+    fast = accelerate(copy.deepcopy(int8), inference=True)
+    assert {n for n, m in fast.named_modules() if isinstance(m, nnqd.Linear)} == quantized
+    with torch.inference_mode():
+        reference, slow = plain(x), int8(x)
+        assert ((fast(x) - slow).abs().max() <= (slow - reference).abs().max()), name
+    with pytest.raises(ValueError, match="quantize before polaformer.accelerate"):
+        quantize_int8(accelerate(copy.deepcopy(plain)))

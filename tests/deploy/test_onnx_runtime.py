@@ -85,12 +85,13 @@ def test_int8_linear_layers_stay_within_their_rounding_bound(tmp_path):
     model, x = _Linear().eval(), torch.randn(4, 3, 2, 2)
     with torch.no_grad():
         ref, bound = model(x), _int8_bound(model.fc, x)
-        eager = quantize_int8(model)
+        assert isinstance(quantize_int8(model).fc, nn.Linear)  # 12 -> 5: too narrow for int8 to pay by default
+        eager = quantize_int8(model, min_features=1)
         assert type(eager.fc).__module__.startswith("torch.ao.nn.quantized")
         assert isinstance(model.fc, nn.Linear)  # the model itself is left as it was
         assert ((eager(x) - ref).abs() <= bound).all()
     path = tmp_path / "int8.onnx"
-    result = export_onnx(model, path, input_size=(3, 2, 2), batch_size=4, int8=True)
+    result = export_onnx(model, path, input_size=(3, 2, 2), batch_size=4, int8=True, int8_min_features=1)
     ops = {node.op_type for node in onnx.load(str(path)).graph.node}
     assert ops & {"DynamicQuantizeMatMul", "MatMulInteger"}, ops
     got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"images": x.numpy()})[0]
@@ -107,7 +108,8 @@ def test_export_int8_quantizes_only_the_linear_layers_and_reports_speed(tmp_path
     assert "linear layers quantized to int8" in line and "speed: onnxruntime" in line and "(int8)" in line
     ops = [node.op_type for node in onnx.load(str(out)).graph.node]
     assert "ConvInteger" not in ops and "Conv" in ops  # the patch embedding and depthwise conv stay float32
-    # q/k/v/gate, output projection, two MLP layers, head; the attention's own products stay float32
+    # q and gate, k and v, output projection, two MLP layers (64 wide and more); the 10-class head and the
+    # attention's own products stay float32
     assert ops.count("DynamicQuantizeMatMul") + ops.count("MatMulInteger") == 5
     x = np.random.default_rng(0).standard_normal((3, 1, 8, 8)).astype(np.float32)
     session = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
@@ -115,7 +117,7 @@ def test_export_int8_quantizes_only_the_linear_layers_and_reports_speed(tmp_path
 
 
 def test_export_int8_failure_is_one_line_and_writes_nothing(tmp_path, capsys, monkeypatch):
-    def broken(source, target):
+    def broken(source, target, min_features):
         raise RuntimeError("no quantizer here\nsecond line")
 
     monkeypatch.setattr(export_module, "_quantize_onnx", broken)
