@@ -46,12 +46,13 @@ from .pola import (
 )
 from .positions import resample_grid_table
 from .reference import linear_attention_weights, softmax_attention_weights
-from .rope import apply_rope, rope_1d, rope_2d, rope_angles, rotate_pairs
+from .rope import apply_rope, apply_rope_export, rope_1d, rope_2d, rope_angles, rotate_pairs
 from .window_softmax import window_softmax_attention
 
 __all__ = [
     "CausalState",
     "apply_rope",
+    "apply_rope_export",
     "causal_linear_attention",
     "causal_pacs_linear_attention",
     "causal_pacs_step",

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import torch
 
-from ..capture import capturing
+from ..capture import capturing, exporting
 from .dispatch import cpu_kernels
 
-__all__ = ["rope_angles", "rope_1d", "rope_2d", "apply_rope", "rotate_pairs"]
+__all__ = ["rope_angles", "rope_1d", "rope_2d", "apply_rope", "apply_rope_export", "rotate_pairs", "turn_rows"]
 
 
 def rope_angles(embed_dim: int, num_heads: int, base: float = 10000.0, dtype=torch.float32,
@@ -47,6 +47,26 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def apply_rope_export(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """:func:`apply_rope` with the pair rotation ``(a, b) -> (-b, a)`` as a product with a constant 2×2 matrix, for
+    export: onnxruntime copies the strided slices and the interleaving stack of :func:`apply_rope` element by
+    element, and runs this product as one GEMM. The same values for finite ``x`` (each output of the product is one
+    input times ±1 plus a zero)."""
+    turn = torch.tensor([[0.0, 1.0], [-1.0, 0.0]], dtype=x.dtype, device=x.device)
+    rotated = torch.matmul(x.unflatten(-1, (-1, 2)), turn).flatten(-2)
+    return x * cos + rotated * sin
+
+
+def turn_rows(m: torch.Tensor, transpose: bool = False) -> torch.Tensor:
+    """``T @ m`` for the (…, D, c) matrix ``m``, where ``x @ T`` turns each channel pair of a row ``x`` as
+    :func:`apply_rope` does, ``(a, b) -> (-b, a)``; ``Tᵀ @ m`` with ``transpose``. What the export forms use to turn
+    a small state instead of every token's features."""
+    pairs = m.unflatten(-2, (-1, 2))
+    first, second = pairs[..., :1, :], pairs[..., 1:, :]
+    turned = torch.cat([-second, first] if transpose else [second, -first], dim=-2)
+    return turned.flatten(-3, -2)
+
+
 class _RotatePairs(torch.autograd.Function):
     """:func:`apply_rope` in one native pass, and its backward (the transposed rotation) in another."""
 
@@ -69,7 +89,7 @@ def rotate_pairs(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch
     backward); the result is contiguous there. Elsewhere (graph capture, autocast, other devices or dtypes,
     tables that take gradients) it is :func:`apply_rope`."""
     if capturing():  # the plain formulation; under FX the sizes are proxies
-        return apply_rope(x, sin, cos)
+        return apply_rope_export(x, sin, cos) if exporting() else apply_rope(x, sin, cos)
     if (x.dim() == 4 and x.stride(-1) == 1
             and x.shape[-1] % 2 == 0 and sin.dtype == cos.dtype == x.dtype and sin.shape == cos.shape == x.shape[-2:]
             and sin.is_contiguous() and cos.is_contiguous() and not (sin.requires_grad or cos.requires_grad)

@@ -12,6 +12,7 @@ from hypothesis import given, settings, strategies as st
 
 from polaformer.ops import (
     apply_rope,
+    apply_rope_export,
     elu_feature,
     focused_feature,
     learnable_power,
@@ -195,6 +196,15 @@ def test_rope_rotation_preserves_pair_norms_and_relative_phase():
     torch.testing.assert_close(pairs(y), pairs(x))
     # a rotation by the angle of position 0 is the identity
     torch.testing.assert_close(y[0], x[0])
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+def test_rope_export_form_gives_the_same_values(dtype):
+    """The pair rotation as a product with ±1 and 0: each output is one input, negated or not, plus a zero."""
+    sin, cos = rope_2d(rope_angles(16, 1, dtype=dtype), 3, 4)
+    x = torch.randn(2, 3, 12, 16, dtype=dtype) * torch.logspace(-30, 30, 16, dtype=dtype)
+    x[0, 0, 0, :4] = 0.0
+    assert torch.equal(apply_rope_export(x, sin, cos), apply_rope(x, sin, cos))
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

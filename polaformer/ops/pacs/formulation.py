@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from ..feature_maps import _expm1
-from ..rope import apply_rope
+from ..rope import apply_rope, turn_rows
 
 
 def pacs_attention_graph(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep, m):
@@ -90,6 +90,12 @@ def pacs_attention_export(q, k, v, temp_same, temp_opposite, sin, cos, eps, keep
         res = torch.matmul(phi_q, rhs)  # (B, H, 2, N, half + 1)
         out = res[..., :half] / (res[..., half:] + eps_rows)
     else:
-        kv = torch.matmul(apply_rope(phi_k, sin, cos).unsqueeze(-3).transpose(-2, -1), values)
-        out = torch.matmul(apply_rope(phi_q, sin, cos), kv) / (torch.matmul(phi_q, k_sum) + eps_rows)
+        # rope(x) = x·cos + turn(x)·sin, turn(a, b) = (−b, a) in each channel pair; a pair shares its angle, so
+        # turn(x)·sin = turn(x·sin), and the turns move from the token rows onto the small (2d, half) states
+        def states(features):  # (B, H, 2, 2d, half): sums over the keys
+            return torch.matmul(features.unsqueeze(-3).transpose(-2, -1), values)
+
+        kv = states(phi_k * cos) + turn_rows(states(phi_k * sin), transpose=True)
+        numerator = torch.matmul(phi_q * cos, kv) + torch.matmul(phi_q * sin, turn_rows(kv))
+        out = numerator / (torch.matmul(phi_q, k_sum) + eps_rows)
     return out.transpose(-3, -2).flatten(-2)  # (B, H, N, dv)
