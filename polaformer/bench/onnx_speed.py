@@ -50,10 +50,14 @@ class Family:
     ours: str
     softmax: str  # the timm model a user would pick instead (or ours with softmax attention where timm has none)
     softmax_kwargs: tuple = ()
+    softmax_sized: bool = True  # False: the softmax model has no size argument (it takes any input size)
 
-    def build(self, softmax: bool) -> nn.Module:
+    def build(self, softmax: bool, img_size: int | None = None) -> nn.Module:
+        """The model for ``img_size``² inputs (None: its own size)."""
         torch.manual_seed(0)
         name, kwargs = (self.softmax, dict(self.softmax_kwargs)) if softmax else (self.ours, {})
+        if img_size is not None and (self.softmax_sized or not softmax):
+            kwargs["img_size"] = img_size
         return timm.create_model(name, **kwargs).eval()
 
     def softmax_label(self) -> str:
@@ -65,7 +69,7 @@ FAMILIES = {f.ours: f for f in (
     Family("pola_deit_tiny_patch16_224", "deit_tiny_patch16_224"),
     # timm has no PVT v1: the same model with spatial-reduction softmax attention in every stage
     Family("pola_pvt_tiny", "pola_pvt_tiny", (("attn_type", "SSSS"),)),
-    Family("pola_pvt_v2_b0", "pvt_v2_b0"),
+    Family("pola_pvt_v2_b0", "pvt_v2_b0", softmax_sized=False),
     Family("pola_swin_t", "swin_tiny_patch4_window7_224"),
     # PolaFormer++ without a timm counterpart: RoPE softmax blocks in every stage
     Family("POLA_b0", "POLA_b0", (("block_types", ("v", "v", "v", "v")),)),
@@ -92,10 +96,15 @@ class _Session(nn.Module):
         return torch.from_numpy(self.session.run(None, {self.input: x.float().numpy()})[0])
 
 
-def _export(model: nn.Module, path: Path, int8: bool = False) -> None:
+def _input_size(model: nn.Module, img_size: int | None) -> tuple[int, int, int]:
+    channels, height, width = model.pretrained_cfg["input_size"]
+    return (channels, height, width) if img_size is None else (channels, img_size, img_size)
+
+
+def _export(model: nn.Module, path: Path, img_size: int | None, int8: bool = False) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        export_onnx(model, path, input_size=model.pretrained_cfg["input_size"], int8=int8)
+        export_onnx(model, path, input_size=_input_size(model, img_size), int8=int8)
 
 
 def _eager_int8(model: nn.Module) -> nn.Module:
@@ -103,14 +112,14 @@ def _eager_int8(model: nn.Module) -> nn.Module:
     return accelerate(quantize_int8(model), inference=True)
 
 
-def _forms(family: Family, folder: Path, threads: int, int8: bool) -> dict[str, nn.Module]:
+def _forms(family: Family, folder: Path, threads: int, int8: bool, img_size: int | None) -> dict[str, nn.Module]:
     """Every variant of a family, each a callable model."""
-    ours, softmax = family.build(False), family.build(True)
+    ours, softmax = family.build(False, img_size), family.build(True, img_size)
     files = {"onnxruntime": (ours, False), "softmax_onnxruntime": (softmax, False)}
     if int8:
         files["onnxruntime_int8"] = (ours, True)
     for name, (model, quantized) in files.items():
-        _export(model, folder / f"{name}.onnx", quantized)
+        _export(model, folder / f"{name}.onnx", img_size, quantized)
     forms = {"eager": ours, "eager_accelerated": accelerate(copy.deepcopy(ours), inference=True),
              "onnxruntime": _Session(folder / "onnxruntime.onnx", threads),
              "softmax_eager": softmax, "softmax_onnxruntime": _Session(folder / "softmax_onnxruntime.onnx", threads)}
@@ -121,8 +130,10 @@ def _forms(family: Family, folder: Path, threads: int, int8: bool) -> dict[str, 
 
 
 def run_onnx_speed(*, families=tuple(FAMILIES), batches=(1, 8), threads: int = 2, rounds: int = 5,
-                   min_time: float = 0.5, int8: bool = True, log: Callable[[str], None] = print) -> dict:
-    """Time every variant of every family (keys of :data:`FAMILIES`) at each batch (224², float32 inputs).
+                   min_time: float = 0.5, int8: bool = True, img_size: int | None = None,
+                   log: Callable[[str], None] = print) -> dict:
+    """Time every variant of every family (keys of :data:`FAMILIES`) at each batch (float32 inputs of the models'
+    own size, 224², or ``img_size``², the models built for it).
 
     Returns ``{"meta": ..., "rows": [...]}``, a row per (family, batch) with milliseconds per batch,
     images/s and the ratios the targets name. Raises ValueError for an unknown family.
@@ -142,12 +153,12 @@ def run_onnx_speed(*, families=tuple(FAMILIES), batches=(1, 8), threads: int = 2
         with tempfile.TemporaryDirectory(prefix="bench_onnx_") as folder:
             logging.disable(logging.WARNING)  # the exporter's and quantizer's progress messages
             try:
-                forms = _forms(family, Path(folder), threads, int8)
+                forms = _forms(family, Path(folder), threads, int8, img_size)
+                input_size = _input_size(forms["eager"], img_size)
             finally:
                 logging.disable(previous)
             for batch in batches:
-                x = torch.randn(batch, *family.build(False).pretrained_cfg["input_size"],
-                                generator=torch.Generator().manual_seed(batch))
+                x = torch.randn(batch, *input_size, generator=torch.Generator().manual_seed(batch))
                 with torch.inference_mode():
                     ref = forms["eager"](x)
                     steps = {key: (lambda form=form: form(x)) for key, form in forms.items()}
@@ -158,6 +169,7 @@ def run_onnx_speed(*, families=tuple(FAMILIES), batches=(1, 8), threads: int = 2
                              if not key.startswith("softmax")}
                 best_eager = min(seconds["eager"], seconds["eager_accelerated"])
                 row = {"family": name, "softmax": family.softmax_label(), "batch": batch, "threads": threads,
+                       "height": input_size[1], "width": input_size[2],
                        **{f"{key}_ms": s * 1e3 for key, s in seconds.items()},
                        **{f"{key}_images_per_s": batch / s for key, s in seconds.items()},
                        "onnxruntime_vs_softmax_onnxruntime": seconds["softmax_onnxruntime"] / seconds["onnxruntime"],
@@ -196,9 +208,10 @@ def speed_table(result: dict) -> str:
                       f"{r['int8_vs_eager']:.2f}x", f"{r['int8_vs_best_eager']:.2f}x"]
         lines.append(cells)
     loads = [r[k] for r in rows for k in ("load1_start", "load1_end") if r[k] is not None]
+    sizes = ", ".join(sorted({f"{r.get('height', 224)}x{r.get('width', 224)}" for r in rows})) or "224x224"
     caption = (f"CPU {meta['cpu_model']} ({meta['cpu_capability']}), {rows[0]['threads'] if rows else '-'} thread(s), "
                f"{meta['cpu_count']} cores; torch {meta['torch']}, onnxruntime {meta['onnxruntime']}, timm "
-               f"{meta['timm']}; 224x224 float32 inputs, images/s (median of {meta['rounds']} interleaved rounds); "
+               f"{meta['timm']}; {sizes} float32 inputs, images/s (median of {meta['rounds']} interleaved rounds); "
                f"load average (1 min) {min(loads, default=0):.1f}-{max(loads, default=0):.1f} during the rows.")
     return caption + "\n\n" + markdown_table(header, lines) + "\n"
 

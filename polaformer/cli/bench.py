@@ -218,6 +218,8 @@ def add_bench_parser(commands) -> None:
     onnx.add_argument("--min-time", type=float, default=0.5, metavar="S",
                       help="seconds of back-to-back calls per sample (default: %(default)s)")
     onnx.add_argument("--no-int8", action="store_true", help="skip the int8 variants")
+    onnx.add_argument("--img-size", type=positive_int, metavar="S",
+                      help="square input size; every model is built and exported for it (default: the models' 224)")
     onnx.add_argument("--accuracy", metavar="CHECKPOINT",
                       help="also score this 'polaformer train' checkpoint on its test split: eager and onnxruntime, "
                            "float32 and int8 (with --families none: only that)")
@@ -453,7 +455,8 @@ def _bench_onnx(args: argparse.Namespace) -> int:
     result, table = {"rows": []}, ""
     if families:
         result = run_onnx_speed(families=families, batches=args.batches, threads=args.threads, rounds=args.rounds,
-                                min_time=args.min_time, int8=not args.no_int8, log=_print_line)
+                                min_time=args.min_time, int8=not args.no_int8, img_size=args.img_size,
+                                log=_print_line)
         table = speed_table(result)
     if args.accuracy:
         result["accuracy"] = accuracy_rows(args.accuracy, threads=args.threads, log=_print_line)

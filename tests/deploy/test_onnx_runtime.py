@@ -142,11 +142,12 @@ def test_bench_onnx_times_every_form_and_scores_a_trained_checkpoint(tmp_path, c
     checkpoint = next(run.glob("*.pt*"))
     files = {kind: tmp_path / f"onnx.{kind}" for kind in ("json", "md")}
     assert main(["bench", "onnx", "--batches", "2", "--threads", "1", "--rounds", "1", "--min-time", "0.001",
-                 "--no-int8", "--accuracy", str(checkpoint), "--json", str(files["json"]),
+                 "--no-int8", "--img-size", "12", "--accuracy", str(checkpoint), "--json", str(files["json"]),
                  "--markdown", str(files["md"])]) == 0
     result = __import__("json").loads(files["json"].read_text())
     (row,) = result["rows"]
     assert row["family"] == "pola_deit_digits" and row["softmax"] == "pola_deit_digits(depth=1)"
+    assert (row["height"], row["width"]) == (12, 12)  # the models built and exported for --img-size
     assert row["onnxruntime_vs_eager"] == pytest.approx(row["eager_ms"] / row["onnxruntime_ms"])
     assert row["onnxruntime_max_abs_diff"] <= 1e-4 and "eager_int8_ms" not in row
     assert row["eager_accelerated_max_abs_diff"] <= 1e-4  # the fused CPU modules compute the same model
@@ -158,3 +159,4 @@ def test_bench_onnx_times_every_form_and_scores_a_trained_checkpoint(tmp_path, c
     assert forms["onnxruntime"]["top1"] == forms["eager"]["top1"] and forms["eager"]["images"] > 0
     table = files["md"].read_text()
     assert "| `pola_deit_digits` | `pola_deit_digits(depth=1)` | 2 |" in table and "| onnxruntime_int8 |" in table
+    assert "12x12 float32 inputs" in table
