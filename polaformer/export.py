@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from .checkpoint import atomic_write
+from .limits import check_batch_memory
 
 __all__ = [
     "DEFAULT_ATOL",
@@ -408,6 +409,8 @@ def export_onnx(
     if dynamic_size and (h % step or w % step):
         raise ExportError(f"with a dynamic size, the image size {h}x{w} must be a multiple of {step}")
     trace_shape, check_shapes = _check_shapes(input_size, batch_size, dynamic_batch, dynamic_size, step)
+    for shape in (trace_shape, *check_shapes):
+        check_batch_memory(*shape, "cpu", ExportError)
     example = _random_inputs([trace_shape], seed)[0]
     try:
         with torch.no_grad():

@@ -37,6 +37,7 @@ from torch import nn
 import polaformer.models  # noqa: F401  (registers the models)
 from polaformer.acceleration import accelerate
 from polaformer.export import DEFAULT_ATOL, export_onnx, quantize_int8
+from polaformer.limits import check_batch_memory
 from polaformer.runtime import tune_cpu_allocator
 
 from .harness import interleaved, loadavg, machine_info, markdown_table, medians
@@ -136,11 +137,14 @@ def run_onnx_speed(*, families=tuple(FAMILIES), batches=(1, 8), threads: int = 2
     own size, 224², or ``img_size``², the models built for it).
 
     Returns ``{"meta": ..., "rows": [...]}``, a row per (family, batch) with milliseconds per batch,
-    images/s and the ratios the targets name. Raises ValueError for an unknown family.
+    images/s and the ratios the targets name. Raises ValueError for an unknown family or a batch that cannot fit
+    in memory.
     """
     unknown = [f for f in families if f not in FAMILIES]
     if unknown:
         raise ValueError(f"unknown families {', '.join(map(repr, unknown))}; known: {', '.join(FAMILIES)}")
+    if img_size is not None:  # before building models whose tables grow with the size: every family takes RGB
+        check_batch_memory(max(batches), 3, img_size, img_size, "cpu")
     import onnxruntime
 
     torch.set_num_threads(threads)

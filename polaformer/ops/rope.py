@@ -47,13 +47,17 @@ def apply_rope(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.T
     return x * cos + rotated * sin
 
 
+def _pair_turn(like: torch.Tensor) -> torch.Tensor:
+    """``t`` with ``(a, b) @ t = (-b, a)``: :func:`apply_rope`'s turn of one channel pair, as a matrix."""
+    return torch.tensor([[0.0, 1.0], [-1.0, 0.0]], dtype=like.dtype, device=like.device)
+
+
 def apply_rope_export(x: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
     """:func:`apply_rope` with the pair rotation ``(a, b) -> (-b, a)`` as a product with a constant 2×2 matrix, for
     export: onnxruntime copies the strided slices and the interleaving stack of :func:`apply_rope` element by
     element, and runs this product as one GEMM. The same values for finite ``x`` (each output of the product is one
     input times ±1 plus a zero)."""
-    turn = torch.tensor([[0.0, 1.0], [-1.0, 0.0]], dtype=x.dtype, device=x.device)
-    rotated = torch.matmul(x.unflatten(-1, (-1, 2)), turn).flatten(-2)
+    rotated = torch.matmul(x.unflatten(-1, (-1, 2)), _pair_turn(x)).flatten(-2)
     return x * cos + rotated * sin
 
 
@@ -61,10 +65,8 @@ def turn_rows(m: torch.Tensor, transpose: bool = False) -> torch.Tensor:
     """``T @ m`` for the (…, D, c) matrix ``m``, where ``x @ T`` turns each channel pair of a row ``x`` as
     :func:`apply_rope` does, ``(a, b) -> (-b, a)``; ``Tᵀ @ m`` with ``transpose``. What the export forms use to turn
     a small state instead of every token's features."""
-    pairs = m.unflatten(-2, (-1, 2))
-    first, second = pairs[..., :1, :], pairs[..., 1:, :]
-    turned = torch.cat([-second, first] if transpose else [second, -first], dim=-2)
-    return turned.flatten(-3, -2)
+    turn = _pair_turn(m)
+    return torch.matmul(turn.t() if transpose else turn, m.unflatten(-2, (-1, 2))).flatten(-3, -2)
 
 
 class _RotatePairs(torch.autograd.Function):

@@ -169,6 +169,17 @@ def test_cli_unknown_model(tmp_path, capsys):
     assert not list(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("argv", [["export", "--model", "pola_pvt_v2_b0", "--img-size", "100000"],
+                                  ["bench", "onnx", "--families", "pola_pvt_v2_b0", "--img-size", "100000"]])
+def test_cli_refuses_inputs_larger_than_memory(tmp_path, capsys, argv):
+    """A 100000² batch is refused before anything that size is built (it used to end in the allocator's error)."""
+    out = tmp_path / "x.onnx"
+    code, err = _cli_error(capsys, argv + (["--out", str(out)] if argv[0] == "export" else []))
+    last = err.strip().splitlines()[-1]  # torch may log a line of its own on first importing its C++ extensions
+    assert code == 2 and "Traceback" not in err and "x 100000 x 100000) needs" in last and "memory available" in last
+    assert not list(tmp_path.iterdir())
+
+
 def test_cli_missing_checkpoint(tmp_path, capsys):
     argv = ["export", "--model", "pola_deit_digits", "--checkpoint", str(tmp_path / "missing.pth"),
             "--out", str(tmp_path / "x.onnx")]
