@@ -212,6 +212,11 @@ def verify_onnx(path: str | os.PathLike, model: nn.Module, inputs: list[torch.Te
     return checks
 
 
+def _check_min_features(min_features, error: type[Exception] = ValueError) -> None:
+    if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 1:
+        raise error(f"the narrowest linear layer to quantize must be a positive integer, got {min_features!r}")
+
+
 def _int8_worthy(in_features: int, out_features: int, min_features: int) -> bool:
     return min(in_features, out_features) >= min_features
 
@@ -224,6 +229,7 @@ def quantize_int8(model: nn.Module, *, min_features: int = INT8_MIN_FEATURES) ->
     Convolutions, norms and the attention's own products stay float32. The copy runs inference only;
     ``polaformer.accelerate(copy, inference=True)`` fuses the rest of it as for a float32 model.
     """
+    _check_min_features(min_features)
     quantized = copy.deepcopy(model).eval()
     names = set()
     for name, m in quantized.named_modules():
@@ -400,6 +406,8 @@ def export_onnx(
             raise ExportError(f"opset must be in 1..{newest} (the installed onnx's), got {opset!r}")
     if not atol >= 0:
         raise ExportError(f"tolerance must be >= 0, got {atol}")
+    if int8:
+        _check_min_features(int8_min_features, ExportError)
     path = Path(path)
     if path.is_dir():
         raise ExportError(f"{path} is a folder; give the ONNX file to write")

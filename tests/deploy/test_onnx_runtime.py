@@ -100,6 +100,16 @@ def test_int8_linear_layers_stay_within_their_rounding_bound(tmp_path):
     assert result.checks[0].max_abs_diff <= 1e-4  # the float32 graph was verified before quantizing
 
 
+@pytest.mark.parametrize("bad", [0, -1, 2.5, float("nan"), True, "64"])
+def test_int8_width_must_be_a_positive_integer(tmp_path, bad):
+    model = _Linear().eval()
+    with pytest.raises(ValueError, match="narrowest linear layer to quantize must be a positive integer"):
+        quantize_int8(model, min_features=bad)
+    with pytest.raises(export_module.ExportError, match="narrowest linear layer"):
+        export_onnx(model, tmp_path / "x.onnx", input_size=(3, 2, 2), int8=True, int8_min_features=bad)
+    assert not list(tmp_path.iterdir())
+
+
 def test_export_int8_quantizes_only_the_linear_layers_and_reports_speed(tmp_path, capsys):
     out = tmp_path / "digits_int8.onnx"
     assert main(["export", "--model", "pola_deit_digits", "--model-kwarg", "depth=1", "--int8", "--batch-size", "2",
